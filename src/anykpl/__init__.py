@@ -1,0 +1,50 @@
+"""anykpl: a pure-Python port of the Amazon Kinesis Producer Library on anyio.
+
+General layout (one private module per stage; follow a record top to bottom):
+
+- ``_producer.py``: the :class:`Producer` facade — validation, admission (backpressure),
+  flush, close, statistics.
+- ``_pipeline.py``: one stream's stages and the anyio memory object streams between them.
+- ``_aggregator.py``: user records → Kinesis records per predicted shard (``_wire.py`` is the
+  KPL aggregation format).
+- ``_shard_map.py``: ListShards cache and shard prediction.
+- ``_limiter.py``: per-shard token buckets (``_token_bucket.py``).
+- ``_collector.py``: Kinesis records → PutRecords requests.
+- ``_sender.py``: aiobotocore transport, the only place botocore errors are seen.
+- ``_retrier.py``: outcome classification, results, retries with backoff.
+- ``_records.py``: :class:`PendingRecord`, :class:`RecordResult`, :class:`Attempt`.
+- ``_metrics.py``: the KPL's metrics, counted in process.
+- ``_limits.py``: Kinesis service limits, the one source of each number.
+
+Public modules: this package, :mod:`anykpl.errors` and :mod:`anykpl.config`.
+"""
+
+from . import errors as errors
+from ._metrics import MetricKey as MetricKey
+from ._producer import Producer as Producer
+from ._producer import ProducerStatistics as ProducerStatistics
+from ._producer import StreamStatistics as StreamStatistics
+from ._records import Attempt as Attempt
+from ._records import PendingRecord as PendingRecord
+from ._records import RecordResult as RecordResult
+from .config import ProducerConfig as ProducerConfig
+
+__version__ = "0.1.0.dev0"
+
+__all__ = (
+    "Attempt",
+    "MetricKey",
+    "PendingRecord",
+    "Producer",
+    "ProducerConfig",
+    "ProducerStatistics",
+    "RecordResult",
+    "StreamStatistics",
+    "errors",
+)
+
+for _name in __all__:
+    _obj = globals()[_name]
+    if getattr(_obj, "__module__", "").startswith("anykpl._"):
+        _obj.__module__ = "anykpl"
+del _name, _obj

@@ -1,0 +1,163 @@
+"""The Aggregator: user records → Kinesis records, one open aggregate per predicted shard.
+
+Mirrors aws/kinesis/core/aggregator.h and the Reducer (reducer.h) used in its first stage:
+records are packed per predicted shard until a count or size limit, or until the earliest
+deadline among them (``record_max_buffered_time`` after arrival, ``RMBT/2`` after a retry)
+passes; the result is a :class:`~anykpl._records.KinesisRecord` in the KPL wire format
+(single records are sent raw).
+
+Where we differ, and why:
+
+- The size trigger is checked *before* adding: if the record would push the aggregate past
+  ``aggregation_max_size``, the aggregate is sealed first and the record starts the next one.
+  The KPL adds, then sorts by deadline and trims from the end; with exact incremental sizes
+  (``AggregateBuilder.size_with``) the pre-check gives the same bound without the sort.
+- A record that is larger than ``aggregation_max_size`` on its own goes out alone, raw.
+- Records with no predicted shard (aggregation off, or the shard map not READY) are wrapped
+  alone at once, as in the KPL — but with aggregation off we *still* predict the shard, so the
+  limiter applies (KPL issue #127).
+- ``put`` is synchronous and called from the intake (no channel message per user record); the
+  aggregator's task only handles deadlines, retries and flush requests, which arrive on its
+  input stream. Deadlines are kept in one heap, so one timer serves every shard.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable
+
+from ._records import KinesisRecord, PendingRecord
+from ._wire import AGGREGATION_OVERHEAD, AggregateBuilder
+
+__all__ = ("Aggregator",)
+
+
+class _OpenAggregate:
+    __slots__ = ("builder", "deadline", "expiration", "records", "shard")
+
+    def __init__(self, shard: str) -> None:
+        self.shard = shard
+        self.builder = AggregateBuilder()
+        self.records: list[PendingRecord] = []
+        self.deadline = math.inf
+        self.expiration = math.inf
+
+
+class Aggregator:
+    """Per-stream aggregation state. Pure: the caller passes times and moves the output."""
+
+    def __init__(
+        self,
+        *,
+        enabled: bool,
+        max_size: int,
+        max_count: int,
+        container_partition_key: str,
+        predict: Callable[[int], str | None],
+    ) -> None:
+        self.enabled = enabled
+        self.max_size = max_size
+        self.max_count = max_count
+        self.container_partition_key = container_partition_key
+        self.predict = predict
+        self._open: dict[str, _OpenAggregate] = {}
+        self._deadlines: list[tuple[float, int, _OpenAggregate]] = []
+        self._counter = 0
+        self.buffered_records = 0
+
+    def __repr__(self) -> str:
+        return f"<Aggregator {len(self._open)} open aggregate(s) {self.buffered_records} records>"
+
+    @property
+    def next_deadline(self) -> float:
+        """The earliest deadline of any open aggregate (``inf`` when none)."""
+        heap = self._deadlines
+        while heap:
+            deadline, _, agg = heap[0]
+            if self._open.get(agg.shard) is agg and agg.deadline == deadline:
+                return deadline
+            heapq.heappop(heap)
+        return math.inf
+
+    def queue_depths(self) -> dict[str, int]:
+        return {shard: len(agg.records) for shard, agg in self._open.items()}
+
+    def put(self, record: PendingRecord, out: list[KinesisRecord]) -> bool:
+        """Add ``record``; append any sealed Kinesis records to ``out``.
+
+        Returns True if the earliest deadline may have moved earlier (the caller should wake
+        the deadline timer).
+        """
+        shard = record.predicted_shard = self.predict(record.hash_key)
+        if shard is None or not self.enabled:
+            out.append(KinesisRecord.single(record))
+            return False
+        agg = self._open.get(shard)
+        if agg is None:
+            agg = self._open[shard] = _OpenAggregate(shard)
+        elif (
+            len(agg.records) >= self.max_count
+            or agg.builder.size_with(
+                record.partition_key, record.explicit_hash_key, len(record.data)
+            )
+            > self.max_size
+        ):
+            out.append(self._seal(agg))
+            agg = self._open[shard] = _OpenAggregate(shard)
+        if not agg.records and (
+            len(record.data) + len(record.partition_key) + AGGREGATION_OVERHEAD > self.max_size
+        ):
+            # too big to share an aggregate: out on its own, raw
+            out.append(KinesisRecord.single(record))
+            return False
+        agg.builder.add(record.partition_key, record.explicit_hash_key, record.data)
+        agg.records.append(record)
+        self.buffered_records += 1
+        if record.expiration < agg.expiration:
+            agg.expiration = record.expiration
+        if record.deadline < agg.deadline:
+            agg.deadline = record.deadline
+            self._counter += 1
+            heapq.heappush(self._deadlines, (record.deadline, self._counter, agg))
+            return True
+        return False
+
+    def _seal(self, agg: _OpenAggregate) -> KinesisRecord:
+        del self._open[agg.shard]
+        records = agg.records
+        self.buffered_records -= len(records)
+        if len(records) == 1:
+            return KinesisRecord.single(records[0])
+        first = records[0]
+        return KinesisRecord(
+            records,
+            agg.builder.serialize(),
+            self.container_partition_key,
+            first.explicit_hash_key or str(first.hash_key),
+            agg.shard,
+            agg.deadline,
+            agg.expiration,
+        )
+
+    def flush_due(self, now: float, out: list[KinesisRecord]) -> None:
+        """Seal every aggregate whose deadline has passed."""
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            deadline, _, agg = heapq.heappop(heap)
+            if self._open.get(agg.shard) is agg and agg.deadline == deadline:
+                out.append(self._seal(agg))
+
+    def flush_all(self, out: list[KinesisRecord]) -> None:
+        """Seal every open aggregate (a manual flush)."""
+        for agg in list(self._open.values()):
+            out.append(self._seal(agg))
+        self._deadlines.clear()
+
+    def take_all_records(self) -> list[PendingRecord]:
+        """Remove and return every buffered user record (used when failing everything)."""
+        records = [r for agg in self._open.values() for r in agg.records]
+        self._open.clear()
+        self._deadlines.clear()
+        self.buffered_records = 0
+        return records

@@ -1,0 +1,258 @@
+"""One stream's pipeline: the stages, the streams between them, and their tasks.
+
+::
+
+    intake ──put()──► Aggregator ─[limiter_in]─► Limiter ─[collector_in]─► Collector
+                          ▲                                                      │
+                     [aggregator_in]                                       [sender_in]
+                          │                                                      ▼
+                       Retrier ◄──────────────[retrier_in]─────────────────── Sender
+
+Each bracket is an anyio memory object stream; each stage is a task in the producer's task
+group. Messages are *lists* of Kinesis records (or a whole PutRecords request), never one per
+user record: the intake calls :meth:`Aggregator.put` synchronously and ships whatever it seals.
+The aggregator's input carries retries plus two control messages, ``WAKE`` (a record with an
+earlier deadline arrived) and ``FLUSH`` (a manual flush, which travels down the pipeline and
+flushes the collector once the aggregates ahead of it have passed).
+
+The streams are unbounded in type but bounded in practice: every message holds admitted
+records, and admission is capped by ``max_outstanding_records``/``max_outstanding_bytes``.
+That is also what makes the Retrier → Aggregator cycle safe (a bounded buffer in a cycle can
+deadlock).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
+
+from ._aggregator import Aggregator
+from ._collector import Collector
+from ._limiter import Limiter
+from ._metrics import Metrics
+from ._records import KinesisRecord, PendingRecord
+from ._retrier import Retrier
+from ._sender import Outcome, Transport, run_sender
+from ._shard_map import ShardMap, run_shard_map
+from .config import ProducerConfig
+
+__all__ = ("Pipeline",)
+
+WAKE = "wake"
+FLUSH = "flush"
+END = "end"
+
+Finish = Callable[[Sequence[PendingRecord], bool], None]
+
+
+def _stream(kind: Any) -> tuple[ObjectSendStream[Any], ObjectReceiveStream[Any]]:
+    return anyio.create_memory_object_stream[Any](math.inf)
+
+
+async def _receive_until(stream: ObjectReceiveStream[Any], deadline: float) -> Any:
+    """The next message, ``None`` once ``deadline`` (absolute) has passed, or ``END`` when the
+    upstream side has closed (shutdown cascades through the stages this way)."""
+    try:
+        if deadline == math.inf:
+            return await stream.receive()
+        with anyio.CancelScope(deadline=deadline):
+            return await stream.receive()
+    except anyio.EndOfStream:
+        return END
+    return None
+
+
+class Pipeline:
+    """The stages of one stream. Created by the producer; its tasks run in the producer's
+    task group."""
+
+    def __init__(
+        self,
+        stream: str,
+        config: ProducerConfig,
+        transport: Transport,
+        metrics: Metrics,
+        finish: Finish,
+    ) -> None:
+        self.stream = stream
+        self.config = config
+        self.transport = transport
+        self.metrics = metrics
+        self.shard_map = ShardMap()
+        self.aggregator = Aggregator(
+            enabled=config.aggregation_enabled,
+            max_size=config.aggregation_max_size,
+            max_count=config.aggregation_max_count,
+            container_partition_key=config.container_partition_key,
+            predict=self.shard_map.shard_id,
+        )
+        self.limiter = Limiter(rate_limit_percent=config.rate_limit)
+        self.collector = Collector(
+            max_count=config.collection_max_count,
+            max_size=config.collection_max_size,
+            record_max_buffered_time=config.record_max_buffered_time,
+            extend_deadlines=config.aggregation_enabled,
+        )
+        self.retrier = Retrier(
+            stream=stream,
+            shard_map=self.shard_map,
+            finish=finish,
+            count=self._count,
+            request_refresh=self._request_refresh,
+            record_max_buffered_time=config.record_max_buffered_time,
+            fail_if_throttled=config.fail_if_throttled,
+            backoff_initial=config.retry_backoff_initial,
+            backoff_max=config.retry_backoff_max,
+        )
+        self.aggregator_send, self.aggregator_in = _stream(object)
+        self.limiter_send, self.limiter_in = _stream(object)
+        self.collector_send, self.collector_in = _stream(object)
+        self.sender_send, self.sender_in = _stream(object)
+        self.retrier_send, self.retrier_in = _stream(object)
+        self._aggregator_wake_at = math.inf
+        self._refresh_event = anyio.Event()
+        self._sealed: list[KinesisRecord] = []
+        self.received = 0
+        self.received_counted = 0
+        self.in_flight = 0
+
+    def __repr__(self) -> str:
+        return f"<Pipeline {self.stream!r} {self.shard_map!r} {self.aggregator!r}>"
+
+    # -- intake (called synchronously by the producer) ------------------------------------
+
+    def put(self, record: PendingRecord) -> None:
+        sealed = self._sealed
+        if self.aggregator.put(record, sealed) and record.deadline < self._aggregator_wake_at:
+            self._aggregator_wake_at = record.deadline
+            self.aggregator_send.send_nowait(WAKE)
+        if sealed:
+            self._sealed = []
+            self.limiter_send.send_nowait(sealed)
+
+    def flush(self) -> None:
+        self.aggregator_send.send_nowait(FLUSH)
+
+    # -- tasks ----------------------------------------------------------------------------
+
+    def start(self, tg: TaskGroup, guard: Callable[..., Any]) -> None:
+        tg.start_soon(guard, self._run_shard_map)
+        tg.start_soon(guard, self._run_aggregator)
+        tg.start_soon(guard, self._run_limiter)
+        tg.start_soon(guard, self._run_collector)
+        tg.start_soon(guard, self._run_sender)
+        tg.start_soon(guard, self._run_retrier)
+
+    def _count(self, name: str, value: int, shard: str | None, code: str | None) -> None:
+        self.metrics.add(name, value, self.stream, shard, code)
+
+    def _request_refresh(self) -> None:
+        self._refresh_event.set()
+
+    def _new_refresh_event(self) -> anyio.Event:
+        self._refresh_event = anyio.Event()
+        return self._refresh_event
+
+    async def _run_shard_map(self) -> None:
+        await run_shard_map(
+            self.shard_map, self.stream, self.transport.list_shards, self._new_refresh_event
+        )
+
+    async def _run_aggregator(self) -> None:
+        aggregator = self.aggregator
+        async with self.aggregator_in, self.limiter_send:
+            while True:
+                deadline = aggregator.next_deadline
+                self._aggregator_wake_at = deadline
+                message = await _receive_until(self.aggregator_in, deadline)
+                if message is END:
+                    return
+                out: list[Any] = []
+                if message is FLUSH:
+                    aggregator.flush_all(out)
+                elif message is not None and message is not WAKE:
+                    for record in message:
+                        aggregator.put(record, out)
+                aggregator.flush_due(anyio.current_time(), out)
+                if out:
+                    self.limiter_send.send_nowait(out)
+                if message is FLUSH:
+                    self.limiter_send.send_nowait(FLUSH)
+
+    async def _run_limiter(self) -> None:
+        limiter = self.limiter
+        wake = math.inf
+        async with self.limiter_in, self.collector_send:
+            while True:
+                message = await _receive_until(self.limiter_in, wake)
+                if message is END:
+                    return
+                now = anyio.current_time()
+                out: list[KinesisRecord] = []
+                expired: list[KinesisRecord] = []
+                if message is not None and message is not FLUSH:
+                    limiter.put(message, now, out)
+                wake = limiter.drain(now, out, expired)
+                if expired:
+                    self.retrier.expire(expired, now)
+                if out:
+                    self.collector_send.send_nowait(out)
+                if message is FLUSH:
+                    self.collector_send.send_nowait(FLUSH)
+
+    async def _run_collector(self) -> None:
+        collector = self.collector
+        async with self.collector_in, self.sender_send:
+            while True:
+                message = await _receive_until(self.collector_in, collector.deadline)
+                if message is END:
+                    return
+                now = anyio.current_time()
+                out: list[list[KinesisRecord]] = []
+                if message is FLUSH:
+                    collector.flush(out)
+                elif message is not None:
+                    collector.put(message, now, out)
+                collector.flush_due(now, out)
+                for request in out:
+                    self.in_flight += 1
+                    self.sender_send.send_nowait(request)
+
+    async def _run_sender(self) -> None:
+        await run_sender(
+            self.stream,
+            self.transport,
+            self.sender_in,
+            self.retrier_send,
+            max_connections=self.config.max_connections,
+            request_timeout=self.config.connect_timeout + self.config.request_timeout,
+        )
+
+    async def _run_retrier(self) -> None:
+        retrier = self.retrier
+        async with self.retrier_in, self.aggregator_send:
+            while True:
+                outcome: Outcome | None = await _receive_until(
+                    self.retrier_in, retrier.next_release
+                )
+                if outcome is END:
+                    return
+                now = anyio.current_time()
+                if outcome is not None:
+                    self.in_flight -= 1
+                    retrier.handle(outcome, now)
+                due = retrier.take_due(now)
+                if due:
+                    self.aggregator_send.send_nowait(due)
+
+    # -- failing everything ---------------------------------------------------------------
+
+    def queue_depths(self) -> dict[str, dict[str, int]]:
+        return {
+            "aggregator": self.aggregator.queue_depths(),
+            "limiter": self.limiter.queue_depths(),
+        }

@@ -1,0 +1,472 @@
+"""The Producer facade: validation, admission, per-stream pipelines, flush and close.
+
+Lifecycle. ``async with Producer(config)`` opens the Kinesis client and one task group (in
+``__aenter__``, never lazily from a put, so the task that enters it is the task that exits it).
+Each stream's pipeline starts its stage tasks in that group the first time the stream is used.
+Leaving the block flushes, bounded by ``close_timeout``, fails whatever is still outstanding
+with ``ProducerClosed``, and cancels the stages. If the block is left by cancellation, the
+flush is skipped: cancellation ends the producer promptly, and the outstanding records fail.
+
+Safety net. Every admitted record sits in ``_outstanding`` until it is terminal, so whatever
+happens to a stage — a crash, cancellation, close — :meth:`Producer._fail_outstanding` can
+resolve every record that is left, and no awaiter ever hangs.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from . import _limits, errors
+from ._metrics import MetricKey, Metrics
+from ._pipeline import Pipeline
+from ._records import PendingRecord, RecordResult, _AttemptRecord, partition_key_hash
+from ._sender import Transport, open_transport
+from .config import ProducerConfig
+
+if sys.version_info >= (3, 11):
+    from typing import Self
+else:  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
+    from typing_extensions import Self
+
+__all__ = ("Producer", "ProducerStatistics", "StreamStatistics")
+
+_MAX_TTL = 10 * 365 * 86400.0
+_HASH_CACHE_LIMIT = 65536
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStatistics:
+    """A snapshot of one stream's pipeline.
+
+    Attributes:
+        shard_map_state: ``INVALID``, ``UPDATING`` or ``READY``.
+        open_shards: the open shards the map knows.
+        aggregator_queue_depths: user records buffered per predicted shard.
+        limiter_queue_depths: Kinesis records waiting for tokens per shard.
+        token_levels: (records, bytes) tokens available per shard.
+        rates: (records/s, bytes/s) the limiter allows per shard.
+        requests_in_flight: PutRecords requests sent and not yet classified.
+        retry_backoff_records: user records waiting out a retry backoff.
+        user_records_received: user records admitted for this stream.
+    """
+
+    shard_map_state: str
+    open_shards: tuple[str, ...]
+    aggregator_queue_depths: Mapping[str, int]
+    limiter_queue_depths: Mapping[str, int]
+    token_levels: Mapping[str, tuple[float, float]]
+    rates: Mapping[str, tuple[float, float]]
+    requests_in_flight: int
+    retry_backoff_records: int
+    user_records_received: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerStatistics:
+    """A frozen snapshot returned by :meth:`Producer.statistics`.
+
+    Attributes:
+        outstanding_records: admitted records not yet terminal.
+        outstanding_bytes: their data + partition key bytes.
+        streams: per-stream pipeline statistics.
+        errors_by_code: Kinesis-record errors seen, by error code.
+        metrics: the KPL metric counters (``MetricKey`` → sum) at global, stream and shard level.
+    """
+
+    outstanding_records: int
+    outstanding_bytes: int
+    streams: Mapping[str, StreamStatistics]
+    errors_by_code: Mapping[str, int]
+    metrics: Mapping[MetricKey, float]
+
+
+class Producer(anyio.AsyncContextManagerMixin):
+    """An aggregating, rate-limited, retrying Kinesis producer for asyncio and trio.
+
+    ``Producer(config)`` or ``Producer(**overrides)`` (``ProducerConfig`` field names), or
+    both (overrides win). Use it as an async context manager::
+
+        async with Producer(region="us-east-1") as producer:
+            result = await producer.put_record("stream", b"data", partition_key="key")
+
+    ``transport`` replaces the aiobotocore client (for tests: anything with the
+    :class:`~anykpl._sender.Transport` methods).
+    """
+
+    def __init__(
+        self,
+        config: ProducerConfig | None = None,
+        *,
+        transport: Transport | None = None,
+        **overrides: Any,
+    ) -> None:
+        if config is None:
+            config = ProducerConfig(**overrides)
+        elif overrides:
+            config = config.replace(**overrides)
+        self.config = config
+        self._transport_override = transport
+        self._transport: Transport | None = None
+        self._pipelines: dict[str, Pipeline] = {}
+        self._outstanding: set[PendingRecord] = set()
+        self._outstanding_bytes = 0
+        self._room: anyio.Event | None = None
+        self._task_group: anyio.abc.TaskGroup | None = None
+        self._state = "new"  # new → open → closing → closed
+        self._metrics = Metrics()
+        self._ttl = min(config.record_ttl, _MAX_TTL)
+        self._hash_cache: dict[str, int] = {}
+        self._max_records = config.max_outstanding_records
+        self._max_bytes = config.max_outstanding_bytes
+        self._max_record_size = config.max_user_record_size
+        self._failure: BaseException | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"<Producer {self._state} streams={sorted(self._pipelines)} "
+            f"outstanding={len(self._outstanding)}>"
+        )
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def __asynccontextmanager__(self) -> AsyncGenerator[Self, None]:
+        if self._state != "new":
+            raise RuntimeError("a Producer can be entered only once")
+        try:
+            async with self._open_transport() as transport, anyio.create_task_group() as tg:
+                self._transport = transport
+                self._task_group = tg
+                self._state = "open"
+                cancelled = False
+                try:
+                    yield self
+                except anyio.get_cancelled_exc_class():
+                    cancelled = True
+                    raise
+                finally:
+                    self._state = "closing"
+                    if not cancelled and self._failure is None:
+                        with anyio.move_on_after(self.config.close_timeout, shield=True):
+                            await self.flush()
+                    self._fail_outstanding(
+                        errors.PRODUCER_CLOSED, "the producer closed before the record was put"
+                    )
+                    tg.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # unwrap a lone stage failure so the caller sees the real error
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
+        finally:
+            self._state = "closed"
+            self._fail_outstanding(
+                errors.PRODUCER_CLOSED, "the producer closed before the record was put"
+            )
+
+    @asynccontextmanager
+    async def _open_transport(self) -> AsyncGenerator[Transport, None]:
+        if self._transport_override is not None:
+            yield self._transport_override
+        else:
+            async with open_transport(self.config) as transport:
+                yield transport
+
+    async def _guard(self, stage: Callable[[], Any]) -> None:
+        """Run a stage; if it crashes, fail every outstanding record, then re-raise."""
+        try:
+            await stage()
+        except anyio.get_cancelled_exc_class():
+            raise
+        except BaseException as exc:
+            self._failure = exc
+            self._state = "closing"
+            self._fail_outstanding(
+                errors.PIPELINE_FAILED, f"a pipeline stage failed: {type(exc).__name__}: {exc}"
+            )
+            raise
+
+    def _pipeline(self, stream: str) -> Pipeline:
+        pipeline = self._pipelines.get(stream)
+        if pipeline is None:
+            if self._task_group is None or self._transport is None:
+                raise errors.ProducerClosedError("the producer is not open")
+            pipeline = Pipeline(stream, self.config, self._transport, self._metrics, self._finish)
+            self._pipelines[stream] = pipeline
+            pipeline.start(self._task_group, self._guard)
+        return pipeline
+
+    # -- putting --------------------------------------------------------------------------
+
+    async def put_record(
+        self,
+        stream: str,
+        data: bytes | bytearray | memoryview,
+        partition_key: str | None = None,
+        explicit_hash_key: str | int | None = None,
+    ) -> RecordResult:
+        """Put one record and wait until it is terminal.
+
+        ``partition_key`` defaults to a random key (the record then lands on a random shard).
+        ``explicit_hash_key`` (a decimal string or int in [0, 2**128)) overrides the hash of the
+        partition key for shard placement.
+
+        :returns: the :class:`RecordResult` on success.
+        :raises ~anykpl.errors.RecordFailedError: when the record failed for good; its
+            ``result`` carries every attempt.
+        :raises ~anykpl.errors.InvalidRecordError: bad input; nothing was enqueued.
+        :raises ~anykpl.errors.RecordTypeError: wrong argument types; nothing was enqueued.
+        :raises ~anykpl.errors.ProducerClosedError: the producer is closed or closing.
+        :raises ~anykpl.errors.BackpressureTimeout: no room within ``admission_timeout``.
+        """
+        pending = await self.submit(stream, data, partition_key, explicit_hash_key)
+        return await pending.wait()
+
+    async def submit(
+        self,
+        stream: str,
+        data: bytes | bytearray | memoryview,
+        partition_key: str | None = None,
+        explicit_hash_key: str | int | None = None,
+    ) -> PendingRecord:
+        """Admit one record and return its :class:`PendingRecord` handle at once.
+
+        Waits only for room under ``max_outstanding_records``/``max_outstanding_bytes``
+        (backpressure), up to ``admission_timeout``. ``await`` the handle for the result.
+        Raises like :meth:`put_record`, except that record failures come from the handle.
+        """
+        if self._state != "open":
+            raise errors.ProducerClosedError(f"the producer is {self._state}")
+        record = self._make_record(stream, data, partition_key, explicit_hash_key)
+        if len(self._outstanding) >= self._max_records or (
+            self._outstanding_bytes + record.size > self._max_bytes and self._outstanding
+        ):
+            await self._wait_for_room(record.size)
+        else:
+            await anyio.lowlevel.checkpoint_if_cancelled()
+        if self._state != "open":
+            raise errors.ProducerClosedError(f"the producer is {self._state}")
+        # the record's clock starts at admission, as the KPL's starts when the daemon sees it
+        now = anyio.current_time()
+        record.arrival = now
+        record.deadline = now + self.config.record_max_buffered_time
+        record.expiration = now + self._ttl
+        if record.deadline > record.expiration:
+            record.deadline = record.expiration
+        self._outstanding.add(record)
+        self._outstanding_bytes += record.size
+        pipeline = self._pipeline(stream)
+        pipeline.received += 1
+        pipeline.put(record)
+        return record
+
+    def _make_record(
+        self,
+        stream: str,
+        data: bytes | bytearray | memoryview,
+        partition_key: str | None,
+        explicit_hash_key: str | int | None,
+    ) -> PendingRecord:
+        if type(data) is not bytes:
+            if isinstance(data, (bytearray, memoryview)):
+                data = bytes(data)
+            elif isinstance(data, str):
+                raise errors.RecordTypeError(
+                    "data must be bytes, bytearray or memoryview, not str: encode it first "
+                    "(for example data.encode())"
+                )
+            elif isinstance(data, bytes):
+                data = bytes(data)
+            else:
+                raise errors.RecordTypeError(
+                    f"data must be bytes, bytearray or memoryview, not {type(data).__name__}"
+                )
+        if stream not in self._pipelines:
+            _check_stream_name(stream)
+        if partition_key is None:
+            partition_key = _random_partition_key()
+        elif type(partition_key) is not str:
+            raise errors.RecordTypeError(
+                f"partition_key must be a str, not {type(partition_key).__name__}"
+            )
+        elif not partition_key or len(partition_key) > _limits.MAX_PARTITION_KEY_LENGTH:
+            raise errors.InvalidRecordError(
+                f"partition_key must be 1..{_limits.MAX_PARTITION_KEY_LENGTH} characters, "
+                f"got {len(partition_key)}"
+            )
+        size = len(data) + len(partition_key.encode())
+        if size > self._max_record_size:
+            raise errors.InvalidRecordError(
+                f"record is {size} bytes (data + partition key), over the maximum of "
+                f"{self._max_record_size} (max_user_record_size)"
+            )
+        if explicit_hash_key is None:
+            hash_key = self._hash_cache.get(partition_key)
+            if hash_key is None:
+                try:
+                    hash_key = partition_key_hash(partition_key)
+                except UnicodeEncodeError as exc:
+                    raise errors.InvalidRecordError(
+                        f"partition_key is not valid Unicode: {exc}"
+                    ) from None
+                if len(self._hash_cache) >= _HASH_CACHE_LIMIT:
+                    self._hash_cache.clear()
+                self._hash_cache[partition_key] = hash_key
+            ehk = None
+        else:
+            hash_key = _parse_explicit_hash_key(explicit_hash_key)
+            ehk = str(hash_key)
+        return PendingRecord(stream, partition_key, data, hash_key, ehk, 0.0, 0.0, 0.0)
+
+    async def _wait_for_room(self, size: int) -> None:
+        timeout = self.config.admission_timeout
+        try:
+            with anyio.fail_after(timeout if timeout is not None else math.inf):
+                while len(self._outstanding) >= self._max_records or (
+                    self._outstanding_bytes + size > self._max_bytes and self._outstanding
+                ):
+                    if self._state != "open":
+                        raise errors.ProducerClosedError(f"the producer is {self._state}")
+                    if self._room is None:
+                        self._room = anyio.Event()
+                    await self._room.wait()
+        except TimeoutError:
+            raise errors.BackpressureTimeout(
+                f"no room for the record within admission_timeout={timeout} s "
+                f"({len(self._outstanding)} records / {self._outstanding_bytes} bytes "
+                "outstanding)"
+            ) from None
+
+    def _finish(self, records: Sequence[PendingRecord], success: bool) -> None:
+        """Resolve records (called by the Retrier, and when failing everything)."""
+        outstanding = self._outstanding
+        released = 0
+        for record in records:
+            if not record._state:  # still pending: resolve exactly once
+                outstanding.discard(record)
+                released += record.size
+                record._resolve(success)
+        self._outstanding_bytes -= released
+        room = self._room
+        if room is not None:
+            self._room = None
+            room.set()
+
+    def _fail_outstanding(self, code: str, message: str) -> None:
+        if not self._outstanding:
+            return
+        now = anyio.current_time() if self._task_group is not None else 0.0
+        attempt = _AttemptRecord(now, now, False, code, message)
+        records = list(self._outstanding)
+        for record in records:
+            record._attempts.append(attempt)
+        for pipeline in self._pipelines.values():
+            pipeline.aggregator.take_all_records()
+            pipeline.limiter.take_all()
+            pipeline.retrier.take_all()
+        self._metrics.add("UserRecordsFailed", len(records), None, None, code)
+        self._finish(records, False)
+
+    # -- flushing -------------------------------------------------------------------------
+
+    async def flush(self, timeout: float | None = None) -> None:
+        """Send everything buffered now and wait until every record put so far is terminal.
+
+        Records put while the flush waits are not waited for.
+
+        :raises ~anykpl.errors.FlushTimeout: if ``timeout`` seconds pass first (nothing is
+            failed; the records carry on).
+        """
+        snapshot = list(self._outstanding)
+        for pipeline in self._pipelines.values():
+            pipeline.flush()
+        try:
+            with anyio.fail_after(timeout if timeout is not None else math.inf):
+                for record in snapshot:
+                    await record._wait_done()
+        except TimeoutError:
+            left = sum(1 for r in snapshot if not r.done())
+            raise errors.FlushTimeout(
+                f"flush timed out after {timeout} s with {left} record(s) not yet terminal"
+            ) from None
+
+    # -- introspection --------------------------------------------------------------------
+
+    @property
+    def outstanding_records(self) -> int:
+        """Admitted records that are not yet terminal."""
+        return len(self._outstanding)
+
+    def statistics(self) -> ProducerStatistics:
+        """A frozen snapshot of the producer's state and counters."""
+        now = anyio.current_time() if self._state in ("open", "closing") else 0.0
+        streams = {}
+        for name, p in self._pipelines.items():
+            levels = p.limiter.token_levels(now) if now else {}
+            streams[name] = StreamStatistics(
+                shard_map_state=p.shard_map.state.value,
+                open_shards=p.shard_map.open_shards,
+                aggregator_queue_depths=p.aggregator.queue_depths(),
+                limiter_queue_depths=p.limiter.queue_depths(),
+                token_levels=levels,
+                rates=p.limiter.rates(),
+                requests_in_flight=p.in_flight,
+                retry_backoff_records=p.retrier.delayed_records,
+                user_records_received=p.received,
+            )
+        for name, p in self._pipelines.items():
+            # counted here rather than once per put (the hot path)
+            self._metrics.add(
+                "UserRecordsReceived", p.received - p.received_counted, name, None, None
+            )
+            p.received_counted = p.received
+        return ProducerStatistics(
+            outstanding_records=len(self._outstanding),
+            outstanding_bytes=self._outstanding_bytes,
+            streams=streams,
+            errors_by_code=self._metrics.by_error_code(),
+            metrics=self._metrics.snapshot(),
+        )
+
+
+def _check_stream_name(stream: object) -> None:
+    if type(stream) is not str:
+        raise errors.RecordTypeError(f"stream must be a str, not {type(stream).__name__}")
+    if not (
+        0 < len(stream) <= 128 and all(c.isascii() and (c.isalnum() or c in "_.-") for c in stream)
+    ):
+        raise errors.InvalidRecordError(
+            f"invalid stream name {stream!r}: 1..128 characters of a-z, A-Z, 0-9, '_', '.' and '-'"
+        )
+
+
+def _random_partition_key() -> str:
+    import os
+
+    return os.urandom(16).hex()
+
+
+def _parse_explicit_hash_key(value: str | int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise errors.RecordTypeError(
+            f"explicit_hash_key must be a decimal str or int, not {type(value).__name__}"
+        )
+    if isinstance(value, str):
+        if not value.isascii() or not value.isdigit():
+            raise errors.InvalidRecordError(
+                f"explicit_hash_key must be a decimal integer, got {value!r}"
+            )
+        value = int(value)
+    if not 0 <= value <= _limits.MAX_HASH_KEY:
+        raise errors.InvalidRecordError(
+            f"explicit_hash_key must be in [0, 2**128 - 1], got {value}"
+        )
+    return value

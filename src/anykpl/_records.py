@@ -1,0 +1,289 @@
+"""Records and their results: the per-record objects of the hot path.
+
+A user record *is* its :class:`PendingRecord`: one small slotted object carries the record's data,
+hash key, deadlines and attempt history, and is the one-shot handle the caller awaits. No task,
+no future and no event exist per record unless somebody awaits a record that is not yet done
+(the event is created lazily). A Kinesis record (:class:`KinesisRecord`) owns the handles of the
+user records it carries; the Retrier resolves them when the PutRecords outcome arrives.
+
+Attempt history follows the KPL (aws/kinesis/core/user_record.cc, ``to_put_record_result``):
+an attempt's ``delay`` is the time from the record's arrival (first attempt) or from the end of
+the previous attempt (later attempts) to the attempt's start; ``duration`` is the attempt's own
+length. Attempts are stored as shared :class:`_AttemptRecord` objects — one per Kinesis record
+per try, shared by every user record in the aggregate — and turned into public
+:class:`Attempt` values only when a result is asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+from hashlib import md5
+from typing import Any
+
+import anyio
+
+from . import errors
+
+__all__ = ("Attempt", "KinesisRecord", "PendingRecord", "RecordResult")
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One try at putting a record.
+
+    Attributes:
+        delay: seconds from the record's arrival (first attempt) or from the end of the previous
+            attempt to the start of this one (the KPL's definition).
+        duration: seconds the attempt took (the PutRecords call, or 0 for an attempt that ended
+            without a call, such as an expiry in the limiter).
+        success: whether the attempt put the record.
+        error_code: the error code on failure (a Kinesis code, an SDK exception name, or one of
+            the KPL's synthetic codes ``Expired``, ``Wrong Shard``, ``Record Count Mismatch``).
+        error_message: the error message on failure.
+    """
+
+    delay: float
+    duration: float
+    success: bool
+    error_code: str | None = None
+    error_message: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RecordResult:
+    """The outcome of one user record.
+
+    Attributes:
+        success: whether the record was put.
+        shard_id: the shard the record landed in (on success).
+        sequence_number: the sequence number of the Kinesis record that carried it.
+        sub_sequence_number: the record's position inside that (aggregated) Kinesis record; 0 for
+            a record sent on its own.
+        attempts: every attempt, in order.
+    """
+
+    success: bool
+    shard_id: str | None
+    sequence_number: str | None
+    sub_sequence_number: int | None
+    attempts: tuple[Attempt, ...]
+
+
+class _AttemptRecord:
+    """One try of one Kinesis record, shared by all the user records it carried."""
+
+    __slots__ = ("code", "end", "message", "start", "success")
+
+    def __init__(
+        self, start: float, end: float, success: bool, code: str | None, message: str | None
+    ) -> None:
+        self.start = start
+        self.end = end
+        self.success = success
+        self.code = code
+        self.message = message
+
+
+_PENDING, _SUCCEEDED, _FAILED = 0, 1, 2
+
+
+class PendingRecord:
+    """A record that was admitted by :meth:`Producer.submit`, and its result handle.
+
+    ``await pending`` returns the :class:`RecordResult` once the record succeeded, or raises
+    :class:`~anykpl.errors.RecordFailedError` once it failed. Cancelling an ``await`` cancels
+    only the wait, never the record: it is delivered (or fails) all the same.
+    """
+
+    __slots__ = (
+        "_attempts",
+        "_event",
+        "_finish",
+        "_result",
+        "_state",
+        "arrival",
+        "data",
+        "deadline",
+        "expiration",
+        "explicit_hash_key",
+        "hash_key",
+        "partition_key",
+        "predicted_shard",
+        "sequence_number",
+        "shard_id",
+        "size",
+        "stream",
+        "sub_sequence_number",
+    )
+
+    def __init__(
+        self,
+        stream: str,
+        partition_key: str,
+        data: bytes,
+        hash_key: int,
+        explicit_hash_key: str | None,
+        arrival: float,
+        deadline: float,
+        expiration: float,
+    ) -> None:
+        self.stream = stream
+        self.partition_key = partition_key
+        self.data = data
+        self.hash_key = hash_key
+        self.explicit_hash_key = explicit_hash_key
+        self.arrival = arrival
+        self.deadline = deadline
+        self.expiration = expiration
+        self.size = len(data) + len(partition_key)
+        self.predicted_shard: str | None = None
+        self.shard_id: str | None = None
+        self.sequence_number: str | None = None
+        self.sub_sequence_number: int | None = None
+        self._attempts: list[_AttemptRecord] = []
+        self._state = _PENDING
+        self._event: anyio.Event | None = None
+        self._result: RecordResult | None = None
+
+    def __repr__(self) -> str:
+        state = ("pending", "succeeded", "failed")[self._state]
+        return (
+            f"<PendingRecord stream={self.stream!r} partition_key={self.partition_key!r} "
+            f"{len(self.data)} bytes {state} after {len(self._attempts)} attempt(s)>"
+        )
+
+    def done(self) -> bool:
+        """Whether the record is terminal (succeeded or failed)."""
+        return self._state != _PENDING
+
+    def result(self) -> RecordResult:
+        """The record's result.
+
+        :raises RuntimeError: if the record is not done yet.
+        :raises ~anykpl.errors.RecordFailedError: if it failed.
+        """
+        if self._state == _PENDING:
+            raise RuntimeError("the record is not done yet; await it")
+        result = self._result
+        if result is None:
+            result = self._result = self._build_result()
+        if self._state == _FAILED:
+            raise errors.RecordFailedError(result)
+        return result
+
+    async def wait(self) -> RecordResult:
+        """Wait until the record is terminal; same as ``await pending``."""
+        if self._state == _PENDING:
+            await self._wait_done()
+        else:
+            await anyio.lowlevel.checkpoint()
+        return self.result()
+
+    async def _wait_done(self) -> None:
+        """Wait until the record is terminal, without raising its failure."""
+        if self._state == _PENDING:
+            event = self._event
+            if event is None:
+                event = self._event = anyio.Event()
+            await event.wait()
+
+    def __await__(self) -> Generator[Any, None, RecordResult]:
+        return self.wait().__await__()
+
+    # -- used by the pipeline -------------------------------------------------------------
+
+    def _build_result(self) -> RecordResult:
+        attempts = []
+        previous_end = self.arrival
+        for a in self._attempts:
+            attempts.append(
+                Attempt(
+                    delay=max(0.0, a.start - previous_end),
+                    duration=max(0.0, a.end - a.start),
+                    success=a.success,
+                    error_code=a.code,
+                    error_message=a.message,
+                )
+            )
+            previous_end = a.end
+        success = self._state == _SUCCEEDED
+        return RecordResult(
+            success=success,
+            shard_id=self.shard_id if success else None,
+            sequence_number=self.sequence_number if success else None,
+            sub_sequence_number=self.sub_sequence_number if success else None,
+            attempts=tuple(attempts),
+        )
+
+    def _resolve(self, success: bool) -> None:
+        self._state = _SUCCEEDED if success else _FAILED
+        event = self._event
+        if event is not None:
+            event.set()
+
+
+class KinesisRecord:
+    """One Kinesis record: a single user record sent raw, or an aggregate of several.
+
+    It owns the handles of its user records. ``deadline`` and ``expiration`` are the earliest of
+    its records' (aws/kinesis/utils/time_sensitive.h), ``size`` is what the record counts
+    towards a PutRecords request (partition key + data, as the service counts it), and
+    ``predicted_shard`` is the shard the aggregator predicted, or ``None`` when the shard map
+    was not ready (such records bypass the limiter, as in the KPL).
+    """
+
+    __slots__ = (
+        "data",
+        "deadline",
+        "expiration",
+        "explicit_hash_key",
+        "partition_key",
+        "predicted_shard",
+        "records",
+        "size",
+    )
+
+    def __init__(
+        self,
+        records: list[PendingRecord],
+        data: bytes,
+        partition_key: str,
+        explicit_hash_key: str,
+        predicted_shard: str | None,
+        deadline: float,
+        expiration: float,
+    ) -> None:
+        self.records = records
+        self.data = data
+        self.partition_key = partition_key
+        self.explicit_hash_key = explicit_hash_key
+        self.predicted_shard = predicted_shard
+        self.deadline = deadline
+        self.expiration = expiration
+        self.size = len(data) + len(partition_key)
+
+    def __repr__(self) -> str:
+        return (
+            f"<KinesisRecord {len(self.records)} user record(s) {len(self.data)} bytes "
+            f"predicted={self.predicted_shard}>"
+        )
+
+    @classmethod
+    def single(cls, record: PendingRecord) -> KinesisRecord:
+        """A Kinesis record carrying one user record, sent raw with the user's partition key and
+        the record's hash key as explicit hash key (always set, as in kinesis_record.cc)."""
+        return cls(
+            [record],
+            record.data,
+            record.partition_key,
+            record.explicit_hash_key or str(record.hash_key),
+            record.predicted_shard,
+            record.deadline,
+            record.expiration,
+        )
+
+
+def partition_key_hash(partition_key: str) -> int:
+    """The KPL's hash key of a partition key: MD5 of its UTF-8 bytes as a big-endian uint128."""
+    return int.from_bytes(md5(partition_key.encode(), usedforsecurity=False).digest(), "big")

@@ -1,0 +1,256 @@
+"""The Retrier: classify every PutRecords outcome, resolve results, send retries back.
+
+Mirrors aws/kinesis/core/retrier.{h,cc}:
+
+- a failed request fails or retries every record in it; a response whose entry count differs
+  from the request fails every record with ``Record Count Mismatch``;
+- a per-record error retries the Kinesis record's user records, except throttling when
+  ``fail_if_throttled`` is set;
+- a retried record gets the attempt, then — if its TTL has passed — a final ``Expired``
+  attempt; otherwise a new deadline of ``now + RMBT/2`` (clamped to its expiration) and it goes
+  back to the aggregator, which re-predicts its shard and re-aggregates it;
+- wrong-shard detection (``succeed_if_correct_shard``): a record that landed in a shard other
+  than the predicted one is fine only if its hash key lies in the actual shard's range; else the
+  shard map is invalidated (once per Kinesis record) and the record retried as ``Wrong Shard``.
+
+Where we differ, and why:
+
+- **Fail fast**: codes that a retry cannot fix (missing stream, access, validation, KMS access;
+  :func:`anykpl.errors.is_retriable`) fail at once instead of retrying until the TTL.
+- **Backoff**: retries wait an exponential backoff with full jitter per shard
+  (``retry_backoff_initial`` doubling to ``retry_backoff_max``, reset by a success on that
+  shard) before re-entering the aggregator. The KPL re-sends after RMBT/2 at most (KPL #35).
+  Wrong Shard is not backed off: the refreshed map is the fix.
+- **All-or-nothing aggregates**: after KPL #576 the KPL accepts the user records of a
+  wrong-shard aggregate whose own keys fall in the actual shard, but a KCL consumer drops the
+  *whole* aggregate when any sub-record is out of range. We count an aggregate as delivered only
+  if **all** its sub-records lie in the actual shard's range; otherwise all are retried.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import random
+from collections.abc import Callable, Sequence
+
+from . import errors
+from ._records import KinesisRecord, PendingRecord, _AttemptRecord
+from ._sender import Outcome
+from ._shard_map import ShardMap, shard_number
+
+__all__ = ("Retrier",)
+
+logger = logging.getLogger("anykpl.retrier")
+
+Finish = Callable[[Sequence[PendingRecord], bool], None]
+Count = Callable[[str, int, str | None, str | None], None]
+
+
+class Retrier:
+    """Per-stream outcome handling. Pure apart from the random jitter: the caller passes times
+    and moves the retries (see :meth:`take_due`)."""
+
+    def __init__(
+        self,
+        *,
+        stream: str,
+        shard_map: ShardMap,
+        finish: Finish,
+        count: Count,
+        request_refresh: Callable[[], None],
+        record_max_buffered_time: float,
+        fail_if_throttled: bool,
+        backoff_initial: float,
+        backoff_max: float,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.stream = stream
+        self.shard_map = shard_map
+        self.finish = finish
+        self.count = count
+        self.request_refresh = request_refresh
+        self.retry_delay = record_max_buffered_time / 2
+        self.fail_if_throttled = fail_if_throttled
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self.rng = rng or random.Random()
+        self._streaks: dict[str | None, int] = {}
+        self._delayed: list[tuple[float, int, list[PendingRecord]]] = []
+        self._counter = 0
+        self.delayed_records = 0
+
+    # -- outcomes -----------------------------------------------------------------------
+
+    def handle(self, outcome: Outcome, now: float) -> None:
+        records: Sequence[KinesisRecord] = outcome.records
+        self.count("RequestTime", 1, None, None)
+        if outcome.response is None:
+            code = outcome.error_code or "UnknownError"
+            message = outcome.error_message or ""
+            self.count("ErrorsByCode", 1, None, code)
+            self.count("AllErrors", 1, None, None)
+            attempt = _AttemptRecord(outcome.start, outcome.end, False, code, message)
+            for kr in records:
+                self._fail_or_retry(kr, attempt, now)
+            return
+        entries = outcome.response.get("Records", [])
+        if len(entries) != len(records):
+            attempt = _AttemptRecord(
+                outcome.start,
+                outcome.end,
+                False,
+                errors.RECORD_COUNT_MISMATCH,
+                f"sent {len(records)} records, the response has {len(entries)}",
+            )
+            for kr in records:
+                self._fail(kr.records, attempt)
+            return
+        succeeded = failed = 0
+        for kr, entry in zip(records, entries):
+            sequence_number = entry.get("SequenceNumber")
+            if sequence_number is None:
+                failed += 1
+                code = entry.get("ErrorCode") or "UnknownError"
+                self.count("ErrorsByCode", 1, kr.predicted_shard, code)
+                attempt = _AttemptRecord(
+                    outcome.start, outcome.end, False, code, entry.get("ErrorMessage") or ""
+                )
+                self._fail_or_retry(kr, attempt, now)
+            else:
+                succeeded += 1
+                self._succeed_if_correct_shard(kr, entry["ShardId"], sequence_number, outcome, now)
+        self.count("KinesisRecordsPut", succeeded, None, None)
+        if failed:
+            self.count("AllErrors", failed, None, None)
+
+    def _succeed_if_correct_shard(
+        self,
+        kr: KinesisRecord,
+        actual: str,
+        sequence_number: str,
+        outcome: Outcome,
+        now: float,
+    ) -> None:
+        predicted = kr.predicted_shard
+        if predicted is not None and predicted != actual:
+            hash_range = self.shard_map.hash_range(actual)
+            if hash_range is None or any(
+                not (hash_range[0] <= r.hash_key <= hash_range[1]) for r in kr.records
+            ):
+                logger.warning(
+                    "Kinesis record predicted for %s landed in %s; this usually means the "
+                    "shard map has changed",
+                    predicted,
+                    actual,
+                    extra={"stream": self.stream, "predicted": predicted, "actual": actual},
+                )
+                if self.shard_map.invalidate(outcome.start, predicted):
+                    self.request_refresh()
+                attempt = _AttemptRecord(
+                    outcome.start,
+                    outcome.end,
+                    False,
+                    errors.WRONG_SHARD,
+                    f"record did not end up in expected shard {predicted} (landed in {actual})",
+                )
+                self.count("ErrorsByCode", 1, predicted, errors.WRONG_SHARD)
+                self._retry(kr.records, attempt, now, backoff_key=None, backoff=False)
+                return
+            if shard_number(predicted) < shard_number(actual):
+                # landed in a child shard: the map is stale, help it converge
+                if self.shard_map.invalidate(outcome.start, predicted):
+                    self.request_refresh()
+        attempt = _AttemptRecord(outcome.start, outcome.end, True, None, None)
+        for index, record in enumerate(kr.records):
+            record._attempts.append(attempt)
+            record.shard_id = actual
+            record.sequence_number = sequence_number
+            record.sub_sequence_number = index
+        self._streaks.pop(predicted, None)
+        self.count("UserRecordsPut", len(kr.records), actual, None)
+        self.finish(kr.records, True)
+
+    def _fail_or_retry(self, kr: KinesisRecord, attempt: _AttemptRecord, now: float) -> None:
+        code = attempt.code or ""
+        if not errors.is_retriable(code) or (self.fail_if_throttled and code == errors.THROTTLED):
+            self._fail(kr.records, attempt)
+        else:
+            self._retry(kr.records, attempt, now, backoff_key=kr.predicted_shard, backoff=True)
+
+    def _fail(self, records: Sequence[PendingRecord], attempt: _AttemptRecord) -> None:
+        for record in records:
+            record._attempts.append(attempt)
+        if attempt.code == errors.EXPIRED:
+            self.count("UserRecordExpired", len(records), None, None)
+        self.count("UserRecordsFailed", len(records), None, attempt.code)
+        self.finish(records, False)
+
+    def expire(self, records: Sequence[KinesisRecord], now: float) -> None:
+        """Fail Kinesis records whose TTL passed while they waited in the limiter."""
+        attempt = _AttemptRecord(
+            now, now, False, errors.EXPIRED, "Expiration reached while waiting in limiter"
+        )
+        for kr in records:
+            self._fail(kr.records, attempt)
+
+    def _retry(
+        self,
+        records: Sequence[PendingRecord],
+        attempt: _AttemptRecord,
+        now: float,
+        *,
+        backoff_key: str | None,
+        backoff: bool,
+    ) -> None:
+        expired_attempt: _AttemptRecord | None = None
+        retry: list[PendingRecord] = []
+        expired: list[PendingRecord] = []
+        for record in records:
+            record._attempts.append(attempt)
+            if record.expiration < now:
+                expired.append(record)
+            else:
+                retry.append(record)
+        if expired:
+            expired_attempt = _AttemptRecord(
+                now, now, False, errors.EXPIRED, "Record has reached expiration"
+            )
+            self._fail(expired, expired_attempt)
+        if not retry:
+            return
+        self.count("RetriesPerRecord", len(retry), backoff_key, None)
+        delay = 0.0
+        if backoff:
+            streak = self._streaks.get(backoff_key, 0)
+            self._streaks[backoff_key] = streak + 1
+            cap = min(self.backoff_max, self.backoff_initial * (2.0**streak))
+            delay = self.rng.uniform(0.0, cap)
+        release = now + delay
+        deadline = release + self.retry_delay
+        for record in retry:
+            record.deadline = deadline if deadline < record.expiration else record.expiration
+        self._counter += 1
+        heapq.heappush(self._delayed, (release, self._counter, retry))
+        self.delayed_records += len(retry)
+
+    # -- the retry queue ------------------------------------------------------------------
+
+    @property
+    def next_release(self) -> float:
+        return self._delayed[0][0] if self._delayed else math.inf
+
+    def take_due(self, now: float) -> list[PendingRecord]:
+        """The retried records whose backoff has passed."""
+        due: list[PendingRecord] = []
+        while self._delayed and self._delayed[0][0] <= now:
+            due.extend(heapq.heappop(self._delayed)[2])
+        self.delayed_records -= len(due)
+        return due
+
+    def take_all(self) -> list[PendingRecord]:
+        records = [r for item in self._delayed for r in item[2]]
+        self._delayed.clear()
+        self.delayed_records = 0
+        return records

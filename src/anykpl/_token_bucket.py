@@ -1,0 +1,106 @@
+"""A two-dimensional token bucket (records and bytes), pure and clock-injected.
+
+Mirrors aws/utils/token_bucket.h as the KPL's per-shard limiter uses it (limiter.h): one stream
+of tokens for records and one for bytes, refilled continuously with time, and a take that
+succeeds only if *both* have enough (``try_take`` checks both before taking either).
+
+Where we differ, and why:
+
+- Capacity is one second of the configured rate in each dimension (the KPL uses 1000 records
+  and a flat 10 MiB). A lone producer can then burst at most one second's worth above the rate,
+  which keeps it under the shard's limit instead of relying on the service to throttle.
+- A take larger than the capacity (a 5 MiB record on a 1 MiB/s bucket) would never fit; the KPL
+  raised its byte capacity to 10 MiB for that reason (#677). We let such a take through once the
+  bucket is full and push the balance into debt, so it never deadlocks and the rate still holds
+  on average.
+- Time is whatever the caller passes as ``now`` (``anyio.current_time()`` in the pipeline, a
+  virtual clock in tests); the bucket never reads a clock itself.
+"""
+
+from __future__ import annotations
+
+__all__ = ("TokenBucket",)
+
+
+class TokenBucket:
+    """Records and bytes tokens, refilled at ``records_per_second`` and ``bytes_per_second``.
+
+    Both start full (as the KPL's do in effect).
+    """
+
+    __slots__ = (
+        "_bytes",
+        "_records",
+        "_updated",
+        "bytes_capacity",
+        "bytes_per_second",
+        "records_capacity",
+        "records_per_second",
+    )
+
+    def __init__(self, records_per_second: float, bytes_per_second: float, now: float) -> None:
+        if records_per_second <= 0 or bytes_per_second <= 0:
+            raise ValueError("token bucket rates must be positive")
+        self.records_per_second = float(records_per_second)
+        self.bytes_per_second = float(bytes_per_second)
+        self.records_capacity = max(1.0, self.records_per_second)
+        self.bytes_capacity = max(1.0, self.bytes_per_second)
+        self._records = self.records_capacity
+        self._bytes = self.bytes_capacity
+        self._updated = now
+
+    def __repr__(self) -> str:
+        return (
+            f"<TokenBucket records={self._records:.1f}/{self.records_capacity:.0f} "
+            f"bytes={self._bytes:.0f}/{self.bytes_capacity:.0f}>"
+        )
+
+    def _refill(self, now: float) -> None:
+        elapsed = now - self._updated
+        if elapsed > 0:
+            self._records = min(
+                self.records_capacity, self._records + elapsed * self.records_per_second
+            )
+            self._bytes = min(self.bytes_capacity, self._bytes + elapsed * self.bytes_per_second)
+            self._updated = now
+
+    def levels(self, now: float) -> tuple[float, float]:
+        """The (records, bytes) tokens available at ``now``; bytes may be negative (debt)."""
+        self._refill(now)
+        return self._records, self._bytes
+
+    def try_take(self, records: float, nbytes: float, now: float) -> bool:
+        """Take ``records`` and ``nbytes`` tokens if both are available; return whether it did.
+
+        A take bigger than a capacity succeeds once that dimension is full, leaving debt.
+        """
+        self._refill(now)
+        need_records = min(records, self.records_capacity)
+        need_bytes = min(nbytes, self.bytes_capacity)
+        if self._records >= need_records and self._bytes >= need_bytes:
+            self._records -= records
+            self._bytes -= nbytes
+            return True
+        return False
+
+    def time_until(self, records: float, nbytes: float, now: float) -> float:
+        """Seconds from ``now`` until ``try_take(records, nbytes)`` would succeed (0 if now)."""
+        self._refill(now)
+        need_records = min(records, self.records_capacity) - self._records
+        need_bytes = min(nbytes, self.bytes_capacity) - self._bytes
+        wait = 0.0
+        if need_records > 0:
+            wait = need_records / self.records_per_second
+        if need_bytes > 0:
+            wait = max(wait, need_bytes / self.bytes_per_second)
+        return wait
+
+    def set_rates(self, records_per_second: float, bytes_per_second: float, now: float) -> None:
+        """Change the refill rates (and capacities) from ``now`` on."""
+        self._refill(now)
+        self.records_per_second = float(records_per_second)
+        self.bytes_per_second = float(bytes_per_second)
+        self.records_capacity = max(1.0, self.records_per_second)
+        self.bytes_capacity = max(1.0, self.bytes_per_second)
+        self._records = min(self._records, self.records_capacity)
+        self._bytes = min(self._bytes, self.bytes_capacity)

@@ -1,0 +1,789 @@
+"""Producer configuration: :class:`ProducerConfig`, frozen and validated, and the KPL's
+``.properties`` files, read by :meth:`ProducerConfig.from_kpl_properties`.
+
+Ported from the KPL's ``KinesisProducerConfiguration.java`` (whose setters hold the validation
+that counts; ``aws/kinesis/core/configuration.h`` repeats the same ranges) and from the sample
+``default_config.properties``. Field names are the snake_case of the KPL property names, and the
+defaults and bounds are the KPL's, except where we deliberately differ:
+
+* **Durations are float seconds**, not integer milliseconds. ``from_kpl_properties`` converts the
+  KPL's milliseconds, so ``RecordTtl = 30000`` becomes ``record_ttl=30.0``.
+* **rate_limit defaults to 100 %, not 150 %.** The KPL overshoots on purpose and lets the service
+  throttle the excess; we send exactly a shard's capacity. The field's documentation says why.
+* **record_ttl is clamped to ten years.** The KPL converts the TTL to nanoseconds on a signed
+  64-bit steady clock, so values above about 9.2e12 ms overflow and every record expires at
+  once (KPL issues #54 and #56, open PR #145). We accept any large value, including ``math.inf``,
+  and store at most ten years, which keeps deadline arithmetic finite.
+* **collection_max_size is capped at 5 MiB**, the PutRecords request limit. The KPL accepts up
+  to 2^63-1 bytes, but the service rejects any request over 5 MiB.
+* **region is None instead of ""** when not set. It then comes from botocore's usual chain
+  (environment, shared config, instance metadata), not only from EC2 instance metadata.
+* **Booleans in properties files must be "true" or "false"** (case-insensitive). Java's
+  ``Boolean.valueOf`` silently reads any other word, "yes" included, as false; we raise
+  :class:`~anykpl.errors.ConfigError` instead.
+* Properties that only configure the Java wrapper, the native daemon or the C++ SDK are accepted
+  and ignored. A warning is issued only when such a property has a value other than the KPL
+  default, because only then did the file ask for something we do not do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Final, Literal, NoReturn, get_args
+from urllib.parse import urlsplit, urlunsplit
+
+from ._limits import (
+    DEFAULT_MAX_RECORD_SIZE,
+    LARGEST_MAX_RECORD_SIZE,
+    MAX_PARTITION_KEY_LENGTH,
+    PUT_RECORDS_MAX_BYTES,
+    PUT_RECORDS_MAX_RECORDS,
+)
+from .errors import ConfigError
+
+__all__ = ("ProducerConfig",)
+
+HttpBackend = Literal["auto", "aiohttp", "httpx"]
+MetricsLevel = Literal["none", "summary", "detailed"]
+MetricsGranularity = Literal["global", "stream", "shard"]
+
+#: The KPL validates its long-valued properties against Java's Long.MAX_VALUE.
+_INT64_MAX: Final = 2**63 - 1
+#: RecordMaxBufferedTime's KPL maximum, Long.MAX_VALUE milliseconds, in seconds.
+_MAX_MILLISECONDS_IN_SECONDS: Final = _INT64_MAX / 1000
+#: record_ttl values above this are stored as this (see the module docstring).
+_RECORD_TTL_CLAMP: Final = 10 * 365.25 * 24 * 3600.0
+#: The KPL's Region pattern (KinesisProducerConfiguration.setRegion).
+_REGION_PATTERN: Final = re.compile(r"[a-z]+-([a-z]+-)?[a-z]+-[0-9]")
+#: The KPL's KinesisEndpoint pattern: a host name or an IP address, nothing else.
+_ENDPOINT_HOST_PATTERN: Final = re.compile(r"[A-Za-z0-9.-]+")
+#: Java's Long.valueOf syntax.
+_JAVA_LONG_PATTERN: Final = re.compile(r"[+-]?[0-9]+")
+#: Fields whose values never appear in a repr or an error message.
+_SECRET_FIELDS: Final = frozenset({"aws_secret_access_key", "aws_session_token"})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProducerConfig:
+    """Everything a :class:`~anykpl.Producer` can be configured with: frozen and validated.
+
+    Every value is checked when the object is built; an invalid one raises
+    :class:`~anykpl.errors.ConfigError` naming the field, the value and what is allowed. Types
+    are checked too: boolean fields take only ``True`` or ``False``; integer fields take ``int``
+    (not ``bool``) or a ``float`` without a fractional part; duration and percentage fields take
+    ``int`` or ``float`` (never NaN). Durations are seconds. Build a changed copy with
+    :meth:`replace`, or read a KPL ``.properties`` file with :meth:`from_kpl_properties`.
+
+    Attributes:
+        region: AWS region to send to, such as ``"us-east-1"``. Default ``None``: botocore's
+            chain decides (``AWS_REGION``/``AWS_DEFAULT_REGION``, the shared config, instance
+            metadata). When given it must match the KPL's pattern
+            ``^([a-z]+-([a-z]+-)?[a-z]+-[0-9])?$``; ``""`` means ``None``. KPL: ``Region``.
+        endpoint_url: Kinesis endpoint URL, such as ``"http://localhost:4567"`` for the
+            emulator. Default ``None`` (the region's AWS endpoint). Must start with ``http://``
+            or ``https://``. KPL: ``KinesisEndpoint`` and ``KinesisPort`` (host and port; the
+            KPL always uses TLS).
+        profile: Named profile from the shared AWS config files. Default ``None`` (botocore's
+            default profile). Non-empty when given. No KPL property.
+        aws_access_key_id: Explicit access key ID. Default ``None`` (botocore's credential
+            chain). Given together with ``aws_secret_access_key``. No KPL property (the KPL
+            takes a Java credentials provider).
+        aws_secret_access_key: Explicit secret access key. Default ``None``. Given together with
+            ``aws_access_key_id``. Never shown in ``repr`` or in error messages.
+        aws_session_token: Session token for temporary credentials. Default ``None``. Needs the
+            key ID and the secret. Never shown in ``repr`` or in error messages.
+        verify_certificate: Verify the endpoint's TLS certificate. Default ``True``; do not turn
+            it off in production. KPL: ``VerifyCertificate``.
+        http_backend: HTTP client under aiobotocore: ``"aiohttp"``, ``"httpx"``, or ``"auto"``
+            (the default: aiohttp under asyncio, httpx under trio, where aiohttp cannot run).
+            No KPL property.
+        max_connections: Maximum parallel HTTP connections to Kinesis, the size of the
+            connection pool. Default 24, 1..256. KPL: ``MaxConnections``.
+        connect_timeout: Seconds allowed to open a connection, TLS included. Default 6.0,
+            0.1..300. KPL: ``ConnectTimeout`` (milliseconds).
+        request_timeout: Seconds allowed for a whole request, from sending to the last byte of
+            the response. A timed-out PutRecords may still have succeeded, so retrying it can
+            create duplicates: too low a value makes duplicates more likely. Default 6.0,
+            0.1..600. KPL: ``RequestTimeout`` (milliseconds).
+        aggregation_enabled: Pack several user records bound for the same predicted shard into
+            one Kinesis record, in the KPL's aggregation format. Default ``True``.
+            KPL: ``AggregationEnabled``.
+        aggregation_max_count: Maximum user records in one aggregated record. Default
+            4294967295, 1..2^63-1. KPL: ``AggregationMaxCount``.
+        aggregation_max_size: Maximum bytes of one aggregated Kinesis record. A user record
+            larger than this by itself is sent alone. Default 51200, 64..1048576.
+            KPL: ``AggregationMaxSize``.
+        collection_max_count: Maximum Kinesis records in one PutRecords request. Default 500,
+            1..500. KPL: ``CollectionMaxCount``.
+        collection_max_size: Maximum bytes (partition keys plus data) in one PutRecords request;
+            a larger single record is still sent, alone. Default 5242880, 52224..5242880. The
+            KPL allows up to 2^63-1, but the service rejects requests over 5 MiB.
+            KPL: ``CollectionMaxSize``.
+        fail_if_throttled: Fail a throttled record (ProvisionedThroughputExceededException) at
+            once instead of retrying it, so the application can react, for example by sending
+            it elsewhere. Default ``False``. KPL: ``FailIfThrottled``.
+        rate_limit: Per-shard cap on the send rate, as a percentage of the shard's write limits
+            (1000 records/s and 1 MiB/s), applied to records and bytes alike. Default 100.0,
+            1..2^63-1. KPL: ``RateLimit``, whose default is 150. The KPL's 150 % deliberately
+            sends more than a shard accepts and relies on retries to make up for what the
+            service throttles; every throttled record costs bandwidth and CPU, and each retry
+            risks reordering and duplicates. We would rather have a lone producer send exactly
+            the shard's capacity (our bar is at least 97 % of a shard with zero throttled
+            records) and leave overshoot to users who set 150 explicitly.
+        record_max_buffered_time: Longest time, in seconds, a record may wait in the producer
+            to be batched before it is sent; records go sooner when a batch fills up. It also
+            sets the retry deadline (half of it) and the Collector's deadline extension.
+            Default 0.1, 0..9.2e15 (2^63-1 ms). KPL: ``RecordMaxBufferedTime`` (milliseconds).
+        record_ttl: Seconds a record may take, retries included, before it fails as
+            ``Expired``. Default 30.0, at least 0.1, no upper bound: values above ten years
+            (``math.inf`` included) are stored as ten years, so huge values mean "retry
+            forever" without overflowing, unlike the KPL, which expired every record at once
+            above about 9.2e12 ms. KPL: ``RecordTtl`` (milliseconds).
+        max_user_record_size: Largest data size, in bytes, accepted for one user record; raise
+            it only for streams configured with a larger maximum record size. Default 1048576,
+            64..10485760. KPL: ``MaxUserRecordSize``.
+        metrics_level: Which metrics are collected: ``"none"``, ``"summary"`` or
+            ``"detailed"``. Default ``"detailed"``. KPL: ``MetricsLevel``.
+        metrics_granularity: Deepest dimension metrics are kept at: ``"global"``,
+            ``"stream"`` or ``"shard"``. Default ``"shard"``. KPL: ``MetricsGranularity``.
+        metrics_namespace: CloudWatch namespace for the metrics. Default
+            ``"KinesisProducerLibrary"``, 1..255 characters, must not start with ``"AWS/"``.
+            KPL: ``MetricsNamespace``.
+        metrics_upload_delay: Seconds between metrics uploads. Default 60.0, 0.001..60.
+            KPL: ``MetricsUploadDelay`` (milliseconds).
+        min_connections: Accepted for compatibility and unused, as in the KPL, which sends it to
+            its native code but never reads it. Default 1, 1..16. KPL: ``MinConnections``.
+        max_outstanding_records: Most user records admitted and not yet finished; ``submit``
+            and ``put_record`` wait for room beyond it (backpressure). Default 100000, at
+            least 1. No KPL property (the KPL's buffer is unbounded).
+        max_outstanding_bytes: Most bytes of user data admitted and not yet finished. Default
+            134217728 (128 MiB), at least 1024. No KPL property.
+        admission_timeout: Seconds ``submit`` and ``put_record`` wait for room under the
+            outstanding limits before raising :class:`~anykpl.errors.BackpressureTimeout`.
+            Default ``None`` (wait as long as it takes); greater than 0 when given. No KPL
+            property.
+        close_timeout: Seconds closing the producer spends flushing before it fails what is
+            left. Default 30.0, at least 0. No KPL property.
+        retry_backoff_initial: Base, in seconds, of the per-shard exponential backoff with full
+            jitter that spaces retries, on top of the rate limit. Default 0.05, 0..60. No KPL
+            property (the KPL retries without backoff).
+        retry_backoff_max: Ceiling, in seconds, of that backoff. Default 5.0, at least
+            ``retry_backoff_initial``, finite. No KPL property.
+        container_partition_key: Partition key of aggregated Kinesis records; the shard is
+            chosen by the explicit hash key, so the key only matters to consumers that read it.
+            Default ``"a"``, 1..256 characters. No KPL property (the KPL hard-codes ``"a"``).
+    """
+
+    # Connection / AWS
+    region: str | None = None
+    endpoint_url: str | None = None
+    profile: str | None = None
+    aws_access_key_id: str | None = None
+    aws_secret_access_key: str | None = field(default=None, repr=False)
+    aws_session_token: str | None = field(default=None, repr=False)
+    verify_certificate: bool = True
+    http_backend: HttpBackend = "auto"
+    max_connections: int = 24
+    connect_timeout: float = 6.0
+    request_timeout: float = 6.0
+
+    # KPL pipeline
+    aggregation_enabled: bool = True
+    aggregation_max_count: int = 4294967295
+    aggregation_max_size: int = 51200
+    collection_max_count: int = PUT_RECORDS_MAX_RECORDS
+    collection_max_size: int = PUT_RECORDS_MAX_BYTES
+    fail_if_throttled: bool = False
+    rate_limit: float = 100.0
+    record_max_buffered_time: float = 0.1
+    record_ttl: float = 30.0
+    max_user_record_size: int = DEFAULT_MAX_RECORD_SIZE
+    metrics_level: MetricsLevel = "detailed"
+    metrics_granularity: MetricsGranularity = "shard"
+    metrics_namespace: str = "KinesisProducerLibrary"
+    metrics_upload_delay: float = 60.0
+    min_connections: int = 1
+
+    # Beyond the KPL
+    max_outstanding_records: int = 100_000
+    max_outstanding_bytes: int = 128 * 1024 * 1024
+    admission_timeout: float | None = None
+    close_timeout: float = 30.0
+    retry_backoff_initial: float = 0.05
+    retry_backoff_max: float = 5.0
+    container_partition_key: str = "a"
+
+    def __post_init__(self) -> None:
+        # Connection / AWS
+        region = _optional_str(self, "region", allow_empty=True)
+        if region == "":
+            object.__setattr__(self, "region", None)
+        elif region is not None and not _REGION_PATTERN.fullmatch(region):
+            _fail("region", region, "None or a region matching ^([a-z]+-([a-z]+-)?[a-z]+-[0-9])?$")
+        _check_endpoint_url(self)
+        _optional_str(self, "profile")
+        _check_credentials(self)
+        _check_bool(self, "verify_certificate")
+        _check_choice(self, "http_backend", get_args(HttpBackend))
+        _check_int(self, "max_connections", 1, 256)
+        _check_number(self, "connect_timeout", 0.1, 300.0)
+        _check_number(self, "request_timeout", 0.1, 600.0)
+
+        # KPL pipeline
+        _check_bool(self, "aggregation_enabled")
+        _check_int(self, "aggregation_max_count", 1, _INT64_MAX)
+        _check_int(self, "aggregation_max_size", 64, DEFAULT_MAX_RECORD_SIZE)
+        _check_int(self, "collection_max_count", 1, PUT_RECORDS_MAX_RECORDS)
+        _check_int(self, "collection_max_size", 52224, PUT_RECORDS_MAX_BYTES)
+        _check_bool(self, "fail_if_throttled")
+        _check_number(self, "rate_limit", 1.0, _INT64_MAX, unit="percent")
+        _check_number(self, "record_max_buffered_time", 0.0, _MAX_MILLISECONDS_IN_SECONDS)
+        ttl = _check_number(self, "record_ttl", 0.1, None, allow_inf=True)
+        if ttl > _RECORD_TTL_CLAMP:
+            object.__setattr__(self, "record_ttl", _RECORD_TTL_CLAMP)
+        _check_int(self, "max_user_record_size", 64, LARGEST_MAX_RECORD_SIZE)
+        _check_choice(self, "metrics_level", get_args(MetricsLevel))
+        _check_choice(self, "metrics_granularity", get_args(MetricsGranularity))
+        namespace = _check_str(self, "metrics_namespace", 1, 255)
+        if namespace.startswith("AWS/"):
+            _fail("metrics_namespace", namespace, 'a namespace that does not start with "AWS/"')
+        _check_number(self, "metrics_upload_delay", 0.001, 60.0)
+        _check_int(self, "min_connections", 1, 16)
+
+        # Beyond the KPL
+        _check_int(self, "max_outstanding_records", 1, None)
+        _check_int(self, "max_outstanding_bytes", 1024, None)
+        if self.admission_timeout is not None:
+            _check_number(self, "admission_timeout", 0.0, None, allow_inf=True, open_low=True)
+        _check_number(self, "close_timeout", 0.0, None, allow_inf=True)
+        initial = _check_number(self, "retry_backoff_initial", 0.0, 60.0)
+        backoff_max = _check_number(self, "retry_backoff_max", 0.0, None)
+        if backoff_max < initial:
+            _fail(
+                "retry_backoff_max",
+                backoff_max,
+                f"a finite number of seconds >= retry_backoff_initial ({initial!r})",
+            )
+        _check_str(self, "container_partition_key", 1, MAX_PARTITION_KEY_LENGTH)
+
+    def replace(self, **changes: Any) -> ProducerConfig:
+        """Return a copy with ``changes`` applied, validated like a new object.
+
+        Raises:
+            ConfigError: a changed value is invalid.
+            TypeError: a name in ``changes`` is not a field.
+        """
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_kpl_properties(cls, path: str | os.PathLike[str], **overrides: Any) -> ProducerConfig:
+        """Read a KPL ``.properties`` file, such as the KPL sample's
+        ``default_config.properties``, into a :class:`ProducerConfig`.
+
+        Every property name the KPL knows is accepted (see ``KPL_PROPERTY_NAMES``). Durations
+        in milliseconds become seconds; ``KinesisEndpoint`` and ``KinesisPort`` become
+        ``endpoint_url`` (``"https://host:port"``, or the endpoint as given plus the port when
+        it already has an ``http://`` or ``https://`` scheme). Properties that configure only
+        the KPL's Java wrapper or native daemon are ignored, with a :class:`UserWarning` when
+        their value differs from the KPL default. Unknown properties are ignored with a
+        :class:`UserWarning`. Fields missing from the file keep this class's defaults.
+
+        The file follows ``java.util.Properties``: ``#`` and ``!`` comments, ``key=value``,
+        ``key: value`` or ``key value``, backslash escapes and line continuations. It is read
+        as UTF-8, or as ISO-8859-1 (Java's encoding for properties files) when it is not valid
+        UTF-8. A stray ``;`` at the end of a value, as in the KPL sample's
+        ``MaxUserRecordSize = 1048576;``, is tolerated.
+
+        Args:
+            path: the ``.properties`` file.
+            **overrides: field values that win over the file's.
+
+        Raises:
+            ConfigError: a value is invalid; the message names the KPL property and the field.
+            OSError: the file cannot be read.
+        """
+        properties = _read_properties(Path(os.fspath(path)))
+        values: dict[str, Any] = {}
+        # field -> (KPL property, value in the file, whether the file's unit was milliseconds)
+        sources: dict[str, tuple[str, str, bool]] = {}
+        for key, raw in properties.items():
+            text = _clean_value(raw)
+            if key in _MAPPED_PROPERTIES:
+                name, kind = _MAPPED_PROPERTIES[key]
+                values[name] = _convert_property(key, name, kind, text)
+                sources[name] = (key, raw, kind == "ms")
+            elif key in _IGNORED_PROPERTIES:
+                kind, default, reason = _IGNORED_PROPERTIES[key]
+                if not _is_kpl_default(kind, default, text):
+                    shown = "" if key in _SECRET_PROPERTIES else f" (set to {text!r})"
+                    warnings.warn(
+                        f"KPL property {key}{shown} is accepted and ignored: {reason}",
+                        UserWarning,
+                        stacklevel=2,
+                    )
+            elif key not in _ENDPOINT_PROPERTIES:
+                warnings.warn(f"unknown KPL property {key!r} ignored", UserWarning, stacklevel=2)
+
+        endpoint_url = _endpoint_from_properties(properties)
+        if endpoint_url is not None:
+            values["endpoint_url"] = endpoint_url
+            sources["endpoint_url"] = ("KinesisEndpoint", properties["KinesisEndpoint"], False)
+
+        values.update(overrides)
+        for name in overrides:
+            sources.pop(name, None)
+        try:
+            return cls(**values)
+        except ConfigError as error:
+            if error.field not in sources:
+                raise
+            key, raw, milliseconds = sources[error.field]
+            unit = ", in milliseconds" if milliseconds else ""
+            raise ConfigError(
+                error.field, error.value, f"{error.allowed} (from KPL property {key}={raw!r}{unit})"
+            ) from None
+
+
+# --- Validation helpers ---------------------------------------------------------------------
+
+
+def _fail(name: str, value: object, allowed: str) -> NoReturn:
+    raise ConfigError(name, "<redacted>" if name in _SECRET_FIELDS else value, allowed)
+
+
+def _format_bound(bound: float) -> str:
+    if isinstance(bound, float) and bound.is_integer():
+        return str(int(bound))
+    return repr(bound)
+
+
+def _describe(kind: str, low: float, high: float | None, *, open_low: bool = False) -> str:
+    if high is not None:
+        return f"{kind} in {_format_bound(low)}..{_format_bound(high)}"
+    return f"{kind} {'>' if open_low else '>='} {_format_bound(low)}"
+
+
+def _check_bool(config: ProducerConfig, name: str) -> None:
+    value = getattr(config, name)
+    if type(value) is not bool:
+        _fail(name, value, "True or False")
+
+
+def _check_int(config: ProducerConfig, name: str, low: int, high: int | None) -> int:
+    value = getattr(config, name)
+    allowed = _describe("an integer", low, high)
+    if isinstance(value, bool):
+        _fail(name, value, allowed)
+    if isinstance(value, float):
+        if not value.is_integer():  # also rejects NaN and infinities
+            _fail(name, value, allowed)
+        number = int(value)
+    elif isinstance(value, int):
+        number = int(value)
+    else:
+        _fail(name, value, allowed)
+    if number < low or (high is not None and number > high):
+        _fail(name, value, allowed)
+    object.__setattr__(config, name, number)
+    return number
+
+
+def _check_number(
+    config: ProducerConfig,
+    name: str,
+    low: float,
+    high: float | None,
+    *,
+    unit: str = "seconds",
+    allow_inf: bool = False,
+    open_low: bool = False,
+) -> float:
+    value = getattr(config, name)
+    kind = "a percentage" if unit == "percent" else f"a number of {unit}"
+    if high is None and not allow_inf:
+        kind = kind.replace("a ", "a finite ", 1)
+    allowed = _describe(kind, low, high, open_low=open_low)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(name, value, allowed)
+    try:
+        number = float(value)
+    except OverflowError:  # an int too large for a float
+        _fail(name, value, allowed)
+    if math.isnan(number) or (math.isinf(number) and not allow_inf):
+        _fail(name, value, allowed)
+    # Compare with float(high): float(2**63 - 1) rounds up to 2**63, and must still pass.
+    if number < low or (open_low and number == low) or (high is not None and number > float(high)):
+        _fail(name, value, allowed)
+    object.__setattr__(config, name, number)
+    return number
+
+
+def _check_str(config: ProducerConfig, name: str, min_length: int, max_length: int) -> str:
+    value = getattr(config, name)
+    if not isinstance(value, str) or not min_length <= len(value) <= max_length:
+        _fail(name, value, f"a string of {min_length}..{max_length} characters")
+    return value
+
+
+def _optional_str(config: ProducerConfig, name: str, *, allow_empty: bool = False) -> str | None:
+    value = getattr(config, name)
+    if value is None:
+        return None
+    if not isinstance(value, str) or (value == "" and not allow_empty):
+        _fail(name, value, "None or a non-empty string")
+    return value
+
+
+def _check_choice(config: ProducerConfig, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(config, name)
+    if not isinstance(value, str) or value not in choices:
+        _fail(name, value, "one of " + ", ".join(repr(choice) for choice in choices))
+
+
+def _check_endpoint_url(config: ProducerConfig) -> None:
+    url = _optional_str(config, "endpoint_url")
+    if url is None:
+        return
+    allowed = "None or an http:// or https:// URL with a host"
+    if not url.startswith(("http://", "https://")):
+        _fail("endpoint_url", url, allowed)
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (raises ValueError for a malformed port)
+    except ValueError:
+        _fail("endpoint_url", url, allowed)
+    if not parts.hostname:
+        _fail("endpoint_url", url, allowed)
+
+
+def _check_credentials(config: ProducerConfig) -> None:
+    key_id = _optional_str(config, "aws_access_key_id")
+    secret = _optional_str(config, "aws_secret_access_key")
+    token = _optional_str(config, "aws_session_token")
+    # botocore needs both halves of a key pair; a lone half would fail at the first request.
+    if (key_id is None) != (secret is None):
+        missing = "aws_access_key_id" if key_id is None else "aws_secret_access_key"
+        other = "aws_secret_access_key" if key_id is None else "aws_access_key_id"
+        _fail(missing, None, f"a non-empty string whenever {other} is set")
+    if token is not None and key_id is None:
+        _fail(
+            "aws_access_key_id",
+            None,
+            "a non-empty string, with aws_secret_access_key, whenever aws_session_token is set",
+        )
+
+
+# --- KPL .properties files ------------------------------------------------------------------
+
+#: KPL properties that set a field: property -> (field, how the value is read).
+#: "ms" values are Java longs in milliseconds, converted to seconds.
+_MAPPED_PROPERTIES: Final[Mapping[str, tuple[str, str]]] = {
+    "AggregationEnabled": ("aggregation_enabled", "bool"),
+    "AggregationMaxCount": ("aggregation_max_count", "int"),
+    "AggregationMaxSize": ("aggregation_max_size", "int"),
+    "CollectionMaxCount": ("collection_max_count", "int"),
+    "CollectionMaxSize": ("collection_max_size", "int"),
+    "ConnectTimeout": ("connect_timeout", "ms"),
+    "RequestTimeout": ("request_timeout", "ms"),
+    "FailIfThrottled": ("fail_if_throttled", "bool"),
+    "MaxConnections": ("max_connections", "int"),
+    "MinConnections": ("min_connections", "int"),
+    "MetricsGranularity": ("metrics_granularity", "str"),
+    "MetricsLevel": ("metrics_level", "str"),
+    "MetricsNamespace": ("metrics_namespace", "str"),
+    "MetricsUploadDelay": ("metrics_upload_delay", "ms"),
+    "RateLimit": ("rate_limit", "percent"),
+    "RecordMaxBufferedTime": ("record_max_buffered_time", "ms"),
+    "RecordTtl": ("record_ttl", "ms"),
+    "Region": ("region", "str"),
+    "VerifyCertificate": ("verify_certificate", "bool"),
+    "MaxUserRecordSize": ("max_user_record_size", "int"),
+}
+
+#: The two properties that together make endpoint_url.
+_ENDPOINT_PROPERTIES: Final = ("KinesisEndpoint", "KinesisPort")
+
+_NO_DAEMON: Final = "anykpl runs in your process; there is no native daemon"
+
+#: KPL properties accepted without effect: property -> (kind, KPL default, why it is ignored).
+#: Defaults from KinesisProducerConfiguration.java.
+_IGNORED_PROPERTIES: Final[Mapping[str, tuple[str, str, str]]] = {
+    "CloudwatchEndpoint": (
+        "str",
+        "",
+        "the CloudWatch endpoint comes from botocore's configuration "
+        "(for example AWS_ENDPOINT_URL_CLOUDWATCH)",
+    ),
+    "CloudwatchPort": (
+        "int",
+        "443",
+        "the CloudWatch endpoint comes from botocore's configuration "
+        "(for example AWS_ENDPOINT_URL_CLOUDWATCH)",
+    ),
+    "ThreadingModel": (
+        "str",
+        "PER_REQUEST",
+        "anykpl uses no threads; requests run as tasks on the event loop, "
+        "bounded by max_connections",
+    ),
+    "ThreadPoolSize": (
+        "int",
+        "0",
+        "anykpl uses no threads; requests run as tasks on the event loop, "
+        "bounded by max_connections",
+    ),
+    "LogLevel": (
+        "str",
+        "info",
+        "anykpl logs through the standard logging module; set the level of the 'anykpl' logger",
+    ),
+    "CredentialsRefreshDelay": (
+        "int",
+        "5000",
+        "botocore refreshes expiring credentials itself, and there is no daemon to push them to",
+    ),
+    "EnableCoreDumps": ("bool", "false", _NO_DAEMON),
+    "ProxyHost": (
+        "str",
+        "",
+        "configure a proxy through the environment (HTTPS_PROXY) or botocore's configuration",
+    ),
+    "ProxyPort": (
+        "int",
+        "443",
+        "configure a proxy through the environment (HTTPS_PROXY) or botocore's configuration",
+    ),
+    "ProxyUserName": (
+        "str",
+        "",
+        "configure a proxy through the environment (HTTPS_PROXY) or botocore's configuration",
+    ),
+    "ProxyPassword": (
+        "str",
+        "",
+        "configure a proxy through the environment (HTTPS_PROXY) or botocore's configuration",
+    ),
+    "NativeExecutable": ("str", "", _NO_DAEMON),
+    "TempDirectory": ("str", "", _NO_DAEMON + " to extract"),
+    "CaCertPath": ("str", "", "set botocore's CA bundle instead (AWS_CA_BUNDLE)"),
+    "CaCertFile": ("str", "", "set botocore's CA bundle instead (AWS_CA_BUNDLE)"),
+    "StsEndpoint": (
+        "str",
+        "",
+        "credentials come from botocore (the KPL itself stopped using STS in 1.0.5)",
+    ),
+    "StsPort": (
+        "int",
+        "443",
+        "credentials come from botocore (the KPL itself stopped using STS in 1.0.5)",
+    ),
+    "UserRecordTimeoutInMillis": (
+        "int",
+        "0",
+        "it is a Java-wrapper timeout; use record_ttl, or a cancel scope around put_record",
+    ),
+    "EnableOldestFutureTracker": (
+        "bool",
+        "true",
+        "it is Java-wrapper bookkeeping for getOldestRecordTimeInMillis",
+    ),
+    "ReturnUserRecordOnFailure": (
+        "bool",
+        "false",
+        "it is a Java-wrapper option; the caller awaiting a record still holds its data",
+    ),
+    "EnableDaemonHealthCheck": ("bool", "false", _NO_DAEMON + " to check"),
+    "DaemonHealthCheckTimeoutMs": ("int", "30000", _NO_DAEMON + " to check"),
+}
+
+#: Ignored properties whose values are never repeated in a warning.
+_SECRET_PROPERTIES: Final = frozenset({"ProxyPassword"})
+
+KPL_PROPERTY_NAMES: Final[Mapping[str, str | None]] = MappingProxyType(
+    {
+        **{key: name for key, (name, _) in _MAPPED_PROPERTIES.items()},
+        **dict.fromkeys(_ENDPOINT_PROPERTIES, "endpoint_url"),
+        **dict.fromkeys(_IGNORED_PROPERTIES),
+    }
+)
+"""Every KPL property name ``from_kpl_properties`` accepts, mapped to the field it sets, or to
+``None`` for properties accepted and ignored."""
+
+
+def _read_properties(path: Path) -> dict[str, str]:
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        text = data.decode("iso-8859-1")
+    return _parse_properties(text)
+
+
+def _parse_properties(text: str) -> dict[str, str]:
+    """Parse ``java.util.Properties`` text into a dict; a repeated key keeps its last value."""
+    properties: dict[str, str] = {}
+    for line in _logical_lines(text):
+        key, value = _split_key_value(line)
+        properties[key] = value
+    return properties
+
+
+def _logical_lines(text: str) -> list[str]:
+    """Join continued lines; drop blank and comment lines (which are never continued)."""
+    logical: list[str] = []
+    pending: str | None = None
+    for natural in re.split(r"\r\n|\r|\n", text):
+        line = natural.lstrip(" \t\f")
+        if pending is None and (not line or line[0] in "#!"):
+            continue
+        trailing_backslashes = len(line) - len(line.rstrip("\\"))
+        if trailing_backslashes % 2 == 1:
+            pending = (pending or "") + line[:-1]
+            continue
+        logical.append((pending or "") + line)
+        pending = None
+    if pending is not None:
+        logical.append(pending)
+    return logical
+
+
+def _split_key_value(line: str) -> tuple[str, str]:
+    index = 0
+    while index < len(line) and line[index] not in "=: \t\f":
+        index += 2 if line[index] == "\\" else 1
+    index = min(index, len(line))
+    key = line[:index]
+    while index < len(line) and line[index] in " \t\f":
+        index += 1
+    if index < len(line) and line[index] in "=:":
+        index += 1
+    while index < len(line) and line[index] in " \t\f":
+        index += 1
+    return _unescape(key), _unescape(line[index:])
+
+
+_ESCAPES: Final = {"t": "\t", "n": "\n", "r": "\r", "f": "\f"}
+
+
+def _unescape(text: str) -> str:
+    if "\\" not in text:
+        return text
+    out: list[str] = []
+    index = 0
+    while index < len(text):
+        char = text[index]
+        if char != "\\" or index + 1 == len(text):
+            out.append(char)
+            index += 1
+            continue
+        escaped = text[index + 1]
+        hex_digits = text[index + 2 : index + 6]
+        if escaped == "u" and re.fullmatch(r"[0-9A-Fa-f]{4}", hex_digits):
+            out.append(chr(int(hex_digits, 16)))
+            index += 6
+        else:
+            out.append(_ESCAPES.get(escaped, escaped))
+            index += 2
+    return "".join(out)
+
+
+def _clean_value(raw: str) -> str:
+    # Java keeps trailing whitespace, and the KPL sample ends one value with a stray ';'
+    # ("MaxUserRecordSize = 1048576;"), which Long.valueOf would reject. We forgive both.
+    return raw.strip().removesuffix(";").rstrip()
+
+
+def _parse_java_long(text: str) -> int | None:
+    return int(text) if _JAVA_LONG_PATTERN.fullmatch(text) else None
+
+
+def _convert_property(key: str, name: str, kind: str, text: str) -> object:
+    if kind == "str":
+        return text
+    if kind == "bool":
+        if text.lower() in ("true", "false"):
+            return text.lower() == "true"
+        raise ConfigError(name, text, f"true or false (from KPL property {key}={text!r})")
+    number = _parse_java_long(text)
+    if number is None:
+        unit = " number of milliseconds" if kind == "ms" else ""
+        raise ConfigError(name, text, f"an integer{unit} (from KPL property {key}={text!r})")
+    if kind == "ms":
+        return number / 1000
+    if kind == "percent":
+        return float(number)
+    return number
+
+
+def _is_kpl_default(kind: str, default: str, text: str) -> bool:
+    if kind == "bool":
+        return text.lower() == default
+    if kind == "int":
+        return _parse_java_long(text) == int(default)
+    return text == default
+
+
+def _endpoint_from_properties(properties: Mapping[str, str]) -> str | None:
+    """KinesisEndpoint + KinesisPort -> endpoint_url; None when KinesisEndpoint is unset."""
+    port: int | None = None
+    if "KinesisPort" in properties:
+        raw_port = properties["KinesisPort"]
+        port = _parse_java_long(_clean_value(raw_port))
+        if port is None or not 1 <= port <= 65535:
+            raise ConfigError(
+                "endpoint_url",
+                _clean_value(raw_port),
+                f"a port in 1..65535 (from KPL property KinesisPort={raw_port!r})",
+            )
+    host = _clean_value(properties.get("KinesisEndpoint", ""))
+    if not host:
+        if port is not None and port != 443:
+            warnings.warn(
+                "KPL property KinesisPort is accepted and ignored: it has no effect without "
+                "KinesisEndpoint",
+                UserWarning,
+                stacklevel=3,
+            )
+        return None
+    source = f"(from KPL property KinesisEndpoint={properties['KinesisEndpoint']!r})"
+    if "://" not in host:
+        # The KPL's form: a bare host name or IP address, always reached over TLS.
+        if not _ENDPOINT_HOST_PATTERN.fullmatch(host):
+            raise ConfigError(
+                "endpoint_url", host, f"a host name, or an http:// or https:// URL {source}"
+            )
+        return f"https://{host}:{443 if port is None else port}"
+    # Our extension: a URL with a scheme is used as given, plus KinesisPort if it has no port.
+    try:
+        parts = urlsplit(host)
+        url_port = parts.port
+    except ValueError:
+        raise ConfigError(
+            "endpoint_url", host, f"a host name, or an http:// or https:// URL {source}"
+        ) from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(
+            "endpoint_url", host, f"a host name, or an http:// or https:// URL {source}"
+        )
+    if url_port is None:
+        if port is None:
+            return host
+        return urlunsplit(parts._replace(netloc=f"{parts.netloc}:{port}"))
+    # KinesisPort = 443 is the sample file's default line; only a different, explicit port
+    # contradicts the URL.
+    if port is not None and port not in (443, url_port):
+        raise ConfigError(
+            "endpoint_url",
+            host,
+            f"a URL whose port agrees with KPL property KinesisPort={properties['KinesisPort']!r} "
+            f"{source}",
+        )
+    return host

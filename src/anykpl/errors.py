@@ -1,0 +1,163 @@
+"""The exceptions anykpl raises, and the error codes a record's attempts can carry.
+
+The hierarchy::
+
+    AnyKplError                          base of everything anykpl raises
+    ├── ConfigError (ValueError)         an invalid ProducerConfig value          not retriable
+    ├── InvalidRecordError (ValueError)  bad input at put_record/submit           not retriable
+    ├── ProducerClosedError              put after (or during) close              not retriable
+    ├── BackpressureTimeout (TimeoutError)  admission_timeout ran out             retriable by the caller
+    ├── FlushTimeout (TimeoutError)      flush(timeout=...) ran out               retriable by the caller
+    ├── AggregationFormatError (ValueError)  corrupt aggregated record (decoder)  not retriable
+    └── RecordFailedError                a record ended in failure; ``.result`` holds every Attempt
+
+Wrong *types* (``str`` data, a non-string partition key) raise the built-in :class:`TypeError`
+subclass :class:`RecordTypeError`, which is also an :class:`AnyKplError`.
+
+Record-level outcomes are not exceptions until they reach the caller: the Sender translates
+botocore errors into an error *code* at its boundary (nowhere else), the Retrier classifies the
+code, and the final :class:`RecordFailedError` carries the attempts. :func:`is_retriable` is the
+single place that says which codes are retried.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._records import RecordResult
+
+__all__ = (
+    "AggregationFormatError",
+    "AnyKplError",
+    "BackpressureTimeout",
+    "ConfigError",
+    "FlushTimeout",
+    "InvalidRecordError",
+    "ProducerClosedError",
+    "RecordFailedError",
+    "RecordTypeError",
+    "is_retriable",
+)
+
+
+class AnyKplError(Exception):
+    """Base class of every exception anykpl raises."""
+
+    retriable: bool = False
+
+
+class ConfigError(AnyKplError, ValueError):
+    """A configuration value is invalid. Not retriable: fix the configuration.
+
+    ``field``, ``value`` and ``allowed`` say which field, what it was given and what it accepts.
+    """
+
+    def __init__(self, field: str, value: object, allowed: str) -> None:
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"{field}={value!r} is invalid: allowed {allowed}")
+
+
+class InvalidRecordError(AnyKplError, ValueError):
+    """A record was rejected at the call (empty or long partition key, bad explicit hash key,
+    too large, bad stream name). Nothing was enqueued. Not retriable."""
+
+
+class RecordTypeError(AnyKplError, TypeError):
+    """A record argument has the wrong type (for example ``str`` data). Nothing was enqueued."""
+
+
+class ProducerClosedError(AnyKplError):
+    """The producer is closed or closing, or was never started; nothing was enqueued."""
+
+
+class BackpressureTimeout(AnyKplError, TimeoutError):
+    """``admission_timeout`` ran out while waiting for room under ``max_outstanding_*``.
+    Nothing was enqueued. Retriable by the caller."""
+
+    retriable = True
+
+
+class FlushTimeout(AnyKplError, TimeoutError):
+    """``flush(timeout=...)`` ran out before every record was terminal. The records continue;
+    nothing was failed. Retriable by the caller."""
+
+    retriable = True
+
+
+class AggregationFormatError(AnyKplError, ValueError):
+    """Bytes that claim to be a KPL aggregated record (magic prefix) are corrupt: bad checksum,
+    truncated or invalid protobuf. Not retriable."""
+
+
+class RecordFailedError(AnyKplError):
+    """A record ended in failure. ``result`` is its :class:`~anykpl.RecordResult`, whose
+    ``attempts`` hold every attempt with its error code and message. Not retriable by anykpl
+    any more (it already retried what was retriable)."""
+
+    def __init__(self, result: RecordResult) -> None:
+        self.result = result
+        last = result.attempts[-1] if result.attempts else None
+        detail = f"{last.error_code}: {last.error_message}" if last else "no attempts"
+        super().__init__(f"record failed after {len(result.attempts)} attempt(s): {detail}")
+
+    @property
+    def error_code(self) -> str | None:
+        """The error code of the last attempt."""
+        return self.result.attempts[-1].error_code if self.result.attempts else None
+
+
+# Error codes. Kinesis's own per-record codes and exception names pass through unchanged; these
+# are the synthetic ones the KPL defines (aws/kinesis/core/retrier.cc) plus our transport codes.
+EXPIRED = "Expired"
+WRONG_SHARD = "Wrong Shard"
+RECORD_COUNT_MISMATCH = "Record Count Mismatch"
+THROTTLED = "ProvisionedThroughputExceededException"
+PRODUCER_CLOSED = "ProducerClosed"
+PIPELINE_FAILED = "PipelineFailed"
+TIMEOUT = "Timeout"
+CONNECTION_ERROR = "ConnectionError"
+
+# Codes that end a record at once. The KPL retries everything until the TTL (retrier.cc); we
+# fail fast where a retry cannot help (SPEC §5).
+_NON_RETRIABLE = frozenset(
+    {
+        "ResourceNotFoundException",
+        "AccessDeniedException",
+        "AccessDenied",
+        "UnrecognizedClientException",
+        "InvalidSignatureException",
+        "IncompleteSignature",
+        "MissingAuthenticationToken",
+        "InvalidArgumentException",
+        "ValidationException",
+        "SerializationException",
+        "InvalidParameterValue",
+        "InvalidParameterCombination",
+        "MissingParameter",
+        "KMSAccessDeniedException",
+        "KMSDisabledException",
+        "KMSInvalidStateException",
+        "KMSNotFoundException",
+        "KMSOptInRequired",
+        "KMSInvalidKeyUsageException",
+        "ParamValidationError",
+        RECORD_COUNT_MISMATCH,
+        EXPIRED,
+        PRODUCER_CLOSED,
+        PIPELINE_FAILED,
+    }
+)
+
+
+def is_retriable(error_code: str) -> bool:
+    """Whether a record that failed with ``error_code`` is retried (until its TTL).
+
+    Retriable: throttling, InternalFailure, ServiceUnavailable, 5xx, timeouts, connection
+    errors, Wrong Shard, and any code we do not know (as the KPL does). Not retriable: missing
+    streams, access and signature errors, validation and KMS access errors, Record Count
+    Mismatch, and our terminal codes.
+    """
+    return error_code not in _NON_RETRIABLE
