@@ -93,6 +93,14 @@ class Aggregator:
         if shard is None or not self.enabled:
             out.append(KinesisRecord.single(record))
             return False
+        if len(record.data) + len(record.partition_key) + AGGREGATION_OVERHEAD > self.max_size:
+            # too big to share an aggregate: out on its own, raw, after the open aggregate
+            # (sealed first so records of one key keep their order)
+            open_agg = self._open.get(shard)
+            if open_agg is not None:
+                out.append(self._seal(open_agg))
+            out.append(KinesisRecord.single(record))
+            return False
         agg = self._open.get(shard)
         if agg is None:
             agg = self._open[shard] = _OpenAggregate(shard)
@@ -105,12 +113,6 @@ class Aggregator:
         ):
             out.append(self._seal(agg))
             agg = self._open[shard] = _OpenAggregate(shard)
-        if not agg.records and (
-            len(record.data) + len(record.partition_key) + AGGREGATION_OVERHEAD > self.max_size
-        ):
-            # too big to share an aggregate: out on its own, raw
-            out.append(KinesisRecord.single(record))
-            return False
         agg.builder.add(record.partition_key, record.explicit_hash_key, record.data)
         agg.records.append(record)
         self.buffered_records += 1

@@ -28,7 +28,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
-from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ._aggregator import Aggregator
 from ._collector import Collector
@@ -36,7 +37,7 @@ from ._limiter import Limiter
 from ._metrics import Metrics
 from ._records import KinesisRecord, PendingRecord
 from ._retrier import Retrier
-from ._sender import Outcome, Transport, run_sender
+from ._sender import Transport, run_sender
 from ._shard_map import ShardMap, run_shard_map
 from .config import ProducerConfig
 
@@ -49,11 +50,11 @@ END = "end"
 Finish = Callable[[Sequence[PendingRecord], bool], None]
 
 
-def _stream(kind: Any) -> tuple[ObjectSendStream[Any], ObjectReceiveStream[Any]]:
+def _stream() -> tuple[MemoryObjectSendStream[Any], MemoryObjectReceiveStream[Any]]:
     return anyio.create_memory_object_stream[Any](math.inf)
 
 
-async def _receive_until(stream: ObjectReceiveStream[Any], deadline: float) -> Any:
+async def _receive_until(stream: MemoryObjectReceiveStream[Any], deadline: float) -> Any:
     """The next message, ``None`` once ``deadline`` (absolute) has passed, or ``END`` when the
     upstream side has closed (shutdown cascades through the stages this way)."""
     try:
@@ -108,11 +109,11 @@ class Pipeline:
             backoff_initial=config.retry_backoff_initial,
             backoff_max=config.retry_backoff_max,
         )
-        self.aggregator_send, self.aggregator_in = _stream(object)
-        self.limiter_send, self.limiter_in = _stream(object)
-        self.collector_send, self.collector_in = _stream(object)
-        self.sender_send, self.sender_in = _stream(object)
-        self.retrier_send, self.retrier_in = _stream(object)
+        self.aggregator_send, self.aggregator_in = _stream()
+        self.limiter_send, self.limiter_in = _stream()
+        self.collector_send, self.collector_in = _stream()
+        self.sender_send, self.sender_in = _stream()
+        self.retrier_send, self.retrier_in = _stream()
         self._aggregator_wake_at = math.inf
         self._refresh_event = anyio.Event()
         self._sealed: list[KinesisRecord] = []
@@ -236,9 +237,7 @@ class Pipeline:
         retrier = self.retrier
         async with self.retrier_in, self.aggregator_send:
             while True:
-                outcome: Outcome | None = await _receive_until(
-                    self.retrier_in, retrier.next_release
-                )
+                outcome = await _receive_until(self.retrier_in, retrier.next_release)
                 if outcome is END:
                     return
                 now = anyio.current_time()

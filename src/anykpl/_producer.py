@@ -27,7 +27,7 @@ from . import _limits, errors
 from ._metrics import MetricKey, Metrics
 from ._pipeline import Pipeline
 from ._records import PendingRecord, RecordResult, _AttemptRecord, partition_key_hash
-from ._sender import Transport, open_transport
+from ._sender import Transport, _running_trio, open_transport
 from .config import ProducerConfig
 
 if sys.version_info >= (3, 11):
@@ -39,6 +39,7 @@ else:  # pragma: no cover
 __all__ = ("Producer", "ProducerStatistics", "StreamStatistics")
 
 _MAX_TTL = 10 * 365 * 86400.0
+CHECKPOINT_EVERY = 128
 _HASH_CACHE_LIMIT = 65536
 
 
@@ -128,6 +129,9 @@ class Producer(anyio.AsyncContextManagerMixin):
         self._max_bytes = config.max_outstanding_bytes
         self._max_record_size = config.max_user_record_size
         self._failure: BaseException | None = None
+        self._buffer_time = config.record_max_buffered_time
+        self._admitted_since_checkpoint = 0
+        self._clock: Callable[[], float] = anyio.current_time
 
     def __repr__(self) -> str:
         return (
@@ -145,6 +149,7 @@ class Producer(anyio.AsyncContextManagerMixin):
             async with self._open_transport() as transport, anyio.create_task_group() as tg:
                 self._transport = transport
                 self._task_group = tg
+                self._clock = _backend_clock()
                 self._state = "open"
                 cancelled = False
                 try:
@@ -187,6 +192,9 @@ class Producer(anyio.AsyncContextManagerMixin):
         except anyio.get_cancelled_exc_class():
             raise
         except BaseException as exc:
+            if self._state in ("closing", "closed") and _only_closed_streams(exc):
+                # a neighbouring stage was cancelled first while the producer shut down
+                return
             self._failure = exc
             self._state = "closing"
             self._fail_outstanding(
@@ -250,20 +258,28 @@ class Producer(anyio.AsyncContextManagerMixin):
             self._outstanding_bytes + record.size > self._max_bytes and self._outstanding
         ):
             await self._wait_for_room(record.size)
+            if self._state != "open":
+                raise errors.ProducerClosedError(f"the producer is {self._state}")
         else:
-            await anyio.lowlevel.checkpoint_if_cancelled()
-        if self._state != "open":
-            raise errors.ProducerClosedError(f"the producer is {self._state}")
+            # With room, admission needs no wait; a checkpoint per call would cost more than
+            # the rest of the admission, so a loop of submits yields every CHECKPOINT_EVERY
+            # calls (letting the stages run and cancellation in) instead of on each one.
+            self._admitted_since_checkpoint += 1
+            if self._admitted_since_checkpoint >= CHECKPOINT_EVERY:
+                self._admitted_since_checkpoint = 0
+                await anyio.lowlevel.checkpoint()
+                if self._state != "open":
+                    raise errors.ProducerClosedError(f"the producer is {self._state}")
         # the record's clock starts at admission, as the KPL's starts when the daemon sees it
-        now = anyio.current_time()
+        now = self._clock()
         record.arrival = now
-        record.deadline = now + self.config.record_max_buffered_time
-        record.expiration = now + self._ttl
-        if record.deadline > record.expiration:
-            record.deadline = record.expiration
+        deadline = now + self._buffer_time
+        expiration = now + self._ttl
+        record.deadline = deadline if deadline < expiration else expiration
+        record.expiration = expiration
         self._outstanding.add(record)
         self._outstanding_bytes += record.size
-        pipeline = self._pipeline(stream)
+        pipeline = self._pipelines.get(stream) or self._pipeline(stream)
         pipeline.received += 1
         pipeline.put(record)
         return record
@@ -276,19 +292,7 @@ class Producer(anyio.AsyncContextManagerMixin):
         explicit_hash_key: str | int | None,
     ) -> PendingRecord:
         if type(data) is not bytes:
-            if isinstance(data, (bytearray, memoryview)):
-                data = bytes(data)
-            elif isinstance(data, str):
-                raise errors.RecordTypeError(
-                    "data must be bytes, bytearray or memoryview, not str: encode it first "
-                    "(for example data.encode())"
-                )
-            elif isinstance(data, bytes):
-                data = bytes(data)
-            else:
-                raise errors.RecordTypeError(
-                    f"data must be bytes, bytearray or memoryview, not {type(data).__name__}"
-                )
+            data = _as_bytes(data)
         if stream not in self._pipelines:
             _check_stream_name(stream)
         if partition_key is None:
@@ -377,7 +381,7 @@ class Producer(anyio.AsyncContextManagerMixin):
 
     # -- flushing -------------------------------------------------------------------------
 
-    async def flush(self, timeout: float | None = None) -> None:
+    async def flush(self, timeout: float | None = None) -> None:  # noqa: ASYNC109 (SPEC §2)
         """Send everything buffered now and wait until every record put so far is terminal.
 
         Records put while the flush waits are not waited for.
@@ -446,6 +450,40 @@ def _check_stream_name(stream: object) -> None:
         raise errors.InvalidRecordError(
             f"invalid stream name {stream!r}: 1..128 characters of a-z, A-Z, 0-9, '_', '.' and '-'"
         )
+
+
+def _as_bytes(data: object) -> bytes:
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return bytes(data)
+    if isinstance(data, str):
+        raise errors.RecordTypeError(
+            "data must be bytes, bytearray or memoryview, not str: encode it first "
+            "(for example data.encode())"
+        )
+    raise errors.RecordTypeError(
+        f"data must be bytes, bytearray or memoryview, not {type(data).__name__}"
+    )
+
+
+def _only_closed_streams(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only_closed_streams(e) for e in exc.exceptions)
+    return isinstance(
+        exc,
+        (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.get_cancelled_exc_class()),
+    )
+
+
+def _backend_clock() -> Callable[[], float]:
+    """The running backend's clock, bound once: ``anyio.current_time()`` looks the backend up
+    on every call, which costs more than the rest of a record's admission. Same time base."""
+    if _running_trio():
+        import trio
+
+        return trio.current_time
+    import asyncio
+
+    return asyncio.get_running_loop().time
 
 
 def _random_partition_key() -> str:

@@ -194,6 +194,16 @@ class PendingRecord:
     # -- used by the pipeline -------------------------------------------------------------
 
     def _build_result(self) -> RecordResult:
+        success = self._state == _SUCCEEDED
+        if success and len(self._attempts) == 1:  # the common case, kept cheap
+            a = self._attempts[0]
+            return RecordResult(
+                True,
+                self.shard_id,
+                self.sequence_number,
+                self.sub_sequence_number,
+                (Attempt(max(0.0, a.start - self.arrival), max(0.0, a.end - a.start), True),),
+            )
         attempts = []
         previous_end = self.arrival
         for a in self._attempts:
@@ -207,7 +217,6 @@ class PendingRecord:
                 )
             )
             previous_end = a.end
-        success = self._state == _SUCCEEDED
         return RecordResult(
             success=success,
             shard_id=self.shard_id if success else None,

@@ -108,7 +108,7 @@ class Retrier:
                 self._fail(kr.records, attempt)
             return
         succeeded = failed = 0
-        for kr, entry in zip(records, entries):
+        for kr, entry in zip(records, entries, strict=True):
             sequence_number = entry.get("SequenceNumber")
             if sequence_number is None:
                 failed += 1
@@ -158,10 +158,11 @@ class Retrier:
                 self.count("ErrorsByCode", 1, predicted, errors.WRONG_SHARD)
                 self._retry(kr.records, attempt, now, backoff_key=None, backoff=False)
                 return
-            if shard_number(predicted) < shard_number(actual):
-                # landed in a child shard: the map is stale, help it converge
-                if self.shard_map.invalidate(outcome.start, predicted):
-                    self.request_refresh()
+            # landed in a child shard: the map is stale, help it converge
+            if shard_number(predicted) < shard_number(actual) and self.shard_map.invalidate(
+                outcome.start, predicted
+            ):
+                self.request_refresh()
         attempt = _AttemptRecord(outcome.start, outcome.end, True, None, None)
         for index, record in enumerate(kr.records):
             record._attempts.append(attempt)

@@ -22,7 +22,7 @@ from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
 import anyio
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from . import errors
 from .config import ProducerConfig
@@ -156,8 +156,8 @@ async def open_transport(config: ProducerConfig) -> AsyncIterator[Transport]:
 async def run_sender(
     stream: str,
     transport: Transport,
-    requests: ObjectReceiveStream[list[Any]],
-    outcomes: ObjectSendStream[Outcome],
+    requests: MemoryObjectReceiveStream[list[Any]],
+    outcomes: MemoryObjectSendStream[Outcome],
     *,
     max_connections: int,
     request_timeout: float,
@@ -185,9 +185,12 @@ async def run_sender(
                 raise
             except Exception as exc:
                 code, message = error_code(exc)
-            outcomes.send_nowait(
-                Outcome(stream, batch, start, anyio.current_time(), response, code, message)
-            )
+            outcome = Outcome(stream, batch, start, anyio.current_time(), response, code, message)
+            try:
+                outcomes.send_nowait(outcome)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                # the Retrier is gone: the producer is shutting down and fails what is left
+                return
         finally:
             slots.release()
 

@@ -1,18 +1,16 @@
 """The exceptions anykpl raises, and the error codes a record's attempts can carry.
 
-The hierarchy::
+The hierarchy (and whether anykpl or the caller may retry)::
 
-    AnyKplError                          base of everything anykpl raises
-    ├── ConfigError (ValueError)         an invalid ProducerConfig value          not retriable
-    ├── InvalidRecordError (ValueError)  bad input at put_record/submit           not retriable
-    ├── ProducerClosedError              put after (or during) close              not retriable
-    ├── BackpressureTimeout (TimeoutError)  admission_timeout ran out             retriable by the caller
-    ├── FlushTimeout (TimeoutError)      flush(timeout=...) ran out               retriable by the caller
-    ├── AggregationFormatError (ValueError)  corrupt aggregated record (decoder)  not retriable
-    └── RecordFailedError                a record ended in failure; ``.result`` holds every Attempt
-
-Wrong *types* (``str`` data, a non-string partition key) raise the built-in :class:`TypeError`
-subclass :class:`RecordTypeError`, which is also an :class:`AnyKplError`.
+    AnyKplError                              base of everything anykpl raises
+    ├── ConfigError (ValueError)             invalid ProducerConfig value      not retriable
+    ├── InvalidRecordError (ValueError)      bad input at put_record/submit    not retriable
+    ├── RecordTypeError (TypeError)          wrong argument type (str data)    not retriable
+    ├── ProducerClosedError                  put after (or during) close       not retriable
+    ├── BackpressureTimeout (TimeoutError)   admission_timeout ran out         caller may retry
+    ├── FlushTimeout (TimeoutError)          flush(timeout=...) ran out        caller may retry
+    ├── AggregationFormatError (ValueError)  corrupt aggregated record         not retriable
+    └── RecordFailedError                    a record failed; .result has every Attempt
 
 Record-level outcomes are not exceptions until they reach the caller: the Sender translates
 botocore errors into an error *code* at its boundary (nowhere else), the Retrier classifies the

@@ -1,0 +1,125 @@
+"""End-to-end producer throughput: 100-byte records, aggregation on, limits off.
+
+The endpoint (moto's server, serialized — ``python -m anykpl.emulator``) runs in its own
+process; this process is the one producer. For each backend it submits ``--records`` records
+with ``--keys`` distinct partition keys as fast as admission allows, flushes, checks every
+result, and reports user records/s (wall clock, submit to last result) and CPU seconds per
+100k records of this process.
+
+    python benchmarks/throughput.py --records 300000
+    python benchmarks/throughput.py --backend trio --profile   # pyinstrument of the hot path
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import anyio
+import boto3
+
+from anykpl import Producer, ProducerConfig
+
+CREDENTIALS = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench"}
+
+
+def start_endpoint() -> tuple[subprocess.Popen[bytes], str]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "anykpl.emulator", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    for _ in range(300):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return process, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.1)
+    process.kill()
+    raise SystemExit("the endpoint did not start")
+
+
+async def run_once(endpoint: str, stream: str, records: int, keys: int) -> dict[str, Any]:
+    config = ProducerConfig(
+        region="us-east-1",
+        endpoint_url=endpoint,
+        rate_limit=1e9,  # limits off
+        **CREDENTIALS,
+    )
+    data = b"x" * 100
+    key_names = [f"device-{i}" for i in range(keys)]
+    async with Producer(config) as producer:
+        # warm up: shard map ready, connections open
+        await producer.put_record(stream, data, partition_key="warm-up")
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        pending = [
+            await producer.submit(stream, data, partition_key=key_names[i % keys])
+            for i in range(records)
+        ]
+        await producer.flush()
+        wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+        failed = sum(1 for p in pending if not p.done() or not p.result().success)
+    return {
+        "records": records,
+        "failed": failed,
+        "seconds": round(wall, 3),
+        "records_per_second": round(records / wall),
+        "cpu_seconds_per_100k": round(cpu / records * 100_000, 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--records", type=int, default=300_000)
+    parser.add_argument("--keys", type=int, default=2_000)
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--backend", choices=["asyncio", "trio", "both"], default="both")
+    parser.add_argument("--profile", action="store_true", help="profile with pyinstrument")
+    parser.add_argument("--json", help="write results to this file")
+    args = parser.parse_args()
+    backends = ["asyncio", "trio"] if args.backend == "both" else [args.backend]
+    process, endpoint = start_endpoint()
+    results = {}
+    try:
+        client = boto3.client(
+            "kinesis", region_name="us-east-1", endpoint_url=endpoint, **CREDENTIALS
+        )
+        for backend in backends:
+            stream = f"bench-{backend}"
+            client.create_stream(StreamName=stream, ShardCount=args.shards)
+            if args.profile:
+                from pyinstrument import Profiler
+
+                profiler = Profiler(async_mode="disabled")
+                profiler.start()
+            result = anyio.run(
+                run_once, endpoint, stream, args.records, args.keys, backend=backend
+            )
+            if args.profile:
+                profiler.stop()
+                print(profiler.output_text(unicode=True, color=False, show_all=False))
+            results[backend] = result
+            print(f"{backend:8} {json.dumps(result)}", flush=True)
+        if len(results) == 2:
+            ratio = results["trio"]["records_per_second"] / results["asyncio"]["records_per_second"]
+            print(f"trio / asyncio = {ratio:.2f}")
+    finally:
+        process.terminate()
+        process.wait()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

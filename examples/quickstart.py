@@ -1,0 +1,111 @@
+"""Quickstart: put records through anykpl into a local Kinesis (moto's server), read them back.
+
+Runs on a fresh machine with no AWS account: it starts moto's server on 127.0.0.1, creates a
+stream, puts 10,000 records through the producer, and proves every one of them is in the
+stream. Run with ``--backend trio`` for trio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import anyio
+import boto3
+
+from anykpl import Producer, ProducerConfig
+from anykpl._wire import deaggregate
+
+CREDENTIALS = {"aws_access_key_id": "demo", "aws_secret_access_key": "demo"}
+
+
+def start_moto() -> tuple[subprocess.Popen[bytes], str]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "anykpl.emulator", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    for _ in range(300):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return process, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.1)
+    process.kill()
+    raise SystemExit("moto's server did not start")
+
+
+def read_back(client: object, stream: str) -> collections.Counter[tuple[str, bytes]]:
+    found: collections.Counter[tuple[str, bytes]] = collections.Counter()
+    shards = client.list_shards(StreamName=stream)["Shards"]  # type: ignore[attr-defined]
+    for shard in shards:
+        iterator = client.get_shard_iterator(  # type: ignore[attr-defined]
+            StreamName=stream, ShardId=shard["ShardId"], ShardIteratorType="TRIM_HORIZON"
+        )["ShardIterator"]
+        while iterator:
+            page = client.get_records(ShardIterator=iterator, Limit=10000)  # type: ignore[attr-defined]
+            for record in page["Records"]:
+                for user in deaggregate(record["Data"], record["PartitionKey"]):
+                    found[(user.partition_key, user.data)] += 1
+            if not page["Records"]:
+                break
+            iterator = page.get("NextShardIterator")
+    return found
+
+
+async def produce(endpoint: str, stream: str, count: int) -> collections.Counter[tuple[str, bytes]]:
+    config = ProducerConfig(region="us-east-1", endpoint_url=endpoint, **CREDENTIALS)
+    sent: collections.Counter[tuple[str, bytes]] = collections.Counter()
+    started = time.perf_counter()
+    async with Producer(config) as producer:
+        pending = []
+        for i in range(count):
+            key = f"device-{i % 500}"
+            data = f'{{"device": {i % 500}, "seq": {i}, "temp": {20 + i % 7}}}'.encode()
+            pending.append(await producer.submit(stream, data, partition_key=key))
+            sent[(key, data)] += 1
+        await producer.flush()
+        results = [p.result() for p in pending]
+    elapsed = time.perf_counter() - started
+    shards = collections.Counter(r.shard_id for r in results)
+    print(f"put {len(results)} records in {elapsed:.2f} s ({len(results) / elapsed:,.0f}/s)")
+    for shard, n in sorted(shards.items()):
+        print(f"  {shard}: {n} records")
+    return sent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
+    parser.add_argument("--records", type=int, default=10_000)
+    args = parser.parse_args()
+    process, endpoint = start_moto()
+    try:
+        client = boto3.client("kinesis", region_name="us-east-1", endpoint_url=endpoint, **CREDENTIALS)
+        stream = "quickstart"
+        client.create_stream(StreamName=stream, ShardCount=4)
+        sent = anyio.run(produce, endpoint, stream, args.records, backend=args.backend)
+        found = read_back(client, stream)
+        missing = sent - found
+        duplicates = found - sent
+        print(f"read back {sum(found.values())} records: {sum(missing.values())} missing, "
+              f"{sum(duplicates.values())} extra")
+        if missing or duplicates:
+            raise SystemExit(1)
+        print("every record is in the stream.")
+    finally:
+        process.terminate()
+        process.wait()
+
+
+if __name__ == "__main__":
+    main()

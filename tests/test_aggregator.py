@@ -1,0 +1,296 @@
+"""The Aggregator: user records → Kinesis records per predicted shard (pure, no event loop)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from anykpl import _wire
+from anykpl._aggregator import Aggregator
+from anykpl._records import KinesisRecord, PendingRecord, partition_key_hash
+
+SHARD = "shardId-000000000000"
+
+
+def make_record(
+    partition_key: str = "pk",
+    data: bytes = b"data",
+    *,
+    explicit_hash_key: int | None = None,
+    deadline: float = 1.0,
+    expiration: float = 30.0,
+) -> PendingRecord:
+    hash_key = (
+        partition_key_hash(partition_key) if explicit_hash_key is None else explicit_hash_key
+    )
+    ehk = None if explicit_hash_key is None else str(explicit_hash_key)
+    return PendingRecord("stream", partition_key, data, hash_key, ehk, 0.0, deadline, expiration)
+
+
+def make_aggregator(
+    *,
+    enabled: bool = True,
+    max_size: int = 51200,
+    max_count: int = 4294967295,
+    predict: Callable[[int], str | None] = lambda _: SHARD,
+) -> Aggregator:
+    return Aggregator(
+        enabled=enabled,
+        max_size=max_size,
+        max_count=max_count,
+        container_partition_key="a",
+        predict=predict,
+    )
+
+
+def _decoded(kr: KinesisRecord) -> list[tuple[str, bytes]]:
+    return [(r.partition_key, r.data) for r in _wire.deaggregate(kr.data, kr.partition_key)]
+
+
+def test_one_record_is_sent_raw() -> None:
+    agg = make_aggregator()
+    record = make_record("k", b"hello")
+    out: list[KinesisRecord] = []
+    assert agg.put(record, out)  # first deadline: wake the timer
+    assert out == []
+    assert agg.buffered_records == 1
+    assert agg.queue_depths() == {SHARD: 1}
+    agg.flush_all(out)
+    (kr,) = out
+    assert kr.records == [record]
+    assert kr.data == b"hello"
+    assert kr.partition_key == "k"
+    assert kr.explicit_hash_key == str(partition_key_hash("k"))  # always set, as in the KPL
+    assert kr.predicted_shard == SHARD
+    assert record.predicted_shard == SHARD
+    assert agg.buffered_records == 0
+
+
+def test_several_records_make_an_aggregate() -> None:
+    agg = make_aggregator()
+    records = [
+        make_record("a", b"1"),
+        make_record("b", b"22", explicit_hash_key=5),
+        make_record("a", b"333"),
+    ]
+    out: list[KinesisRecord] = []
+    for record in records:
+        agg.put(record, out)
+    agg.flush_all(out)
+    (kr,) = out
+    assert kr.records == records
+    assert kr.data.startswith(_wire.MAGIC)
+    assert kr.partition_key == "a"  # the container partition key
+    assert kr.explicit_hash_key == str(partition_key_hash("a"))  # the first record's hash key
+    decoded = _wire.deaggregate(kr.data, kr.partition_key)
+    assert [(r.partition_key, r.explicit_hash_key, r.data) for r in decoded] == [
+        ("a", None, b"1"),
+        ("b", "5", b"22"),
+        ("a", None, b"333"),
+    ]
+    assert kr.size == len(kr.data) + 1
+
+
+def test_first_records_explicit_hash_key_is_the_aggregates() -> None:
+    agg = make_aggregator()
+    out: list[KinesisRecord] = []
+    agg.put(make_record("x", explicit_hash_key=42), out)
+    agg.put(make_record("y"), out)
+    agg.flush_all(out)
+    assert out[0].explicit_hash_key == "42"
+
+
+def test_count_limit() -> None:
+    agg = make_aggregator(max_count=3)
+    records = [make_record(f"k{i}", b"x") for i in range(10)]
+    out: list[KinesisRecord] = []
+    for record in records:
+        agg.put(record, out)
+    assert [len(kr.records) for kr in out] == [3, 3, 3]
+    agg.flush_all(out)
+    assert [len(kr.records) for kr in out] == [3, 3, 3, 1]
+    assert [r for kr in out for r in kr.records] == records
+
+
+def test_size_limit_seals_before_the_limit_is_passed() -> None:
+    agg = make_aggregator(max_size=200)
+    records = [make_record(f"k{i}", bytes(40)) for i in range(20)]
+    out: list[KinesisRecord] = []
+    for record in records:
+        agg.put(record, out)
+    agg.flush_all(out)
+    assert len(out) > 1
+    for kr in out:
+        assert len(kr.data) <= 200
+        assert _decoded(kr) == [(r.partition_key, r.data) for r in kr.records]
+    assert [r for kr in out for r in kr.records] == records
+
+
+def test_oversized_record_goes_out_alone_and_raw() -> None:
+    agg = make_aggregator(max_size=100)
+    small = make_record("s", b"x")
+    big = make_record("b", bytes(150))
+    out: list[KinesisRecord] = []
+    agg.put(small, out)
+    agg.put(big, out)
+    # the big record goes out at once, on its own and raw
+    assert [kr.records for kr in out][-1] == [big]
+    assert out[-1].data == bytes(150)
+    assert out[-1].partition_key == "b"
+    agg.flush_all(out)
+    assert sorted(len(kr.data) for kr in out) == [1, 150]
+    assert agg.buffered_records == 0
+
+
+def test_flush_after_an_oversized_record() -> None:
+    """A record too big to aggregate, then a manual flush (as close does)."""
+    agg = make_aggregator(max_size=100)
+    big = make_record("b", bytes(150))
+    out: list[KinesisRecord] = []
+    agg.put(big, out)
+    assert [kr.records for kr in out] == [[big]]
+    out.clear()
+    agg.flush_all(out)  # nothing is buffered: nothing to seal, and certainly no crash
+    assert out == []
+    assert agg.next_deadline == math.inf
+
+
+def test_record_with_no_prediction_is_sent_single_at_once() -> None:
+    agg = make_aggregator(predict=lambda _: None)
+    record = make_record()
+    record.predicted_shard = "shardId-000000000009"  # left over from an earlier attempt
+    out: list[KinesisRecord] = []
+    assert not agg.put(record, out)
+    (kr,) = out
+    assert kr.records == [record]
+    assert kr.predicted_shard is None
+    assert record.predicted_shard is None
+    assert agg.buffered_records == 0
+
+
+def test_aggregation_off_still_predicts_the_shard() -> None:
+    agg = make_aggregator(enabled=False)
+    out: list[KinesisRecord] = []
+    agg.put(make_record("a"), out)
+    agg.put(make_record("b"), out)
+    assert [len(kr.records) for kr in out] == [1, 1]
+    assert all(kr.predicted_shard == SHARD for kr in out)  # so the limiter applies
+
+
+def test_records_are_grouped_by_predicted_shard() -> None:
+    agg = make_aggregator(predict=lambda h: f"shard-{h % 3}")
+    records = [make_record(f"k{i}", explicit_hash_key=i) for i in range(9)]
+    out: list[KinesisRecord] = []
+    for record in records:
+        agg.put(record, out)
+    assert agg.queue_depths() == {"shard-0": 3, "shard-1": 3, "shard-2": 3}
+    agg.flush_all(out)
+    assert sorted(kr.predicted_shard or "" for kr in out) == ["shard-0", "shard-1", "shard-2"]
+    for kr in out:
+        assert {r.hash_key % 3 for r in kr.records} == {int(str(kr.predicted_shard)[-1])}
+
+
+def test_deadlines_flush_due_aggregates_only() -> None:
+    shards = {1: "shard-a", 2: "shard-b", 3: "shard-c"}
+    agg = make_aggregator(predict=lambda h: shards[h])
+    out: list[KinesisRecord] = []
+    assert agg.next_deadline == math.inf
+    assert agg.put(make_record("a", explicit_hash_key=1, deadline=5.0), out)
+    assert agg.put(make_record("b", explicit_hash_key=2, deadline=3.0), out)
+    assert agg.put(make_record("c", explicit_hash_key=3, deadline=4.0), out)
+    # a later deadline on the same shard does not move the aggregate's deadline
+    assert not agg.put(make_record("a2", explicit_hash_key=1, deadline=9.0), out)
+    # an earlier one does
+    assert agg.put(make_record("c2", explicit_hash_key=3, deadline=2.0), out)
+    assert agg.next_deadline == 2.0
+    agg.flush_due(1.9, out)
+    assert out == []
+    agg.flush_due(3.0, out)
+    assert [kr.predicted_shard for kr in out] == ["shard-c", "shard-b"]
+    assert out[0].deadline == 2.0
+    assert agg.next_deadline == 5.0
+    out.clear()
+    agg.flush_due(100.0, out)
+    assert [kr.predicted_shard for kr in out] == ["shard-a"]
+    assert len(out[0].records) == 2
+    assert agg.next_deadline == math.inf
+    assert agg.buffered_records == 0
+
+
+def test_deadline_of_a_sealed_aggregate_does_not_flush_its_successor() -> None:
+    agg = make_aggregator(max_count=1)
+    out: list[KinesisRecord] = []
+    agg.put(make_record("a", deadline=1.0), out)
+    agg.put(make_record("b", deadline=10.0), out)  # seals the first
+    assert len(out) == 1
+    agg.flush_due(2.0, out)
+    assert len(out) == 1
+    assert agg.next_deadline == 10.0
+
+
+def test_aggregate_carries_earliest_deadline_and_expiration() -> None:
+    agg = make_aggregator()
+    out: list[KinesisRecord] = []
+    agg.put(make_record("a", deadline=3.0, expiration=9.0), out)
+    agg.put(make_record("b", deadline=2.0, expiration=20.0), out)
+    agg.put(make_record("c", deadline=4.0, expiration=7.0), out)
+    agg.flush_all(out)
+    assert (out[0].deadline, out[0].expiration) == (2.0, 7.0)
+
+
+def test_take_all_records() -> None:
+    agg = make_aggregator(predict=lambda h: f"s{h % 2}")
+    records = [make_record(f"k{i}", explicit_hash_key=i) for i in range(5)]
+    out: list[KinesisRecord] = []
+    for record in records:
+        agg.put(record, out)
+    assert sorted(agg.take_all_records(), key=lambda r: r.hash_key) == records
+    assert agg.buffered_records == 0
+    assert agg.queue_depths() == {}
+    assert agg.next_deadline == math.inf
+
+
+_user_records = st.lists(
+    st.tuples(
+        st.text(min_size=1, max_size=12),
+        st.binary(max_size=300),
+        st.one_of(st.none(), st.integers(min_value=0, max_value=(1 << 128) - 1)),
+        st.integers(min_value=0, max_value=3),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_user_records, st.integers(min_value=64, max_value=600), st.integers(1, 8))
+def test_aggregates_never_exceed_the_size_limit_and_decode_exactly(
+    specs: list[tuple[str, bytes, int | None, int]], max_size: int, max_count: int
+) -> None:
+    agg = make_aggregator(max_size=max_size, max_count=max_count, predict=lambda h: f"s{h % 3}")
+    records = []
+    out: list[KinesisRecord] = []
+    for partition_key, data, ehk, deadline in specs:
+        record = make_record(partition_key, data, explicit_hash_key=ehk, deadline=deadline)
+        records.append(record)
+        agg.put(record, out)
+        agg.flush_due(deadline / 2, out)
+    agg.flush_all(out)
+    assert sorted(id(r) for kr in out for r in kr.records) == sorted(id(r) for r in records)
+    for kr in out:
+        assert 1 <= len(kr.records) <= max_count
+        assert kr.size == len(kr.data) + len(kr.partition_key)
+        if len(kr.records) == 1:
+            (record,) = kr.records
+            assert kr.data == record.data
+            assert kr.partition_key == record.partition_key
+        else:
+            assert len(kr.data) <= max_size
+            assert len({r.predicted_shard for r in kr.records}) == 1
+            decoded = _wire.deaggregate(kr.data, kr.partition_key)
+            assert [(d.partition_key, d.explicit_hash_key, d.data) for d in decoded] == [
+                (r.partition_key, r.explicit_hash_key, r.data) for r in kr.records
+            ]

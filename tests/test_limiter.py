@@ -1,0 +1,200 @@
+"""The Limiter: per-shard token buckets and deadline queues (pure, virtual time)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from anykpl import _limits
+from anykpl._limiter import Limiter
+from anykpl._records import KinesisRecord, PendingRecord
+
+SHARD = "shardId-000000000000"
+OTHER = "shardId-000000000001"
+
+
+def make_kinesis_record(
+    *,
+    shard: str | None = SHARD,
+    size: int = 10,
+    deadline: float = 0.0,
+    expiration: float = 1000.0,
+) -> KinesisRecord:
+    data = bytes(size - 1)
+    user = PendingRecord("stream", "k", data, 1, None, 0.0, deadline, expiration)
+    return KinesisRecord([user], data, "k", "1", shard, deadline, expiration)
+
+
+def _drain(limiter: Limiter, now: float) -> tuple[list[KinesisRecord], list[KinesisRecord], float]:
+    out: list[KinesisRecord] = []
+    expired: list[KinesisRecord] = []
+    wake = limiter.drain(now, out, expired)
+    return out, expired, wake
+
+
+def test_records_without_prediction_bypass_the_limiter() -> None:
+    limiter = Limiter(rate_limit_percent=1)
+    records = [make_kinesis_record(shard=None) for _ in range(100)]
+    out: list[KinesisRecord] = []
+    limiter.put(records, 0.0, out)
+    assert out == records
+    assert limiter.queued == 0
+    assert limiter.queue_depths() == {}
+    assert _drain(limiter, 0.0) == ([], [], math.inf)
+
+
+def test_released_in_deadline_order() -> None:
+    limiter = Limiter(rate_limit_percent=100)
+    records = [make_kinesis_record(deadline=d) for d in (3.0, 1.0, 2.0, 1.5)]
+    limiter.put(records, 0.0, [])
+    assert limiter.queued == 4
+    assert limiter.queue_depths() == {SHARD: 4}
+    out, expired, wake = _drain(limiter, 0.0)
+    assert [kr.deadline for kr in out] == [1.0, 1.5, 2.0, 3.0]
+    assert expired == []
+    assert wake == math.inf
+    assert limiter.queued == 0
+    assert limiter.queue_depths() == {}
+
+
+def test_rate_and_capacity_follow_rate_limit_percent() -> None:
+    limiter = Limiter(rate_limit_percent=150)
+    limiter.put([make_kinesis_record()], 0.0, [])
+    rates = limiter.rates()
+    assert rates[SHARD] == pytest.approx(
+        (1.5 * _limits.SHARD_RECORDS_PER_SECOND, 1.5 * _limits.SHARD_BYTES_PER_SECOND)
+    )
+
+
+def test_bucket_capacity_then_wait_for_tokens() -> None:
+    limiter = Limiter(rate_limit_percent=1)  # 10 records/s, ~10 KiB/s per shard
+    records = [make_kinesis_record(deadline=i) for i in range(15)]
+    limiter.put(records, 0.0, [])
+    out, expired, wake = _drain(limiter, 0.0)
+    assert out == records[:10]  # the bucket starts full
+    assert wake == pytest.approx(0.1)
+    levels = limiter.token_levels(0.0)[SHARD]
+    assert levels[0] == pytest.approx(0.0)
+    out, _, _ = _drain(limiter, 0.05)
+    assert out == []
+    out, _, wake = _drain(limiter, 0.1)
+    assert out == records[10:11]
+    assert wake == pytest.approx(0.2)
+
+
+def test_head_of_line_blocks_smaller_records_behind_it() -> None:
+    limiter = Limiter(rate_limit_percent=1)
+    byte_rate = _limits.SHARD_BYTES_PER_SECOND * 0.01
+    first = make_kinesis_record(size=8000, deadline=1.0)
+    head = make_kinesis_record(size=8000, deadline=2.0)
+    small = make_kinesis_record(size=100, deadline=3.0)
+    limiter.put([first, head, small], 0.0, [])
+    out, _, wake = _drain(limiter, 0.0)
+    # ``small`` would fit in the bytes left, but ``head`` has the earlier deadline
+    assert out == [first]
+    assert limiter.queue_depths() == {SHARD: 2}
+    ready = (8000 - (byte_rate - 8000)) / byte_rate
+    assert wake <= ready  # the tokens' time, or an earlier expiry scan
+    out, _, _ = _drain(limiter, ready - 0.01)
+    assert out == []
+    out, _, _ = _drain(limiter, ready + 1e-9)
+    assert out == [head]
+    out, _, _ = _drain(limiter, ready + 100 / byte_rate + 1e-6)
+    assert out == [small]
+
+
+def test_shards_are_limited_independently() -> None:
+    limiter = Limiter(rate_limit_percent=1)
+    limiter.put([make_kinesis_record(shard=SHARD) for _ in range(12)], 0.0, [])
+    limiter.put([make_kinesis_record(shard=OTHER) for _ in range(3)], 0.0, [])
+    out, _, _ = _drain(limiter, 0.0)
+    assert sum(kr.predicted_shard == SHARD for kr in out) == 10
+    assert sum(kr.predicted_shard == OTHER for kr in out) == 3
+    assert limiter.queue_depths() == {SHARD: 2}
+
+
+def test_expired_at_the_head_is_failed_not_sent() -> None:
+    limiter = Limiter(rate_limit_percent=100)
+    stale = make_kinesis_record(deadline=0.0, expiration=1.0)
+    fresh = make_kinesis_record(deadline=0.5, expiration=10.0)
+    limiter.put([stale, fresh], 0.0, [])
+    out, expired, _ = _drain(limiter, 2.0)
+    assert expired == [stale]
+    assert out == [fresh]
+    assert limiter.queued == 0
+
+
+def test_expiry_while_waiting_behind_the_head() -> None:
+    limiter = Limiter(rate_limit_percent=1)
+    filler = [make_kinesis_record(deadline=0.0) for _ in range(10)]
+    head = make_kinesis_record(deadline=1.0, expiration=100.0)
+    doomed = make_kinesis_record(deadline=2.0, expiration=0.5)
+    limiter.put([*filler, head, doomed], 0.0, [])
+    out, expired, wake = _drain(limiter, 0.0)
+    assert out == filler
+    assert expired == []
+    # ``doomed`` waits behind ``head`` (no tokens); its TTL passes before tokens come back
+    now = 0.6
+    expired_all: list[KinesisRecord] = []
+    while now < 2.0 and not expired_all:
+        out, expired, wake = _drain(limiter, now)
+        expired_all += expired
+        now = max(now + 0.01, min(wake, 2.0))
+    assert expired_all == [doomed]
+    assert limiter.queued <= 1
+
+
+def test_drain_wakes_for_expiry_scans_when_records_wait() -> None:
+    limiter = Limiter(rate_limit_percent=1)
+    limiter.put([make_kinesis_record(deadline=0.0) for _ in range(11)], 0.0, [])
+    _, _, wake = _drain(limiter, 0.0)
+    assert 0.0 < wake <= 0.25 + 1e-9
+
+
+def test_rate_is_obeyed_over_simulated_time() -> None:
+    limiter = Limiter(rate_limit_percent=1)  # 10 records/s, capacity 10
+    records = [make_kinesis_record(deadline=i * 0.001) for i in range(100)]
+    limiter.put(records, 0.0, [])
+    released: list[float] = []
+    now = 0.0
+    for _ in range(10_000):
+        out, expired, wake = _drain(limiter, now)
+        assert expired == []
+        released += [now] * len(out)
+        if wake == math.inf:
+            break
+        # (the next representable time: see test_drain_at_the_returned_wake_time_makes_progress)
+        now = max(wake, math.nextafter(now, math.inf))
+    assert len(released) == 100
+    assert released[-1] == pytest.approx(9.0, abs=0.01)
+    for i, start in enumerate(released):
+        for j in range(i, len(released)):
+            window = released[j] - start
+            assert j - i + 1 <= 10 + 10 * window + 1e-6
+
+
+def test_take_all() -> None:
+    limiter = Limiter(rate_limit_percent=1)
+    records = [make_kinesis_record(shard=s) for s in (SHARD, OTHER) for _ in range(12)]
+    limiter.put(records, 0.0, [])
+    _drain(limiter, 0.0)
+    left = limiter.take_all()
+    assert len(left) == 4
+    assert limiter.queued == 0
+    assert limiter.queue_depths() == {}
+    assert _drain(limiter, 1.0) == ([], [], math.inf)
+
+
+def test_drain_at_the_returned_wake_time_makes_progress() -> None:
+    """Draining again at the time ``drain`` asked for must release something or ask for a
+    later time; otherwise the limiter task spins without sleeping (under trio's MockClock
+    forever, since virtual time never moves while a task is runnable)."""
+    limiter = Limiter(rate_limit_percent=1)
+    records = [make_kinesis_record(deadline=i * 0.001) for i in range(40)]
+    limiter.put(records, 0.0, [])
+    now = 0.0
+    while limiter.queued:
+        out, expired, wake = _drain(limiter, now)
+        assert out or expired or wake > now, f"drain({now!r}) asked to be woken at {wake!r}"
+        now = wake

@@ -1,0 +1,484 @@
+"""The Retrier: outcome classification, results, retries with backoff (pure, virtual time)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from anykpl import errors
+from anykpl._records import Attempt, KinesisRecord, PendingRecord
+from anykpl._retrier import Retrier
+from anykpl._sender import Outcome
+from anykpl._shard_map import ShardMap
+
+from .fakes import MAX_HASH
+
+HALF = MAX_HASH // 2
+SHARD_0 = "shardId-000000000000"
+SHARD_1 = "shardId-000000000001"
+THROTTLED = "ProvisionedThroughputExceededException"
+
+
+def _shard(shard_id: str, start: int, end: int) -> dict[str, Any]:
+    return {
+        "ShardId": shard_id,
+        "HashKeyRange": {"StartingHashKey": str(start), "EndingHashKey": str(end)},
+        "SequenceNumberRange": {"StartingSequenceNumber": "1"},
+    }
+
+
+class _StubRandom(random.Random):
+    """Records every ``uniform`` bound and returns the upper one (the longest backoff)."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.bounds: list[tuple[float, float]] = []
+
+    def uniform(self, a: float, b: float) -> float:
+        self.bounds.append((a, b))
+        return b
+
+
+class Harness:
+    def __init__(
+        self,
+        *,
+        fail_if_throttled: bool = False,
+        rng: random.Random | None = None,
+        record_max_buffered_time: float = 0.1,
+        backoff_initial: float = 0.05,
+        backoff_max: float = 1.0,
+    ) -> None:
+        self.shard_map = ShardMap()
+        self.shard_map.begin_update()
+        self.shard_map.apply_page([_shard(SHARD_0, 0, HALF), _shard(SHARD_1, HALF + 1, MAX_HASH)])
+        self.shard_map.finish_update(0.0)
+        self.finished: list[tuple[list[PendingRecord], bool]] = []
+        self.counts: list[tuple[str, int, str | None, str | None]] = []
+        self.refreshes = 0
+        self.retrier = Retrier(
+            stream="stream",
+            shard_map=self.shard_map,
+            finish=self._finish,
+            count=self._count,
+            request_refresh=self._refresh,
+            record_max_buffered_time=record_max_buffered_time,
+            fail_if_throttled=fail_if_throttled,
+            backoff_initial=backoff_initial,
+            backoff_max=backoff_max,
+            rng=rng,
+        )
+
+    def _finish(self, records: Sequence[PendingRecord], success: bool) -> None:
+        for record in records:
+            assert not record.done(), "a record was finished twice"
+            record._resolve(success)
+        self.finished.append((list(records), success))
+
+    def _count(self, name: str, value: int, shard: str | None, code: str | None) -> None:
+        self.counts.append((name, value, shard, code))
+
+    def _refresh(self) -> None:
+        self.refreshes += 1
+
+    def count_of(self, name: str, code: str | None = None) -> int:
+        return sum(v for n, v, _, c in self.counts if n == name and (code is None or c == code))
+
+
+def make_record(hash_key: int = 1, *, arrival: float = 0.0, expiration: float = 30.0) -> PendingRecord:
+    return PendingRecord(
+        "stream", f"pk{hash_key}", b"data", hash_key, None, arrival, arrival + 0.1, expiration
+    )
+
+
+def make_kinesis_record(
+    records: list[PendingRecord], predicted: str | None = SHARD_0
+) -> KinesisRecord:
+    for record in records:
+        record.predicted_shard = predicted
+    first = records[0]
+    deadline = min(r.deadline for r in records)
+    expiration = min(r.expiration for r in records)
+    return KinesisRecord(records, b"x", "a", str(first.hash_key), predicted, deadline, expiration)
+
+
+def ok(shard: str = SHARD_0, sequence: str = "49") -> dict[str, str]:
+    return {"ShardId": shard, "SequenceNumber": sequence}
+
+
+def err(code: str, message: str = "nope") -> dict[str, str]:
+    return {"ErrorCode": code, "ErrorMessage": message}
+
+
+def outcome(
+    krs: list[KinesisRecord],
+    entries: list[dict[str, str]] | None,
+    *,
+    start: float = 1.0,
+    end: float = 1.5,
+    code: str | None = None,
+) -> Outcome:
+    response = None if entries is None else {"Records": entries}
+    return Outcome("stream", krs, start, end, response, code, None if code is None else "boom")
+
+
+def attempts(record: PendingRecord) -> tuple[Attempt, ...]:
+    try:
+        return record.result().attempts
+    except errors.RecordFailedError as exc:
+        return exc.result.attempts
+
+
+def codes(record: PendingRecord) -> list[str | None]:
+    return [a.error_code for a in record._build_result().attempts]
+
+
+# -- success ---------------------------------------------------------------------------------
+
+
+def test_success_resolves_every_user_record_with_its_position() -> None:
+    h = Harness()
+    records = [make_record(i) for i in (1, 2, 3)]
+    h.retrier.handle(outcome([make_kinesis_record(records)], [ok(sequence="77")]), now=1.5)
+    assert h.finished == [(records, True)]
+    for index, record in enumerate(records):
+        result = record.result()
+        assert result.success
+        assert result.shard_id == SHARD_0
+        assert result.sequence_number == "77"
+        assert result.sub_sequence_number == index
+        (attempt,) = result.attempts
+        assert attempt.success
+        assert attempt.error_code is None
+    assert h.count_of("KinesisRecordsPut") == 1
+    assert h.count_of("UserRecordsPut") == 3
+    assert h.refreshes == 0
+
+
+def test_entries_are_matched_by_position() -> None:
+    h = Harness()
+    a, b, c = make_record(1), make_record(2), make_record(3)
+    krs = [make_kinesis_record([a]), make_kinesis_record([b]), make_kinesis_record([c])]
+    h.retrier.handle(outcome(krs, [ok(sequence="1"), err(THROTTLED), ok(sequence="3")]), 1.5)
+    assert a.result().sequence_number == "1"
+    assert c.result().sequence_number == "3"
+    assert not b.done()
+    assert h.retrier.delayed_records == 1
+
+
+# -- per-record errors and request failures --------------------------------------------------
+
+
+def test_throttled_record_is_retried_after_a_full_jitter_backoff() -> None:
+    h = Harness(rng=random.Random(1234))
+    record = make_record()
+    h.retrier.handle(outcome([make_kinesis_record([record])], [err(THROTTLED)]), now=2.0)
+    assert h.finished == []
+    assert h.retrier.delayed_records == 1
+    release = h.retrier.next_release
+    assert 2.0 <= release <= 2.0 + 0.05
+    assert record.deadline == pytest.approx(release + 0.05)  # RMBT / 2 after the release
+    assert h.retrier.take_due(release - 1e-9) == [] or release == 2.0
+    assert h.retrier.take_due(release) == [record]
+    assert h.retrier.delayed_records == 0
+    assert codes(record) == [THROTTLED]
+    assert h.count_of("ErrorsByCode", THROTTLED) == 1
+    assert h.count_of("RetriesPerRecord") == 1
+
+
+def test_backoff_doubles_per_shard_up_to_the_maximum_and_a_success_resets_it() -> None:
+    rng = _StubRandom()
+    h = Harness(rng=rng, backoff_initial=0.05, backoff_max=0.5)
+    record = make_record()
+    now = 1.0
+    for _ in range(6):
+        h.retrier.handle(outcome([make_kinesis_record([record])], [err(THROTTLED)]), now)
+        now = h.retrier.next_release
+        assert h.retrier.take_due(now) == [record]
+    assert [b for _, b in rng.bounds] == pytest.approx([0.05, 0.1, 0.2, 0.4, 0.5, 0.5])
+    assert all(a == 0.0 for a, _ in rng.bounds)
+    # another shard has its own streak
+    other = make_record(HALF + 5)
+    h.retrier.handle(outcome([make_kinesis_record([other], SHARD_1)], [err(THROTTLED)]), now)
+    assert rng.bounds[-1] == (0.0, 0.05)
+    # a success on shard 0 resets its streak
+    h.retrier.handle(outcome([make_kinesis_record([record])], [ok()]), now)
+    h.retrier.handle(outcome([make_kinesis_record([make_record()])], [err(THROTTLED)]), now)
+    assert rng.bounds[-1] == (0.0, 0.05)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_full_jitter_delay_is_within_the_bound(seed: int) -> None:
+    h = Harness(rng=random.Random(seed), backoff_initial=0.05, backoff_max=1.0)
+    record = make_record()
+    now = 10.0
+    for streak in range(8):
+        h.retrier.handle(outcome([make_kinesis_record([record])], [err(THROTTLED)]), now)
+        delay = h.retrier.next_release - now
+        assert 0.0 <= delay <= min(1.0, 0.05 * 2**streak)
+        now = h.retrier.next_release
+        h.retrier.take_due(now)
+
+
+def test_fail_if_throttled_fails_at_once() -> None:
+    h = Harness(fail_if_throttled=True)
+    record = make_record()
+    h.retrier.handle(outcome([make_kinesis_record([record])], [err(THROTTLED, "slow")]), 1.5)
+    assert h.finished == [([record], False)]
+    with pytest.raises(errors.RecordFailedError) as info:
+        record.result()
+    assert info.value.error_code == THROTTLED
+    assert h.retrier.delayed_records == 0
+
+
+def test_fail_if_throttled_retries_other_codes() -> None:
+    h = Harness(fail_if_throttled=True)
+    record = make_record()
+    h.retrier.handle(outcome([make_kinesis_record([record])], [err("InternalFailure")]), 1.5)
+    assert h.finished == []
+    assert h.retrier.delayed_records == 1
+
+
+NON_RETRIABLE = [
+    "ResourceNotFoundException",
+    "AccessDeniedException",
+    "KMSAccessDeniedException",
+    "KMSDisabledException",
+    "KMSInvalidStateException",
+    "KMSNotFoundException",
+    "KMSOptInRequired",
+    "ValidationException",
+    "InvalidArgumentException",
+    "UnrecognizedClientException",
+]
+RETRIABLE = [
+    THROTTLED,
+    "InternalFailure",
+    "ServiceUnavailable",
+    "HTTP500",
+    "HTTP503",
+    errors.TIMEOUT,
+    errors.CONNECTION_ERROR,
+    "SomethingNobodyHasSeenBefore",
+]
+
+
+@pytest.mark.parametrize("code", NON_RETRIABLE)
+@pytest.mark.parametrize("level", ["request", "record"])
+def test_non_retriable_codes_fail_at_once(code: str, level: str) -> None:
+    h = Harness()
+    records = [make_record(1), make_record(2)]
+    kr = make_kinesis_record(records)
+    if level == "request":
+        h.retrier.handle(outcome([kr], None, code=code), 1.5)
+    else:
+        h.retrier.handle(outcome([kr], [err(code)]), 1.5)
+    assert h.finished == [(records, False)]
+    for record in records:
+        (attempt,) = attempts(record)
+        assert not attempt.success
+        assert attempt.error_code == code
+    assert h.retrier.delayed_records == 0
+    assert h.count_of("ErrorsByCode", code) == 1
+
+
+@pytest.mark.parametrize("code", RETRIABLE)
+@pytest.mark.parametrize("level", ["request", "record"])
+def test_retriable_codes_are_retried(code: str, level: str) -> None:
+    h = Harness()
+    records = [make_record(1), make_record(2)]
+    kr = make_kinesis_record(records)
+    if level == "request":
+        h.retrier.handle(outcome([kr], None, code=code), 1.5)
+    else:
+        h.retrier.handle(outcome([kr], [err(code)]), 1.5)
+    assert h.finished == []
+    assert h.retrier.delayed_records == 2
+    assert h.retrier.take_due(h.retrier.next_release) == records
+    assert codes(records[0]) == [code]
+
+
+def test_request_failure_retries_every_kinesis_record() -> None:
+    h = Harness()
+    krs = [make_kinesis_record([make_record(i)]) for i in range(5)]
+    h.retrier.handle(outcome(krs, None, code="HTTP500"), 1.5)
+    assert h.retrier.delayed_records == 5
+    assert h.count_of("ErrorsByCode", "HTTP500") == 1
+    assert h.count_of("AllErrors") == 1
+
+
+def test_record_count_mismatch_fails_everything() -> None:
+    h = Harness()
+    a, b = make_record(1), make_record(2)
+    krs = [make_kinesis_record([a]), make_kinesis_record([b])]
+    h.retrier.handle(outcome(krs, [ok()]), 1.5)
+    assert sorted(id(r) for recs, ok_ in h.finished for r in recs if not ok_) == sorted(
+        [id(a), id(b)]
+    )
+    for record in (a, b):
+        assert codes(record) == [errors.RECORD_COUNT_MISMATCH]
+    assert h.retrier.delayed_records == 0
+
+
+# -- expiry ---------------------------------------------------------------------------------
+
+
+def test_expiry_on_the_retry_path_adds_an_expired_attempt() -> None:
+    h = Harness()
+    fresh = make_record(1, expiration=30.0)
+    stale = make_record(2, expiration=1.0)
+    h.retrier.handle(outcome([make_kinesis_record([fresh, stale])], [err(THROTTLED)]), 2.0)
+    assert h.finished == [([stale], False)]
+    assert codes(stale) == [THROTTLED, errors.EXPIRED]
+    with pytest.raises(errors.RecordFailedError) as info:
+        stale.result()
+    assert info.value.error_code == errors.EXPIRED
+    assert h.retrier.delayed_records == 1
+    assert h.count_of("UserRecordExpired") == 1
+
+
+def test_retry_deadline_is_clamped_to_the_expiration() -> None:
+    h = Harness(rng=_StubRandom(), record_max_buffered_time=10.0)
+    record = make_record(expiration=2.1)
+    h.retrier.handle(outcome([make_kinesis_record([record])], [err(THROTTLED)]), 2.0)
+    assert record.deadline == 2.1
+
+
+def test_expired_in_the_limiter() -> None:
+    h = Harness()
+    records = [make_record(1), make_record(2)]
+    h.retrier.expire([make_kinesis_record(records)], now=5.0)
+    assert h.finished == [(records, False)]
+    (attempt,) = attempts(records[0])
+    assert attempt.error_code == errors.EXPIRED
+    assert "limiter" in (attempt.error_message or "")
+    assert attempt.duration == 0.0
+    assert attempt.delay == 5.0
+
+
+# -- wrong shard -----------------------------------------------------------------------------
+
+
+def test_wrong_shard_out_of_range_is_retried_and_invalidates() -> None:
+    h = Harness(rng=_StubRandom())
+    record = make_record(1)  # in shard 0's range
+    kr = make_kinesis_record([record], SHARD_0)
+    h.retrier.handle(outcome([kr], [ok(shard=SHARD_1)], start=1.0), now=1.5)
+    assert h.finished == []
+    assert codes(record) == [errors.WRONG_SHARD]
+    assert h.refreshes == 1
+    assert h.shard_map.refresh_requested
+    # no backoff: the refreshed map is the fix
+    assert h.retrier.next_release == 1.5
+    assert h.retrier.take_due(1.5) == [record]
+    assert h.count_of("ErrorsByCode", errors.WRONG_SHARD) == 1
+
+
+def test_wrong_shard_aggregate_with_one_record_out_of_range_retries_all() -> None:
+    h = Harness()
+    inside = make_record(HALF + 10)  # in shard 1's range
+    outside = make_record(10)  # in shard 0's range
+    kr = make_kinesis_record([inside, outside], SHARD_0)
+    h.retrier.handle(outcome([kr], [ok(shard=SHARD_1)], start=1.0), now=1.5)
+    assert h.finished == []
+    assert codes(inside) == codes(outside) == [errors.WRONG_SHARD]
+    assert h.retrier.delayed_records == 2
+
+
+def _learn_closed_range(h: Harness, shard_id: str, start: int, end: int) -> None:
+    """Refresh the harness's map with one more, closed, shard (cached, never predicted)."""
+    closed = _shard(shard_id, start, end)
+    closed["SequenceNumberRange"]["EndingSequenceNumber"] = "2"
+    h.shard_map.begin_update()
+    h.shard_map.apply_page(
+        [_shard(SHARD_0, 0, HALF), _shard(SHARD_1, HALF + 1, MAX_HASH), closed]
+    )
+    h.shard_map.finish_update(0.0)
+
+
+def test_landing_in_a_lower_shard_whose_range_holds_every_record_succeeds() -> None:
+    h = Harness()
+    records = [make_record(10), make_record(20)]  # in shard 0's range
+    kr = make_kinesis_record(records, "shardId-000000000005")
+    h.retrier.handle(outcome([kr], [ok(shard=SHARD_0)], start=1.0), 1.5)
+    assert h.finished == [(records, True)]
+    assert [r.result().shard_id for r in records] == [SHARD_0, SHARD_0]
+    assert h.refreshes == 0  # predicted > actual: nothing to converge
+
+
+def test_landing_in_a_child_with_every_record_in_range_succeeds_and_invalidates() -> None:
+    h = Harness()
+    child = "shardId-000000000002"
+    _learn_closed_range(h, child, 0, HALF // 2)
+    records = [make_record(5), make_record(6)]
+    kr = make_kinesis_record(records, SHARD_0)
+    h.retrier.handle(outcome([kr], [ok(shard=child)], start=1.0), 1.5)
+    assert h.finished == [(records, True)]
+    assert [r.result().shard_id for r in records] == [child, child]
+    assert h.refreshes == 1  # predicted < actual: the map is stale, help it converge
+
+
+def test_wrong_shard_with_an_unknown_actual_range_is_retried() -> None:
+    h = Harness()
+    record = make_record(5)
+    kr = make_kinesis_record([record], SHARD_0)
+    h.retrier.handle(outcome([kr], [ok(shard="shardId-000000000099")], start=1.0), 1.5)
+    assert h.finished == []
+    assert codes(record) == [errors.WRONG_SHARD]
+
+
+def test_wrong_shard_from_a_request_older_than_the_map_does_not_refresh() -> None:
+    h = Harness()
+    h.shard_map.updated_at = 5.0
+    record = make_record(1)
+    kr = make_kinesis_record([record], SHARD_0)
+    h.retrier.handle(outcome([kr], [ok(shard=SHARD_1)], start=4.0), now=6.0)
+    assert codes(record) == [errors.WRONG_SHARD]
+    assert h.refreshes == 0
+    assert h.retrier.delayed_records == 1
+
+
+def test_no_prediction_means_no_wrong_shard_check() -> None:
+    h = Harness()
+    record = make_record(1)
+    kr = make_kinesis_record([record], None)
+    h.retrier.handle(outcome([kr], [ok(shard=SHARD_1)]), 1.5)
+    assert h.finished == [([record], True)]
+    assert record.result().shard_id == SHARD_1
+
+
+# -- attempts ---------------------------------------------------------------------------------
+
+
+def test_attempt_delay_and_duration_follow_the_kpl() -> None:
+    """delay: first attempt from arrival, later ones from the previous attempt's end;
+    duration: the attempt's own length."""
+    h = Harness(rng=_StubRandom())
+    record = make_record(1, arrival=1.0)
+    h.retrier.handle(
+        outcome([make_kinesis_record([record])], [err(THROTTLED)], start=1.5, end=2.0), now=2.0
+    )
+    h.retrier.take_due(h.retrier.next_release)
+    h.retrier.handle(
+        outcome([make_kinesis_record([record])], [ok()], start=3.0, end=3.25), now=3.25
+    )
+    result = record.result()
+    assert [a.success for a in result.attempts] == [False, True]
+    assert [a.delay for a in result.attempts] == pytest.approx([0.5, 1.0])
+    assert [a.duration for a in result.attempts] == pytest.approx([0.5, 0.25])
+    assert result.attempts[0].error_code == THROTTLED
+    assert result.attempts[0].error_message == "nope"
+    assert result.attempts[1].error_code is None
+    assert result.attempts[1].error_message is None
+
+
+def test_take_all_empties_the_retry_queue() -> None:
+    h = Harness()
+    records = [make_record(i) for i in range(3)]
+    h.retrier.handle(outcome([make_kinesis_record(records)], [err(THROTTLED)]), 1.5)
+    assert sorted(id(r) for r in h.retrier.take_all()) == sorted(id(r) for r in records)
+    assert h.retrier.delayed_records == 0
+    assert h.retrier.take_due(1e9) == []
