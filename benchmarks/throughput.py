@@ -79,6 +79,10 @@ async def run_once(endpoint: str, stream: str, records: int, keys: int) -> dict[
 
 
 def main() -> None:
+    if os.environ.get("BENCH_NO_GC"):
+        import gc
+
+        gc.disable()
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--records", type=int, default=300_000)
     parser.add_argument("--keys", type=int, default=2_000)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,9 +23,7 @@ def make_record(
     deadline: float = 1.0,
     expiration: float = 30.0,
 ) -> PendingRecord:
-    hash_key = (
-        partition_key_hash(partition_key) if explicit_hash_key is None else explicit_hash_key
-    )
+    hash_key = partition_key_hash(partition_key) if explicit_hash_key is None else explicit_hash_key
     ehk = None if explicit_hash_key is None else str(explicit_hash_key)
     return PendingRecord("stream", partition_key, data, hash_key, ehk, 0.0, deadline, expiration)
 

@@ -69,7 +69,7 @@ def test_requests_never_exceed_collection_max_size() -> None:
     collector = make_collector(max_size=max_size)
     sizes = [100_000, 250_000, 70_000, 200_000, 240_000, 199_000, 1_000, 90_000] * 4
     shards = _shards(len(sizes))  # one shard each: no per-shard trigger
-    records = [make_kinesis_record(size=n, shard=s) for n, s in zip(sizes, shards)]
+    records = [make_kinesis_record(size=n, shard=s) for n, s in zip(sizes, shards, strict=True)]
     out: list[list[KinesisRecord]] = []
     collector.put(records, 0.0, out)
     collector.flush(out)
@@ -173,7 +173,10 @@ def test_request_deadline_is_the_earliest_of_its_records() -> None:
     collector = make_collector(extend_deadlines=False)
     out: list[list[KinesisRecord]] = []
     collector.put(
-        [make_kinesis_record(deadline=d, shard=s) for d, s in zip((5.0, 3.0, 4.0), _shards(3))],
+        [
+            make_kinesis_record(deadline=d, shard=s)
+            for d, s in zip((5.0, 3.0, 4.0), _shards(3), strict=True)
+        ],
         0.0,
         out,
     )

@@ -73,6 +73,7 @@ def test_bucket_capacity_then_wait_for_tokens() -> None:
     limiter.put(records, 0.0, [])
     out, expired, wake = _drain(limiter, 0.0)
     assert out == records[:10]  # the bucket starts full
+    assert expired == []
     assert wake == pytest.approx(0.1)
     levels = limiter.token_levels(0.0)[SHARD]
     assert levels[0] == pytest.approx(0.0)
@@ -186,15 +187,26 @@ def test_take_all() -> None:
     assert _drain(limiter, 1.0) == ([], [], math.inf)
 
 
-def test_drain_at_the_returned_wake_time_makes_progress() -> None:
+@pytest.mark.parametrize("start", [0.0, 1e3, 123_456.789, 2e5 + 0.1, 1e6 / 3])
+@pytest.mark.parametrize("percent", [1.0, 3.7, 100.0, 150.0])
+def test_drain_at_the_returned_wake_time_makes_progress(start: float, percent: float) -> None:
     """Draining again at the time ``drain`` asked for must release something or ask for a
     later time; otherwise the limiter task spins without sleeping (under trio's MockClock
-    forever, since virtual time never moves while a task is runnable)."""
-    limiter = Limiter(rate_limit_percent=1)
-    records = [make_kinesis_record(deadline=i * 0.001) for i in range(40)]
-    limiter.put(records, 0.0, [])
-    now = 0.0
-    while limiter.queued:
+    forever, since virtual time never moves while a task is runnable). Float rounding makes
+    this easy to get wrong, more so at large clock values."""
+    limiter = Limiter(rate_limit_percent=percent)
+    sizes = [10, 99_999, 7, 300_000, 1_000, 12_345] * 10
+    records = [
+        make_kinesis_record(size=size, deadline=start + i * 0.001) for i, size in enumerate(sizes)
+    ]
+    limiter.put(records, start, [])
+    now = start
+    released = 0
+    for _ in range(100_000):
+        if not limiter.queued:
+            break
         out, expired, wake = _drain(limiter, now)
         assert out or expired or wake > now, f"drain({now!r}) asked to be woken at {wake!r}"
+        released += len(out) + len(expired)
         now = wake
+    assert released == len(records)

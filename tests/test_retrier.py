@@ -88,7 +88,9 @@ class Harness:
         return sum(v for n, v, _, c in self.counts if n == name and (code is None or c == code))
 
 
-def make_record(hash_key: int = 1, *, arrival: float = 0.0, expiration: float = 30.0) -> PendingRecord:
+def make_record(
+    hash_key: int = 1, *, arrival: float = 0.0, expiration: float = 30.0
+) -> PendingRecord:
     return PendingRecord(
         "stream", f"pk{hash_key}", b"data", hash_key, None, arrival, arrival + 0.1, expiration
     )
@@ -393,9 +395,7 @@ def _learn_closed_range(h: Harness, shard_id: str, start: int, end: int) -> None
     closed = _shard(shard_id, start, end)
     closed["SequenceNumberRange"]["EndingSequenceNumber"] = "2"
     h.shard_map.begin_update()
-    h.shard_map.apply_page(
-        [_shard(SHARD_0, 0, HALF), _shard(SHARD_1, HALF + 1, MAX_HASH), closed]
-    )
+    h.shard_map.apply_page([_shard(SHARD_0, 0, HALF), _shard(SHARD_1, HALF + 1, MAX_HASH), closed])
     h.shard_map.finish_update(0.0)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,9 +16,7 @@ from anykpl._shard_map import ShardMap, ShardMapState, run_shard_map, shard_numb
 from .fakes import MAX_HASH, FakeKinesis, even_ranges
 
 
-def _shard(
-    number: int, start: int, end: int, *, closed: bool = False
-) -> Mapping[str, Any]:
+def _shard(number: int, start: int, end: int, *, closed: bool = False) -> Mapping[str, Any]:
     sequence_range = {"StartingSequenceNumber": "1"}
     if closed:
         sequence_range["EndingSequenceNumber"] = "2"
@@ -155,7 +154,7 @@ def test_failure_backoff_grows_by_half_to_thirty_seconds() -> None:
         assert shard_map.state is ShardMapState.INVALID
         assert shard_map.shard_id(0) is None
     assert delays[:5] == pytest.approx([1.0, 1.5, 2.25, 3.375, 5.0625])
-    assert all(b == pytest.approx(min(30.0, a * 1.5)) for a, b in zip(delays, delays[1:]))
+    assert all(b == pytest.approx(min(30.0, a * 1.5)) for a, b in itertools.pairwise(delays))
     assert max(delays) == 30.0
     assert delays[-1] == 30.0
 
@@ -228,9 +227,10 @@ class _Wake:
         return self.event
 
 
-async def _wait_until(predicate: Any, timeout: float = 5.0) -> None:
-    with anyio.fail_after(timeout):
-        while not predicate():
+async def _wait_until(predicate: Any, limit: float = 5.0) -> None:
+    """Poll ``predicate`` (the shard map has no event to wait on)."""
+    with anyio.fail_after(limit):
+        while not predicate():  # noqa: ASYNC110
             await anyio.sleep(0.001)
 
 
@@ -245,7 +245,11 @@ async def test_pagination_sends_only_next_token_on_later_pages() -> None:
         tg.cancel_scope.cancel()
     assert len(fake.list_shards_calls) == 3
     first, *later = fake.list_shards_calls
-    assert first == {"StreamName": "stream", "MaxResults": 1000, "ShardFilter": {"Type": "AT_LATEST"}}
+    assert first == {
+        "StreamName": "stream",
+        "MaxResults": 1000,
+        "ShardFilter": {"Type": "AT_LATEST"},
+    }
     assert [call["NextToken"] for call in later] == ["2", "4"]
     for call in later:
         # sending NextToken together with the stream name (or filter) is rejected (KPL #481)
@@ -275,7 +279,10 @@ async def test_refresh_on_request_picks_up_a_split() -> None:
         "shardId-000000000003",
         "shardId-000000000001",
     )
-    assert shard_map.hash_range("shardId-000000000000") == (fake.shards[0].start, fake.shards[0].end)
+    assert shard_map.hash_range("shardId-000000000000") == (
+        fake.shards[0].start,
+        fake.shards[0].end,
+    )
 
 
 class TestOnMockClock:
@@ -297,9 +304,9 @@ class TestOnMockClock:
         start = anyio.current_time()
         async with anyio.create_task_group() as tg:
             tg.start_soon(run_shard_map, shard_map, "stream", list_shards, _Wake())
-            await _wait_until(lambda: shard_map.state is ShardMapState.READY, timeout=100)
+            await _wait_until(lambda: shard_map.state is ShardMapState.READY, limit=100)
             tg.cancel_scope.cancel()
-        gaps = [b - a for a, b in zip(call_times, call_times[1:])]
+        gaps = [b - a for a, b in itertools.pairwise(call_times)]
         assert call_times[0] == pytest.approx(start)
         assert gaps == pytest.approx([1.0, 1.5, 2.25, 3.375, 5.0625], abs=0.01)
         assert shard_map.backoff == 1.0

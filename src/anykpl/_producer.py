@@ -40,7 +40,7 @@ __all__ = ("Producer", "ProducerStatistics", "StreamStatistics")
 
 _MAX_TTL = 10 * 365 * 86400.0
 CHECKPOINT_EVERY = 128
-_HASH_CACHE_LIMIT = 65536
+_KEY_CACHE_LIMIT = 65536
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +124,9 @@ class Producer(anyio.AsyncContextManagerMixin):
         self._state = "new"  # new → open → closing → closed
         self._metrics = Metrics()
         self._ttl = min(config.record_ttl, _MAX_TTL)
-        self._hash_cache: dict[str, int] = {}
+        # partition key -> (hash key, UTF-8 length): IoT-style workloads reuse keys, and an MD5
+        # costs more than the dictionary lookup
+        self._key_cache: dict[str, tuple[int, int]] = {}
         self._max_records = config.max_outstanding_records
         self._max_bytes = config.max_outstanding_bytes
         self._max_record_size = config.max_user_record_size
@@ -306,29 +308,26 @@ class Producer(anyio.AsyncContextManagerMixin):
                 f"partition_key must be 1..{_limits.MAX_PARTITION_KEY_LENGTH} characters, "
                 f"got {len(partition_key)}"
             )
-        size = len(data) + len(partition_key.encode())
+        if explicit_hash_key is None:
+            cached = self._key_cache.get(partition_key)
+            if cached is None:
+                cached = _key_facts(partition_key)
+                if len(self._key_cache) >= _KEY_CACHE_LIMIT:
+                    self._key_cache.clear()
+                self._key_cache[partition_key] = cached
+            hash_key, key_size = cached
+            ehk = None
+        else:
+            key_size = _key_facts(partition_key)[1]
+            hash_key = _parse_explicit_hash_key(explicit_hash_key)
+            ehk = str(hash_key)
+        size = len(data) + key_size
         if size > self._max_record_size:
             raise errors.InvalidRecordError(
                 f"record is {size} bytes (data + partition key), over the maximum of "
                 f"{self._max_record_size} (max_user_record_size)"
             )
-        if explicit_hash_key is None:
-            hash_key = self._hash_cache.get(partition_key)
-            if hash_key is None:
-                try:
-                    hash_key = partition_key_hash(partition_key)
-                except UnicodeEncodeError as exc:
-                    raise errors.InvalidRecordError(
-                        f"partition_key is not valid Unicode: {exc}"
-                    ) from None
-                if len(self._hash_cache) >= _HASH_CACHE_LIMIT:
-                    self._hash_cache.clear()
-                self._hash_cache[partition_key] = hash_key
-            ehk = None
-        else:
-            hash_key = _parse_explicit_hash_key(explicit_hash_key)
-            ehk = str(hash_key)
-        return PendingRecord(stream, partition_key, data, hash_key, ehk, 0.0, 0.0, 0.0)
+        return PendingRecord(stream, partition_key, data, hash_key, ehk, 0.0, 0.0, 0.0, size)
 
     async def _wait_for_room(self, size: int) -> None:
         timeout = self.config.admission_timeout
@@ -371,7 +370,7 @@ class Producer(anyio.AsyncContextManagerMixin):
         attempt = _AttemptRecord(now, now, False, code, message)
         records = list(self._outstanding)
         for record in records:
-            record._attempts.append(attempt)
+            record._add_attempt(attempt)
         for pipeline in self._pipelines.values():
             pipeline.aggregator.take_all_records()
             pipeline.limiter.take_all()
@@ -450,6 +449,15 @@ def _check_stream_name(stream: object) -> None:
         raise errors.InvalidRecordError(
             f"invalid stream name {stream!r}: 1..128 characters of a-z, A-Z, 0-9, '_', '.' and '-'"
         )
+
+
+def _key_facts(partition_key: str) -> tuple[int, int]:
+    """(hash key, UTF-8 length) of a partition key."""
+    try:
+        encoded = partition_key.encode()
+    except UnicodeEncodeError as exc:
+        raise errors.InvalidRecordError(f"partition_key is not valid Unicode: {exc}") from None
+    return partition_key_hash(encoded), len(encoded)
 
 
 def _as_bytes(data: object) -> bytes:

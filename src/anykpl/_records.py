@@ -97,9 +97,9 @@ class PendingRecord:
     """
 
     __slots__ = (
-        "_attempts",
+        "_earlier_attempts",
         "_event",
-        "_finish",
+        "_last_attempt",
         "_result",
         "_state",
         "arrival",
@@ -127,6 +127,7 @@ class PendingRecord:
         arrival: float,
         deadline: float,
         expiration: float,
+        size: int | None = None,
     ) -> None:
         self.stream = stream
         self.partition_key = partition_key
@@ -136,12 +137,16 @@ class PendingRecord:
         self.arrival = arrival
         self.deadline = deadline
         self.expiration = expiration
-        self.size = len(data) + len(partition_key)
+        # data + UTF-8 partition key: what the record counts towards the limits
+        self.size = len(data) + len(partition_key.encode()) if size is None else size
         self.predicted_shard: str | None = None
         self.shard_id: str | None = None
         self.sequence_number: str | None = None
         self.sub_sequence_number: int | None = None
-        self._attempts: list[_AttemptRecord] = []
+        # The latest attempt in a slot and earlier ones in a tuple: no list per record, since
+        # most records succeed at the first attempt (every allocation here costs GC time).
+        self._last_attempt: _AttemptRecord | None = None
+        self._earlier_attempts: tuple[_AttemptRecord, ...] = ()
         self._state = _PENDING
         self._event: anyio.Event | None = None
         self._result: RecordResult | None = None
@@ -150,7 +155,7 @@ class PendingRecord:
         state = ("pending", "succeeded", "failed")[self._state]
         return (
             f"<PendingRecord stream={self.stream!r} partition_key={self.partition_key!r} "
-            f"{len(self.data)} bytes {state} after {len(self._attempts)} attempt(s)>"
+            f"{len(self.data)} bytes {state} after {len(self._attempts())} attempt(s)>"
         )
 
     def done(self) -> bool:
@@ -195,8 +200,8 @@ class PendingRecord:
 
     def _build_result(self) -> RecordResult:
         success = self._state == _SUCCEEDED
-        if success and len(self._attempts) == 1:  # the common case, kept cheap
-            a = self._attempts[0]
+        a = self._last_attempt
+        if success and a is not None and not self._earlier_attempts:  # the common case
             return RecordResult(
                 True,
                 self.shard_id,
@@ -206,7 +211,7 @@ class PendingRecord:
             )
         attempts = []
         previous_end = self.arrival
-        for a in self._attempts:
+        for a in self._attempts():
             attempts.append(
                 Attempt(
                     delay=max(0.0, a.start - previous_end),
@@ -224,6 +229,16 @@ class PendingRecord:
             sub_sequence_number=self.sub_sequence_number if success else None,
             attempts=tuple(attempts),
         )
+
+    def _attempts(self) -> tuple[_AttemptRecord, ...]:
+        last = self._last_attempt
+        return self._earlier_attempts if last is None else (*self._earlier_attempts, last)
+
+    def _add_attempt(self, attempt: _AttemptRecord) -> None:
+        last = self._last_attempt
+        if last is not None:
+            self._earlier_attempts = (*self._earlier_attempts, last)
+        self._last_attempt = attempt
 
     def _resolve(self, success: bool) -> None:
         self._state = _SUCCEEDED if success else _FAILED
@@ -293,6 +308,8 @@ class KinesisRecord:
         )
 
 
-def partition_key_hash(partition_key: str) -> int:
+def partition_key_hash(partition_key: str | bytes) -> int:
     """The KPL's hash key of a partition key: MD5 of its UTF-8 bytes as a big-endian uint128."""
-    return int.from_bytes(md5(partition_key.encode(), usedforsecurity=False).digest(), "big")
+    if isinstance(partition_key, str):
+        partition_key = partition_key.encode()
+    return int.from_bytes(md5(partition_key, usedforsecurity=False).digest(), "big")

@@ -85,7 +85,7 @@ class Retrier:
 
     def handle(self, outcome: Outcome, now: float) -> None:
         records: Sequence[KinesisRecord] = outcome.records
-        self.count("RequestTime", 1, None, None)
+        self.count("RequestTime", round((outcome.end - outcome.start) * 1000), None, None)
         if outcome.response is None:
             code = outcome.error_code or "UnknownError"
             message = outcome.error_message or ""
@@ -165,7 +165,7 @@ class Retrier:
                 self.request_refresh()
         attempt = _AttemptRecord(outcome.start, outcome.end, True, None, None)
         for index, record in enumerate(kr.records):
-            record._attempts.append(attempt)
+            record._add_attempt(attempt)
             record.shard_id = actual
             record.sequence_number = sequence_number
             record.sub_sequence_number = index
@@ -182,7 +182,7 @@ class Retrier:
 
     def _fail(self, records: Sequence[PendingRecord], attempt: _AttemptRecord) -> None:
         for record in records:
-            record._attempts.append(attempt)
+            record._add_attempt(attempt)
         if attempt.code == errors.EXPIRED:
             self.count("UserRecordExpired", len(records), None, None)
         self.count("UserRecordsFailed", len(records), None, attempt.code)
@@ -209,7 +209,7 @@ class Retrier:
         retry: list[PendingRecord] = []
         expired: list[PendingRecord] = []
         for record in records:
-            record._attempts.append(attempt)
+            record._add_attempt(attempt)
             if record.expiration < now:
                 expired.append(record)
             else:

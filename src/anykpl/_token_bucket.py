@@ -21,6 +21,10 @@ from __future__ import annotations
 
 __all__ = ("TokenBucket",)
 
+# Float tolerance: refilling for exactly ``time_until(...)`` seconds can come out a hair short
+# of the tokens needed, which would make the limiter wake at once and find nothing to do.
+_EPSILON = 1e-9
+
 
 class TokenBucket:
     """Records and bytes tokens, refilled at ``records_per_second`` and ``bytes_per_second``.
@@ -77,7 +81,7 @@ class TokenBucket:
         self._refill(now)
         need_records = min(records, self.records_capacity)
         need_bytes = min(nbytes, self.bytes_capacity)
-        if self._records >= need_records and self._bytes >= need_bytes:
+        if self._records >= need_records - _EPSILON and self._bytes >= need_bytes - _EPSILON:
             self._records -= records
             self._bytes -= nbytes
             return True
@@ -89,9 +93,9 @@ class TokenBucket:
         need_records = min(records, self.records_capacity) - self._records
         need_bytes = min(nbytes, self.bytes_capacity) - self._bytes
         wait = 0.0
-        if need_records > 0:
+        if need_records > _EPSILON:
             wait = need_records / self.records_per_second
-        if need_bytes > 0:
+        if need_bytes > _EPSILON:
             wait = max(wait, need_bytes / self.bytes_per_second)
         return wait
 

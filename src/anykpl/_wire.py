@@ -35,7 +35,7 @@ Where we differ from ``kinesis_record.cc``, and why:
   caller's business (``_aggregator.py``), so :attr:`AggregateBuilder.size` is the framed size even
   for one record, and 20 (not 0) when empty.
 * There is one size and it is exact. The KPL keeps an ``estimated_size`` (3 bytes per entry plus
-  2 per index, an over-estimate) for its flush trigger and computes ``accurate_size`` with
+  2 per index, a few bytes off either way) for its flush trigger and computes ``accurate_size`` with
   ``ByteSize()`` at flush time; when that is too large the Reducer takes records back out with
   ``remove_last``. :meth:`AggregateBuilder.size_with` predicts the exact size before the add,
   so nothing is ever added that has to be removed again, and there is no ``remove_last``.

@@ -142,6 +142,7 @@ _NON_RETRIABLE = frozenset(
         "KMSOptInRequired",
         "KMSInvalidKeyUsageException",
         "ParamValidationError",
+        "NoCredentialsError",
         RECORD_COUNT_MISMATCH,
         EXPIRED,
         PRODUCER_CLOSED,

@@ -421,7 +421,10 @@ async def test_close_with_records_in_flight(
             assert_success(result)
             succeeded.add(uid)
         else:
-            assert result.attempts[-1].error_code in ("ProducerClosed", "ResourceNotFoundException")
+            assert result.attempts[-1].error_code in (
+                "ProducerClosed",
+                "ResourceNotFoundException",
+            ), f"failed record {uid}: {result.attempts}"
     if stream_exists and close_timeout >= 10:
         assert succeeded == set(sent)
     if not stream_exists:
@@ -585,3 +588,33 @@ async def test_flush_after_an_oversized_record(
             assert user_record.decoded.data == sent[uid].data
         arrived[uid] += 1
     assert arrived == Counter({1: 1, 2: 1, 9_999_999: 1})
+
+
+# -- a record's result is fixed once it is terminal ---------------------------------------
+
+
+@pytest.mark.timeout(120)
+async def test_a_record_failed_at_close_ends_with_its_failing_attempt(
+    make_stream: Any, producer_options: dict[str, Any]
+) -> None:
+    """Close while PutRecords are in flight, with close timeouts around how long a request
+    takes, so that some responses arrive just as the close fails what is left. A record that
+    ended in failure must say so in its last attempt (RecordFailedError reports the last
+    attempt's code); an outcome arriving later must not add to a terminal record's attempts."""
+    stream = make_stream(2)
+    inconsistent: list[RecordResult] = []
+    for step in range(40):
+        async with Producer(close_timeout=step * 0.002, **producer_options) as producer:
+            await wait_for_shard_map(producer, stream)
+            handles = [
+                await producer.submit(stream, payload(uid), partition_key=f"k{uid % 50}")
+                for uid in range(200)
+            ]
+        for handle in handles:
+            result = final_result(handle)
+            if result.success != result.attempts[-1].success:
+                inconsistent.append(result)
+    assert not inconsistent, (
+        f"{len(inconsistent)} records whose outcome disagrees with their last attempt, "
+        f"e.g. {inconsistent[0]}"
+    )
