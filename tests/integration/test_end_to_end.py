@@ -603,8 +603,10 @@ async def test_a_record_failed_at_close_ends_with_its_failing_attempt(
     attempt's code); an outcome arriving later must not add to a terminal record's attempts."""
     stream = make_stream(2)
     inconsistent: list[RecordResult] = []
-    for step in range(40):
-        async with Producer(close_timeout=step * 0.002, **producer_options) as producer:
+    for step in range(25):
+        async with Producer(
+            close_timeout=step * 0.002, record_max_buffered_time=0.02, **producer_options
+        ) as producer:
             await wait_for_shard_map(producer, stream)
             handles = [
                 await producer.submit(stream, payload(uid), partition_key=f"k{uid % 50}")
