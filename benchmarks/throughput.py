@@ -106,9 +106,7 @@ def main() -> None:
 
                 profiler = Profiler(async_mode="disabled")
                 profiler.start()
-            result = anyio.run(
-                run_once, endpoint, stream, args.records, args.keys, backend=backend
-            )
+            result = anyio.run(run_once, endpoint, stream, args.records, args.keys, backend=backend)
             if args.profile:
                 profiler.stop()
                 print(profiler.output_text(unicode=True, color=False, show_all=False))

@@ -90,15 +90,19 @@ def main() -> None:
     args = parser.parse_args()
     process, endpoint = start_moto()
     try:
-        client = boto3.client("kinesis", region_name="us-east-1", endpoint_url=endpoint, **CREDENTIALS)
+        client = boto3.client(
+            "kinesis", region_name="us-east-1", endpoint_url=endpoint, **CREDENTIALS
+        )
         stream = "quickstart"
         client.create_stream(StreamName=stream, ShardCount=4)
         sent = anyio.run(produce, endpoint, stream, args.records, backend=args.backend)
         found = read_back(client, stream)
         missing = sent - found
         duplicates = found - sent
-        print(f"read back {sum(found.values())} records: {sum(missing.values())} missing, "
-              f"{sum(duplicates.values())} extra")
+        print(
+            f"read back {sum(found.values())} records: {sum(missing.values())} missing, "
+            f"{sum(duplicates.values())} extra"
+        )
         if missing or duplicates:
             raise SystemExit(1)
         print("every record is in the stream.")

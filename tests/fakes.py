@@ -136,9 +136,10 @@ class FakeKinesis:
         for shard in self.shards:
             for pk, data, _ in shard.records:
                 for r in _wire.deaggregate(data, pk):
-                    out.append(
-                        StoredUserRecord(r.partition_key, r.explicit_hash_key, r.data, shard.shard_id)
+                    stored = StoredUserRecord(
+                        r.partition_key, r.explicit_hash_key, r.data, shard.shard_id
                     )
+                    out.append(stored)
         return out
 
 

@@ -113,6 +113,19 @@ def test_count_limit() -> None:
     assert [r for kr in out for r in kr.records] == records
 
 
+def test_count_limit_seals_as_soon_as_it_is_reached() -> None:
+    """A full aggregate can take nothing more: it goes out at once (the KPL's Reducer flushes
+    when ``size() >= count_limit`` after an add), not when the next record or the deadline
+    comes."""
+    agg = make_aggregator(max_count=3)
+    records = [make_record(f"k{i}", b"x") for i in range(3)]
+    out: list[KinesisRecord] = []
+    for record in records:
+        agg.put(record, out)
+    assert [kr.records for kr in out] == [records]
+    assert agg.buffered_records == 0
+
+
 def test_size_limit_seals_before_the_limit_is_passed() -> None:
     agg = make_aggregator(max_size=200)
     records = [make_record(f"k{i}", bytes(40)) for i in range(20)]
@@ -219,10 +232,11 @@ def test_deadlines_flush_due_aggregates_only() -> None:
 
 
 def test_deadline_of_a_sealed_aggregate_does_not_flush_its_successor() -> None:
-    agg = make_aggregator(max_count=1)
+    agg = make_aggregator(max_count=2)
     out: list[KinesisRecord] = []
     agg.put(make_record("a", deadline=1.0), out)
-    agg.put(make_record("b", deadline=10.0), out)  # seals the first
+    agg.put(make_record("b", deadline=5.0), out)  # full by count: sealed at once
+    agg.put(make_record("c", deadline=10.0), out)
     assert len(out) == 1
     agg.flush_due(2.0, out)
     assert len(out) == 1

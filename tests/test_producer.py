@@ -17,7 +17,7 @@ from anyio.abc import TaskGroup
 from botocore.exceptions import ClientError, EndpointConnectionError
 from trio.testing import MockClock
 
-from anykpl import PendingRecord, Producer, RecordResult, errors
+from anykpl import PendingRecord, Producer, ProducerConfig, RecordResult, errors
 from anykpl._collector import Collector
 from anykpl._wire import deaggregate
 
@@ -191,6 +191,19 @@ async def test_explicit_hash_key_places_the_record(fake_kinesis: FakeKinesis) ->
                     STREAM, b"x", partition_key="same", explicit_hash_key=key
                 )
                 assert result.shard_id == f"shardId-{i:012d}"
+
+
+async def test_config_and_overrides() -> None:
+    config = ProducerConfig(record_ttl=5.0)
+    producer = Producer(config, rate_limit=50.0)
+    assert producer.config.record_ttl == 5.0
+    assert producer.config.rate_limit == 50.0
+    assert config.rate_limit == 100.0  # frozen: the original is untouched
+    assert Producer(record_ttl=7.0).config.record_ttl == 7.0
+    with pytest.raises(errors.ConfigError, match="rate_limit"):
+        Producer(rate_limit=0.5)
+    with pytest.raises(errors.ConfigError, match="rate_limit"):
+        Producer(config, rate_limit=0.5)
 
 
 # -- bad input ----------------------------------------------------------------------------------
@@ -887,6 +900,19 @@ class TestOnMockClock:
     @pytest.fixture
     def anyio_backend(self) -> Any:
         return ("trio", {"clock": MockClock(autojump_threshold=0)})
+
+    async def test_statistics_token_levels_at_time_zero(self) -> None:
+        # MockClock starts at 0.0, a time like any other (nothing here sleeps)
+        fake = FakeKinesis()
+        async with Producer(transport=fake, **fast(record_max_buffered_time=10.0)) as producer:
+            await ready(producer)
+            pending = await producer.submit(STREAM, b"x", partition_key="k", explicit_hash_key=0)
+            await producer.flush()
+            assert (await pending).success
+            assert anyio.current_time() == 0.0
+            stream = producer.statistics().streams[STREAM]
+            assert set(stream.rates) == {"shardId-000000000000"}
+            assert set(stream.token_levels) == set(stream.rates)
 
     @pytest.mark.timeout(15)
     async def test_aggregation_off_is_still_rate_limited(self) -> None:

@@ -118,6 +118,11 @@ class Aggregator:
         self.buffered_records += 1
         if record.expiration < agg.expiration:
             agg.expiration = record.expiration
+        if len(agg.records) >= self.max_count:  # full by count: out at once, as in the KPL
+            if record.deadline < agg.deadline:
+                agg.deadline = record.deadline
+            out.append(self._seal(agg))
+            return False
         if record.deadline < agg.deadline:
             agg.deadline = record.deadline
             self._counter += 1

@@ -410,10 +410,11 @@ class Producer(anyio.AsyncContextManagerMixin):
 
     def statistics(self) -> ProducerStatistics:
         """A frozen snapshot of the producer's state and counters."""
-        now = anyio.current_time() if self._state in ("open", "closing") else 0.0
+        running = self._state in ("open", "closing")
+        now = anyio.current_time() if running else 0.0
         streams = {}
         for name, p in self._pipelines.items():
-            levels = p.limiter.token_levels(now) if now else {}
+            levels = p.limiter.token_levels(now) if running else {}
             streams[name] = StreamStatistics(
                 shard_map_state=p.shard_map.state.value,
                 open_shards=p.shard_map.open_shards,

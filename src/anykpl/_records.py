@@ -235,6 +235,10 @@ class PendingRecord:
         return self._earlier_attempts if last is None else (*self._earlier_attempts, last)
 
     def _add_attempt(self, attempt: _AttemptRecord) -> None:
+        if self._state != _PENDING:
+            # already terminal (failed at close while its request was in flight): its history
+            # ends with the attempt that decided it
+            return
         last = self._last_attempt
         if last is not None:
             self._earlier_attempts = (*self._earlier_attempts, last)

@@ -56,9 +56,7 @@ def moto_endpoint() -> Iterator[str]:
 def kinesis_client(moto_endpoint: str) -> Any:
     import boto3
 
-    return boto3.client(
-        "kinesis", region_name=REGION, endpoint_url=moto_endpoint, **CREDENTIALS
-    )
+    return boto3.client("kinesis", region_name=REGION, endpoint_url=moto_endpoint, **CREDENTIALS)
 
 
 @pytest.fixture
