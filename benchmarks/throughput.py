@@ -15,9 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
 from typing import Any
 
@@ -25,28 +22,9 @@ import anyio
 import boto3
 
 from anykpl import Producer, ProducerConfig
+from anykpl.emulator import spawn
 
 CREDENTIALS = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench"}
-
-
-def start_endpoint() -> tuple[subprocess.Popen[bytes], str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "anykpl.emulator", "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
-    for _ in range(300):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return process, f"http://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.1)
-    process.kill()
-    raise SystemExit("the endpoint did not start")
 
 
 async def run_once(endpoint: str, stream: str, records: int, keys: int) -> dict[str, Any]:
@@ -92,9 +70,8 @@ def main() -> None:
     parser.add_argument("--json", help="write results to this file")
     args = parser.parse_args()
     backends = ["asyncio", "trio"] if args.backend == "both" else [args.backend]
-    process, endpoint = start_endpoint()
     results = {}
-    try:
+    with spawn() as endpoint:
         client = boto3.client(
             "kinesis", region_name="us-east-1", endpoint_url=endpoint, **CREDENTIALS
         )
@@ -115,9 +92,6 @@ def main() -> None:
         if len(results) == 2:
             ratio = results["trio"]["records_per_second"] / results["asyncio"]["records_per_second"]
             print(f"trio / asyncio = {ratio:.2f}")
-    finally:
-        process.terminate()
-        process.wait()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
-import socket
-import subprocess
-import sys
 import time
 
 import anyio
@@ -20,28 +16,9 @@ import boto3
 
 from anykpl import Producer, ProducerConfig
 from anykpl._wire import deaggregate
+from anykpl.emulator import spawn
 
 CREDENTIALS = {"aws_access_key_id": "demo", "aws_secret_access_key": "demo"}
-
-
-def start_moto() -> tuple[subprocess.Popen[bytes], str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "anykpl.emulator", "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
-    for _ in range(300):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return process, f"http://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.1)
-    process.kill()
-    raise SystemExit("moto's server did not start")
 
 
 def read_back(client: object, stream: str) -> collections.Counter[tuple[str, bytes]]:
@@ -88,8 +65,7 @@ def main() -> None:
     parser.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     parser.add_argument("--records", type=int, default=10_000)
     args = parser.parse_args()
-    process, endpoint = start_moto()
-    try:
+    with spawn() as endpoint:
         client = boto3.client(
             "kinesis", region_name="us-east-1", endpoint_url=endpoint, **CREDENTIALS
         )
@@ -106,9 +82,6 @@ def main() -> None:
         if missing or duplicates:
             raise SystemExit(1)
         print("every record is in the stream.")
-    finally:
-        process.terminate()
-        process.wait()
 
 
 if __name__ == "__main__":

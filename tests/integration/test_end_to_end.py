@@ -603,7 +603,7 @@ async def test_a_record_failed_at_close_ends_with_its_failing_attempt(
     attempt's code): an outcome that arrives later must not add to a terminal record."""
     stream = make_stream(2)
     inconsistent: list[RecordResult] = []
-    for step in range(30):
+    for step in range(20):
         async with Producer(
             close_timeout=0.01 + (step % 10) * 0.005,
             record_max_buffered_time=0.02,

@@ -14,11 +14,17 @@ Run it with ``python -m anykpl.emulator --port 4567``. It needs the ``emulator``
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import threading
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
-__all__ = ("make_app", "serve")
+__all__ = ("make_app", "serve", "spawn")
 
 
 def make_app() -> Callable[..., Iterable[bytes]]:
@@ -42,3 +48,36 @@ def serve(host: str = "127.0.0.1", port: int = 4567) -> None:
     from werkzeug.serving import run_simple
 
     run_simple(host, port, make_app(), threaded=True, request_handler=MotoRequestHandler)
+
+
+@contextmanager
+def spawn(startup_timeout: float = 30.0) -> Iterator[str]:
+    """Run the endpoint in its own process on a free 127.0.0.1 port; yields its URL and stops
+    the process on exit."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    process = subprocess.Popen(
+        [sys.executable, "-m", "anykpl.emulator", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the local endpoint did not start") from None
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
