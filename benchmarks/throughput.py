@@ -13,21 +13,25 @@ result, and reports user records/s (wall clock, submit to last result) and CPU s
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
+from collections import deque
 from typing import Any
 
 import anyio
 import boto3
 
-from anykpl import Producer, ProducerConfig
+from anykpl import PendingRecord, Producer, ProducerConfig
 from anykpl.emulator import spawn
 
 CREDENTIALS = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench"}
 
 
-async def run_once(endpoint: str, stream: str, records: int, keys: int) -> dict[str, Any]:
+async def run_once(
+    endpoint: str, stream: str, records: int, keys: int, retain: bool
+) -> dict[str, Any]:
     config = ProducerConfig(
         region="us-east-1",
         endpoint_url=endpoint,
@@ -39,14 +43,31 @@ async def run_once(endpoint: str, stream: str, records: int, keys: int) -> dict[
     async with Producer(config) as producer:
         # warm up: shard map ready, connections open
         await producer.put_record(stream, data, partition_key="warm-up")
+        if os.environ.get("BENCH_GC_FREEZE"):
+            gc.freeze()
         cpu0, wall0 = time.process_time(), time.perf_counter()
-        pending = [
-            await producer.submit(stream, data, partition_key=key_names[i % keys])
-            for i in range(records)
-        ]
-        await producer.flush()
-        wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
-        failed = sum(1 for p in pending if not p.done() or not p.result().success)
+        failed = 0
+        if retain:
+            # keep every handle until the end (the worst case for the garbage collector)
+            pending = [
+                await producer.submit(stream, data, partition_key=key_names[i % keys])
+                for i in range(records)
+            ]
+            await producer.flush()
+            wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+            failed = sum(1 for p in pending if not p.done() or not p.result().success)
+        else:
+            # a firehose: check each result as soon as it is done, keep only the undone ones
+            window: deque[PendingRecord] = deque()
+            for i in range(records):
+                window.append(
+                    await producer.submit(stream, data, partition_key=key_names[i % keys])
+                )
+                while window and window[0].done():
+                    failed += not window.popleft().result().success
+            await producer.flush()
+            failed += sum(1 for p in window if not p.result().success)
+            wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     return {
         "records": records,
         "failed": failed,
@@ -57,15 +78,23 @@ async def run_once(endpoint: str, stream: str, records: int, keys: int) -> dict[
 
 
 def main() -> None:
+    # GC tuning experiments (see docs/benchmarks.md): BENCH_NO_GC=1 disables the cyclic
+    # collector, BENCH_GC_THRESHOLD="g0,g1,g2" sets its thresholds, BENCH_GC_FREEZE=1 freezes
+    # everything allocated at start-up (botocore's models) out of future collections.
     if os.environ.get("BENCH_NO_GC"):
-        import gc
-
         gc.disable()
+    if threshold := os.environ.get("BENCH_GC_THRESHOLD"):
+        gc.set_threshold(*(int(x) for x in threshold.split(",")))
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--records", type=int, default=300_000)
     parser.add_argument("--keys", type=int, default=2_000)
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--backend", choices=["asyncio", "trio", "both"], default="both")
+    parser.add_argument(
+        "--retain",
+        action="store_true",
+        help="keep every PendingRecord until the end instead of checking each as it completes",
+    )
     parser.add_argument("--profile", action="store_true", help="profile with pyinstrument")
     parser.add_argument("--json", help="write results to this file")
     args = parser.parse_args()
@@ -83,7 +112,9 @@ def main() -> None:
 
                 profiler = Profiler(async_mode="disabled")
                 profiler.start()
-            result = anyio.run(run_once, endpoint, stream, args.records, args.keys, backend=backend)
+            result = anyio.run(
+                run_once, endpoint, stream, args.records, args.keys, args.retain, backend=backend
+            )
             if args.profile:
                 profiler.stop()
                 print(profiler.output_text(unicode=True, color=False, show_all=False))

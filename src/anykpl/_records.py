@@ -17,9 +17,8 @@ per try, shared by every user record in the aggregate — and turned into public
 from __future__ import annotations
 
 from collections.abc import Generator
-from dataclasses import dataclass
 from hashlib import md5
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 
@@ -28,9 +27,8 @@ from . import errors
 __all__ = ("Attempt", "KinesisRecord", "PendingRecord", "RecordResult")
 
 
-@dataclass(frozen=True, slots=True)
-class Attempt:
-    """One try at putting a record.
+class Attempt(NamedTuple):
+    """One try at putting a record (an immutable named tuple).
 
     Attributes:
         delay: seconds from the record's arrival (first attempt) or from the end of the previous
@@ -50,9 +48,12 @@ class Attempt:
     error_message: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class RecordResult:
-    """The outcome of one user record.
+class RecordResult(NamedTuple):
+    """The outcome of one user record (an immutable named tuple).
+
+    Results and attempts are named tuples rather than dataclasses: they are built once per
+    record, and tuples of plain values are cheap to build and are untracked by the garbage
+    collector, which matters when a caller holds hundreds of thousands of them.
 
     Attributes:
         success: whether the record was put.
