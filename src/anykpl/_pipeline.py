@@ -24,7 +24,7 @@ deadlock).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -36,7 +36,7 @@ from ._collector import Collector
 from ._limiter import Limiter
 from ._metrics import Metrics
 from ._records import KinesisRecord, PendingRecord
-from ._retrier import Retrier
+from ._retrier import Finish, Retrier
 from ._sender import Transport, run_sender
 from ._shard_map import ShardMap, run_shard_map
 from .config import ProducerConfig
@@ -46,8 +46,6 @@ __all__ = ("Pipeline",)
 WAKE = "wake"
 FLUSH = "flush"
 END = "end"
-
-Finish = Callable[[Sequence[PendingRecord], bool], None]
 
 
 def _stream() -> tuple[MemoryObjectSendStream[Any], MemoryObjectReceiveStream[Any]]:
@@ -247,11 +245,3 @@ class Pipeline:
                 due = retrier.take_due(now)
                 if due:
                     self.aggregator_send.send_nowait(due)
-
-    # -- failing everything ---------------------------------------------------------------
-
-    def queue_depths(self) -> dict[str, dict[str, int]]:
-        return {
-            "aggregator": self.aggregator.queue_depths(),
-            "limiter": self.limiter.queue_depths(),
-        }

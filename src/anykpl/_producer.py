@@ -164,9 +164,7 @@ class Producer(anyio.AsyncContextManagerMixin):
                     if not cancelled and self._failure is None:
                         with anyio.move_on_after(self.config.close_timeout, shield=True):
                             await self.flush()
-                    self._fail_outstanding(
-                        errors.PRODUCER_CLOSED, "the producer closed before the record was put"
-                    )
+                    self._fail_closed()
                     tg.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             # unwrap a lone stage failure so the caller sees the real error
@@ -175,9 +173,7 @@ class Producer(anyio.AsyncContextManagerMixin):
             raise
         finally:
             self._state = "closed"
-            self._fail_outstanding(
-                errors.PRODUCER_CLOSED, "the producer closed before the record was put"
-            )
+            self._fail_closed()  # the safety net, also when opening the transport failed
 
     @asynccontextmanager
     async def _open_transport(self) -> AsyncGenerator[Transport, None]:
@@ -254,14 +250,14 @@ class Producer(anyio.AsyncContextManagerMixin):
         Raises like :meth:`put_record`, except that record failures come from the handle.
         """
         if self._state != "open":
-            raise errors.ProducerClosedError(f"the producer is {self._state}")
+            raise self._not_open()
         record = self._make_record(stream, data, partition_key, explicit_hash_key)
         if len(self._outstanding) >= self._max_records or (
             self._outstanding_bytes + record.size > self._max_bytes and self._outstanding
         ):
             await self._wait_for_room(record.size)
             if self._state != "open":
-                raise errors.ProducerClosedError(f"the producer is {self._state}")
+                raise self._not_open()
         else:
             # With room, admission needs no wait; a checkpoint per call would cost more than
             # the rest of the admission, so a loop of submits yields every CHECKPOINT_EVERY
@@ -271,7 +267,7 @@ class Producer(anyio.AsyncContextManagerMixin):
                 self._admitted_since_checkpoint = 0
                 await anyio.lowlevel.checkpoint()
                 if self._state != "open":
-                    raise errors.ProducerClosedError(f"the producer is {self._state}")
+                    raise self._not_open()
         # the record's clock starts at admission, as the KPL's starts when the daemon sees it
         now = self._clock()
         record.arrival = now
@@ -285,6 +281,13 @@ class Producer(anyio.AsyncContextManagerMixin):
         pipeline.received += 1
         pipeline.put(record)
         return record
+
+    def _not_open(self) -> errors.ProducerClosedError:
+        if self._state == "new":
+            return errors.ProducerClosedError(
+                "the producer is not started: use it as `async with Producer(...) as producer`"
+            )
+        return errors.ProducerClosedError(f"the producer is {self._state}; nothing was enqueued")
 
     def _make_record(
         self,
@@ -337,7 +340,7 @@ class Producer(anyio.AsyncContextManagerMixin):
                     self._outstanding_bytes + size > self._max_bytes and self._outstanding
                 ):
                     if self._state != "open":
-                        raise errors.ProducerClosedError(f"the producer is {self._state}")
+                        raise self._not_open()
                     if self._room is None:
                         self._room = anyio.Event()
                     await self._room.wait()
@@ -362,6 +365,11 @@ class Producer(anyio.AsyncContextManagerMixin):
         if room is not None:
             self._room = None
             room.set()
+
+    def _fail_closed(self) -> None:
+        self._fail_outstanding(
+            errors.PRODUCER_CLOSED, "the producer closed before the record was put"
+        )
 
     def _fail_outstanding(self, code: str, message: str) -> None:
         if not self._outstanding:
@@ -389,6 +397,9 @@ class Producer(anyio.AsyncContextManagerMixin):
             failed; the records carry on).
         """
         snapshot = list(self._outstanding)
+        if not snapshot:
+            await anyio.lowlevel.checkpoint()
+            return
         for pipeline in self._pipelines.values():
             pipeline.flush()
         try:
