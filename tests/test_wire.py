@@ -582,3 +582,28 @@ def test_fuzz_deaggregate(data: bytes, partition_key: str, explicit_hash_key: st
             continue
         if result != [DecodedRecord(partition_key, explicit_hash_key, candidate)]:
             assert result == decode_aggregate(candidate)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    records=st.lists(
+        st.tuples(
+            st.sampled_from(["a", "bb", "ключ", "k" * 200]),
+            st.none() | st.integers(0, 2**128 - 1).map(str),
+            st.binary(max_size=300),
+        ),
+        max_size=30,
+    ),
+    limit=st.integers(20, 3000),
+)
+def test_add_within_agrees_with_size_with(
+    records: list[tuple[str, str | None, bytes]], limit: int
+) -> None:
+    builder = AggregateBuilder()
+    for pk, ehk, data in records:
+        predicted = builder.size_with(pk, ehk, len(data))
+        before = builder.size
+        added = builder.add_within(pk, ehk, data, limit)
+        assert added == (predicted <= limit)
+        assert builder.size == (predicted if added else before)
+        assert builder.size == len(builder.serialize())

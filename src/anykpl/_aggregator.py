@@ -11,7 +11,7 @@ Where we differ, and why:
 - The size trigger is checked *before* adding: if the record would push the aggregate past
   ``aggregation_max_size``, the aggregate is sealed first and the record starts the next one.
   The KPL adds, then sorts by deadline and trims from the end; with exact incremental sizes
-  (``AggregateBuilder.size_with``) the pre-check gives the same bound without the sort.
+  (``AggregateBuilder.add_within``) the check gives the same bound without the sort.
 - A record that is larger than ``aggregation_max_size`` on its own goes out alone, raw.
 - Records with no predicted shard (aggregation off, or the shard map not READY) are wrapped
   alone at once, as in the KPL — but with aggregation off we *still* predict the shard, so the
@@ -28,7 +28,7 @@ import math
 from collections.abc import Callable
 
 from ._records import KinesisRecord, PendingRecord
-from ._wire import AGGREGATION_OVERHEAD, AggregateBuilder
+from ._wire import AggregateBuilder
 
 __all__ = ("Aggregator",)
 
@@ -93,27 +93,21 @@ class Aggregator:
         if shard is None or not self.enabled:
             out.append(KinesisRecord.single(record))
             return False
-        if len(record.data) + len(record.partition_key) + AGGREGATION_OVERHEAD > self.max_size:
-            # too big to share an aggregate: out on its own, raw, after the open aggregate
-            # (sealed first so records of one key keep their order)
-            open_agg = self._open.get(shard)
-            if open_agg is not None:
-                out.append(self._seal(open_agg))
-            out.append(KinesisRecord.single(record))
-            return False
+        pk, ehk, data = record.partition_key, record.explicit_hash_key, record.data
         agg = self._open.get(shard)
-        if agg is None:
-            agg = self._open[shard] = _OpenAggregate(shard)
-        elif (
-            len(agg.records) >= self.max_count
-            or agg.builder.size_with(
-                record.partition_key, record.explicit_hash_key, len(record.data)
-            )
-            > self.max_size
-        ):
-            out.append(self._seal(agg))
-            agg = self._open[shard] = _OpenAggregate(shard)
-        agg.builder.add(record.partition_key, record.explicit_hash_key, record.data)
+        if agg is None or not agg.builder.add_within(pk, ehk, data, self.max_size):
+            # no open aggregate, or the record would push it past the limit: start the next
+            fresh = _OpenAggregate(shard)
+            if not fresh.builder.add_within(pk, ehk, data, self.max_size):
+                # too big to share an aggregate even alone: out on its own, raw, after the open
+                # aggregate (sealed first so that records of one key keep their order)
+                if agg is not None:
+                    out.append(self._seal(agg))
+                out.append(KinesisRecord.single(record))
+                return False
+            if agg is not None:
+                out.append(self._seal(agg))
+            agg = self._open[shard] = fresh
         agg.records.append(record)
         self.buffered_records += 1
         if record.expiration < agg.expiration:

@@ -71,6 +71,9 @@ class RecordResult(NamedTuple):
     attempts: tuple[Attempt, ...]
 
 
+_new_tuple = tuple.__new__
+
+
 class _AttemptRecord:
     """One try of one Kinesis record, shared by all the user records it carried."""
 
@@ -101,7 +104,6 @@ class PendingRecord:
         "_earlier_attempts",
         "_event",
         "_last_attempt",
-        "_result",
         "_state",
         "arrival",
         "data",
@@ -150,7 +152,6 @@ class PendingRecord:
         self._earlier_attempts: tuple[_AttemptRecord, ...] = ()
         self._state = _PENDING
         self._event: anyio.Event | None = None
-        self._result: RecordResult | None = None
 
     def __repr__(self) -> str:
         state = ("pending", "succeeded", "failed")[self._state]
@@ -171,9 +172,9 @@ class PendingRecord:
         """
         if self._state == _PENDING:
             raise RuntimeError("the record is not done yet; await it")
-        result = self._result
-        if result is None:
-            result = self._result = self._build_result()
+        # Built on each call, not cached: a cached result would keep three more objects alive
+        # per record for the garbage collector to walk (see docs/benchmarks.md).
+        result = self._build_result()
         if self._state == _FAILED:
             raise errors.RecordFailedError(result)
         return result
@@ -202,13 +203,24 @@ class PendingRecord:
     def _build_result(self) -> RecordResult:
         success = self._state == _SUCCEEDED
         a = self._last_attempt
-        if success and a is not None and not self._earlier_attempts:  # the common case
-            return RecordResult(
-                True,
-                self.shard_id,
-                self.sequence_number,
-                self.sub_sequence_number,
-                (Attempt(max(0.0, a.start - self.arrival), max(0.0, a.end - a.start), True),),
+        if success and a is not None and not self._earlier_attempts:
+            # The common case, built with tuple.__new__ directly: a named tuple's generated
+            # __new__ is a Python function, and this runs once per record.
+            delay = a.start - self.arrival
+            duration = a.end - a.start
+            attempt = _new_tuple(
+                Attempt,
+                (
+                    delay if delay > 0.0 else 0.0,
+                    duration if duration > 0.0 else 0.0,
+                    True,
+                    None,
+                    None,
+                ),
+            )
+            return _new_tuple(
+                RecordResult,
+                (True, self.shard_id, self.sequence_number, self.sub_sequence_number, (attempt,)),
             )
         attempts = []
         previous_end = self.arrival

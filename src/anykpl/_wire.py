@@ -51,6 +51,7 @@ The decoder is strict where the KCL is lenient; see :func:`decode_aggregate` and
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
@@ -201,23 +202,30 @@ class AggregateBuilder:
         """Add a user record and return its index in the aggregate (its sub-sequence number).
 
         ``explicit_hash_key`` is the decimal string the user gave, or ``None``; only records that
-        gave one get an EHK index. Keys are encoded as UTF-8; validation is the caller's job. (A
-        key that cannot be encoded raises :class:`UnicodeEncodeError`; the aggregate stays valid,
-        though a failing EHK can leave an unused partition key table entry behind.)
+        gave one get an EHK index. Keys are encoded as UTF-8; validation is the caller's job (a
+        key that cannot be encoded raises :class:`UnicodeEncodeError` and leaves the aggregate
+        as it was).
         """
-        # A key is registered only once it has encoded: a key that cannot be encoded (a lone
-        # surrogate) raises UnicodeEncodeError and leaves its table as it was.
+        self.add_within(partition_key, explicit_hash_key, data, math.inf)
+        return (len(self._parts) >> 1) - 1
+
+    def add_within(
+        self, partition_key: str, explicit_hash_key: str | None, data: bytes, limit: float
+    ) -> bool:
+        """Add a user record if the serialized aggregate (with its 20-byte overhead) stays
+        within ``limit`` bytes; return whether it was added. One pass: the encoding used for
+        the size check is the one kept (the producer's aggregator calls this per record)."""
         pk_index = self._pk_indices.get(partition_key)
+        pk_entry = None
         if pk_index is None:
             encoded = partition_key.encode()
             try:
-                entry = _PARTITION_KEY_ENTRY_PREFIX[len(encoded)] + encoded
+                pk_entry = _PARTITION_KEY_ENTRY_PREFIX[len(encoded)] + encoded
             except IndexError:
-                entry = _TAG_PARTITION_KEY_TABLE + _encode_varint(len(encoded)) + encoded
-            pk_index = self._pk_indices[partition_key] = len(self._pk_table)
-            self._pk_table.append(entry)
-            self._size += len(entry)
+                pk_entry = _TAG_PARTITION_KEY_TABLE + _encode_varint(len(encoded)) + encoded
+            pk_index = len(self._pk_table)
         data_len = len(data)
+        ehk_entry = None
         if explicit_hash_key is None:
             try:
                 tail = _PARTITION_KEY_INDEX_FIELD[pk_index] + _DATA_FIELD[data_len]
@@ -229,12 +237,12 @@ class AggregateBuilder:
             if ehk_index is None:
                 encoded = explicit_hash_key.encode()
                 try:
-                    entry = _EXPLICIT_HASH_KEY_ENTRY_PREFIX[len(encoded)] + encoded
+                    ehk_entry = _EXPLICIT_HASH_KEY_ENTRY_PREFIX[len(encoded)] + encoded
                 except IndexError:
-                    entry = _TAG_EXPLICIT_HASH_KEY_TABLE + _encode_varint(len(encoded)) + encoded
-                ehk_index = self._ehk_indices[explicit_hash_key] = len(self._ehk_table)
-                self._ehk_table.append(entry)
-                self._size += len(entry)
+                    ehk_entry = (
+                        _TAG_EXPLICIT_HASH_KEY_TABLE + _encode_varint(len(encoded)) + encoded
+                    )
+                ehk_index = len(self._ehk_table)
             try:
                 tail = (
                     _PARTITION_KEY_INDEX_FIELD[pk_index]
@@ -244,11 +252,26 @@ class AggregateBuilder:
                 header = _RECORD_FIELD[len(tail) + data_len] + tail
             except IndexError:
                 header = _record_header(pk_index, ehk_index, data_len)
+        size = self._size + len(header) + data_len
+        if pk_entry is not None:
+            size += len(pk_entry)
+        if ehk_entry is not None:
+            size += len(ehk_entry)
+        if size + AGGREGATION_OVERHEAD > limit:
+            return False
+        # commit: only now are new table entries registered
+        if pk_entry is not None:
+            self._pk_indices[partition_key] = pk_index
+            self._pk_table.append(pk_entry)
+        if ehk_entry is not None:
+            assert explicit_hash_key is not None
+            self._ehk_indices[explicit_hash_key] = len(self._ehk_table)
+            self._ehk_table.append(ehk_entry)
         parts = self._parts
         parts.append(header)
         parts.append(data)
-        self._size += len(header) + data_len
-        return (len(parts) >> 1) - 1
+        self._size = size
+        return True
 
     @property
     def size(self) -> int:
