@@ -1,0 +1,85 @@
+"""The producer's own CPU per record, without a network: the same firehose workload as
+``throughput.py`` (100-byte records, 2,000 keys, aggregation on, limits off) against an
+in-process transport that answers every PutRecords at once. Best of ``--repeat`` runs, so the
+figure is steady enough to compare two versions of the hot path on a busy machine.
+
+    python benchmarks/hot_path.py --records 300000 --backend asyncio
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import deque
+from typing import Any
+
+import anyio
+
+from anykpl import PendingRecord, Producer
+
+STEP = (1 << 128) // 4
+
+
+class _InstantKinesis:
+    def __init__(self) -> None:
+        self.sequence = 0
+
+    async def put_records(self, stream: str, records: list[dict[str, Any]]) -> Any:
+        await anyio.lowlevel.checkpoint()
+        out = []
+        for entry in records:
+            self.sequence += 1
+            shard = min(int(entry["ExplicitHashKey"]) // STEP, 3)
+            out.append({"ShardId": f"shardId-{shard:012d}", "SequenceNumber": str(self.sequence)})
+        return {"FailedRecordCount": 0, "Records": out}
+
+    async def list_shards(self, **kwargs: Any) -> Any:
+        return {
+            "Shards": [
+                {
+                    "ShardId": f"shardId-{i:012d}",
+                    "HashKeyRange": {
+                        "StartingHashKey": str(i * STEP),
+                        "EndingHashKey": str((i + 1) * STEP - 1 if i < 3 else (1 << 128) - 1),
+                    },
+                    "SequenceNumberRange": {"StartingSequenceNumber": "0"},
+                }
+                for i in range(4)
+            ]
+        }
+
+
+async def run(records: int) -> float:
+    data = b"x" * 100
+    keys = [f"device-{i}" for i in range(2000)]
+    async with Producer(transport=_InstantKinesis(), rate_limit=1e9) as producer:
+        await producer.put_record("bench", data, partition_key="warm-up")
+        cpu0 = time.process_time()
+        window: deque[PendingRecord] = deque()
+        failed = 0
+        for i in range(records):
+            window.append(await producer.submit("bench", data, partition_key=keys[i % 2000]))
+            while window and window[0].done():
+                failed += not window.popleft().result().success
+        await producer.flush()
+        failed += sum(1 for p in window if not p.result().success)
+        cpu = time.process_time() - cpu0
+    assert failed == 0
+    return cpu / records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--records", type=int, default=300_000)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
+    args = parser.parse_args()
+    best = min(anyio.run(run, args.records, backend=args.backend) for _ in range(args.repeat))
+    print(
+        f"{args.backend}: {best * 1e6:.2f} µs CPU per record "
+        f"(≈ {1 / best:,.0f} records/s per core, no network)"
+    )
+
+
+if __name__ == "__main__":
+    main()
