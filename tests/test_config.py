@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from anykpl import _kpl_properties
 from anykpl import config as config_module
 from anykpl.config import KPL_PROPERTY_NAMES, ProducerConfig
 from anykpl.errors import ConfigError
@@ -1027,7 +1028,7 @@ def test_properties_syntax(tmp_path: Path) -> None:
 
 
 def test_properties_escaped_separators_and_even_backslashes() -> None:
-    parse = config_module._parse_properties
+    parse = _kpl_properties._parse_properties
     assert parse("a\\=b = c") == {"a=b": "c"}
     assert parse("a\\ b:c") == {"a b": "c"}
     assert parse("key = ends with two \\\\\nnext = 1") == {"key": "ends with two \\", "next": "1"}

@@ -725,10 +725,19 @@ async def test_a_crashing_stage_fails_every_pending_record(
 
     producer = Producer(transport=fake_kinesis, **FAST)
 
+    admitted = 0
+
     async def run(waiters: TaskGroup) -> None:
+        nonlocal admitted
         async with producer:
             for i in range(5):
-                pending = await producer.submit(STREAM, b"%d" % i, partition_key=f"{i}")
+                # submit may yield (it does while the shard map is not ready), so the crash can
+                # come before all five are in: from then on the producer refuses new records
+                try:
+                    pending = await producer.submit(STREAM, b"%d" % i, partition_key=f"{i}")
+                except errors.ProducerClosedError:
+                    break
+                admitted += 1
                 waiters.start_soon(wait_for, pending)
             await anyio.sleep_forever()  # until the crash cancels the block
 
@@ -736,7 +745,8 @@ async def test_a_crashing_stage_fails_every_pending_record(
         async with anyio.create_task_group() as waiters:
             with pytest.raises(RuntimeError, match="boom"):
                 await run(waiters)
-    assert codes == [errors.PIPELINE_FAILED] * 5
+    assert admitted >= 1
+    assert codes == [errors.PIPELINE_FAILED] * admitted
     with pytest.raises(errors.ProducerClosedError):
         await producer.submit(STREAM, b"after", partition_key="k")
 

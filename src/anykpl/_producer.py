@@ -38,7 +38,6 @@ else:  # pragma: no cover
 
 __all__ = ("Producer", "ProducerStatistics", "StreamStatistics")
 
-_MAX_TTL = 10 * 365 * 86400.0
 CHECKPOINT_EVERY = 128
 _KEY_CACHE_LIMIT = 65536
 
@@ -123,7 +122,7 @@ class Producer(anyio.AsyncContextManagerMixin):
         self._task_group: anyio.abc.TaskGroup | None = None
         self._state = "new"  # new → open → closing → closed
         self._metrics = Metrics()
-        self._ttl = min(config.record_ttl, _MAX_TTL)
+        self._ttl = config.record_ttl  # already clamped to ten years by ProducerConfig
         # partition key -> (hash key, UTF-8 length): IoT-style workloads reuse keys, and an MD5
         # costs more than the dictionary lookup
         self._key_cache: dict[str, tuple[int, int]] = {}
@@ -252,6 +251,7 @@ class Producer(anyio.AsyncContextManagerMixin):
         if self._state != "open":
             raise self._not_open()
         record = self._make_record(stream, data, partition_key, explicit_hash_key)
+        pipeline = self._pipelines.get(stream) or self._pipeline(stream)
         if len(self._outstanding) >= self._max_records or (
             self._outstanding_bytes + record.size > self._max_bytes and self._outstanding
         ):
@@ -261,9 +261,11 @@ class Producer(anyio.AsyncContextManagerMixin):
         else:
             # With room, admission needs no wait; a checkpoint per call would cost more than
             # the rest of the admission, so a loop of submits yields every CHECKPOINT_EVERY
-            # calls (letting the stages run and cancellation in) instead of on each one.
+            # calls (letting the stages run and cancellation in) instead of on each one —
+            # except while the stream's shard map is not ready: then every record goes out
+            # unaggregated, and ListShards must not wait behind a busy caller.
             self._admitted_since_checkpoint += 1
-            if self._admitted_since_checkpoint >= CHECKPOINT_EVERY:
+            if self._admitted_since_checkpoint >= CHECKPOINT_EVERY or not pipeline.shard_map.ready:
                 self._admitted_since_checkpoint = 0
                 await anyio.lowlevel.checkpoint()
                 if self._state != "open":
@@ -277,7 +279,6 @@ class Producer(anyio.AsyncContextManagerMixin):
         record.expiration = expiration
         self._outstanding.add(record)
         self._outstanding_bytes += record.size
-        pipeline = self._pipelines.get(stream) or self._pipeline(stream)
         pipeline.received += 1
         pipeline.put(record)
         return record

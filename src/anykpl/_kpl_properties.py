@@ -1,0 +1,372 @@
+"""Reading the KPL's ``.properties`` files for :meth:`ProducerConfig.from_kpl_properties`.
+
+The mapping from every KPL property name (``KinesisProducerConfiguration.java``) to our field,
+the properties accepted but ignored (they configure the KPL's Java wrapper or native daemon),
+and a ``java.util.Properties`` reader.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Final
+from urllib.parse import urlsplit, urlunsplit
+
+from .errors import ConfigError
+
+__all__ = ("KPL_PROPERTY_NAMES", "read_kpl_properties")
+
+#: The KPL's KinesisEndpoint pattern: a host name or an IP address, nothing else.
+_ENDPOINT_HOST_PATTERN: Final = re.compile(r"[A-Za-z0-9.-]+")
+
+#: Java's Long.valueOf syntax.
+_JAVA_LONG_PATTERN: Final = re.compile(r"[+-]?[0-9]+")
+
+# --- KPL .properties files ------------------------------------------------------------------
+
+#: KPL properties that set a field: property -> (field, how the value is read).
+#: "ms" values are Java longs in milliseconds, converted to seconds.
+_MAPPED_PROPERTIES: Final[Mapping[str, tuple[str, str]]] = {
+    "AggregationEnabled": ("aggregation_enabled", "bool"),
+    "AggregationMaxCount": ("aggregation_max_count", "int"),
+    "AggregationMaxSize": ("aggregation_max_size", "int"),
+    "CollectionMaxCount": ("collection_max_count", "int"),
+    "CollectionMaxSize": ("collection_max_size", "int"),
+    "ConnectTimeout": ("connect_timeout", "ms"),
+    "RequestTimeout": ("request_timeout", "ms"),
+    "FailIfThrottled": ("fail_if_throttled", "bool"),
+    "MaxConnections": ("max_connections", "int"),
+    "MinConnections": ("min_connections", "int"),
+    "MetricsGranularity": ("metrics_granularity", "str"),
+    "MetricsLevel": ("metrics_level", "str"),
+    "MetricsNamespace": ("metrics_namespace", "str"),
+    "MetricsUploadDelay": ("metrics_upload_delay", "ms"),
+    "RateLimit": ("rate_limit", "percent"),
+    "RecordMaxBufferedTime": ("record_max_buffered_time", "ms"),
+    "RecordTtl": ("record_ttl", "ms"),
+    "Region": ("region", "str"),
+    "VerifyCertificate": ("verify_certificate", "bool"),
+    "MaxUserRecordSize": ("max_user_record_size", "int"),
+}
+
+#: The two properties that together make endpoint_url.
+_ENDPOINT_PROPERTIES: Final = ("KinesisEndpoint", "KinesisPort")
+
+_NO_DAEMON: Final = "anykpl runs in your process; there is no native daemon"
+
+#: KPL properties accepted without effect: property -> (kind, KPL default, why it is ignored).
+#: Defaults from KinesisProducerConfiguration.java.
+_IGNORED_PROPERTIES: Final[Mapping[str, tuple[str, str, str]]] = {
+    "CloudwatchEndpoint": (
+        "str",
+        "",
+        "the CloudWatch endpoint comes from botocore's configuration "
+        "(for example AWS_ENDPOINT_URL_CLOUDWATCH)",
+    ),
+    "CloudwatchPort": (
+        "int",
+        "443",
+        "the CloudWatch endpoint comes from botocore's configuration "
+        "(for example AWS_ENDPOINT_URL_CLOUDWATCH)",
+    ),
+    "ThreadingModel": (
+        "str",
+        "PER_REQUEST",
+        "anykpl uses no threads; requests run as tasks on the event loop, "
+        "bounded by max_connections",
+    ),
+    "ThreadPoolSize": (
+        "int",
+        "0",
+        "anykpl uses no threads; requests run as tasks on the event loop, "
+        "bounded by max_connections",
+    ),
+    "LogLevel": (
+        "str",
+        "info",
+        "anykpl logs through the standard logging module; set the level of the 'anykpl' logger",
+    ),
+    "CredentialsRefreshDelay": (
+        "int",
+        "5000",
+        "botocore refreshes expiring credentials itself, and there is no daemon to push them to",
+    ),
+    "EnableCoreDumps": ("bool", "false", _NO_DAEMON),
+    "ProxyHost": (
+        "str",
+        "",
+        "configure a proxy through the environment (HTTPS_PROXY) or botocore's configuration",
+    ),
+    "ProxyPort": (
+        "int",
+        "443",
+        "configure a proxy through the environment (HTTPS_PROXY) or botocore's configuration",
+    ),
+    "ProxyUserName": (
+        "str",
+        "",
+        "configure a proxy through the environment (HTTPS_PROXY) or botocore's configuration",
+    ),
+    "ProxyPassword": (
+        "str",
+        "",
+        "configure a proxy through the environment (HTTPS_PROXY) or botocore's configuration",
+    ),
+    "NativeExecutable": ("str", "", _NO_DAEMON),
+    "TempDirectory": ("str", "", _NO_DAEMON + " to extract"),
+    "CaCertPath": ("str", "", "set botocore's CA bundle instead (AWS_CA_BUNDLE)"),
+    "CaCertFile": ("str", "", "set botocore's CA bundle instead (AWS_CA_BUNDLE)"),
+    "StsEndpoint": (
+        "str",
+        "",
+        "credentials come from botocore (the KPL itself stopped using STS in 1.0.5)",
+    ),
+    "StsPort": (
+        "int",
+        "443",
+        "credentials come from botocore (the KPL itself stopped using STS in 1.0.5)",
+    ),
+    "UserRecordTimeoutInMillis": (
+        "int",
+        "0",
+        "it is a Java-wrapper timeout; use record_ttl, or a cancel scope around put_record",
+    ),
+    "EnableOldestFutureTracker": (
+        "bool",
+        "true",
+        "it is Java-wrapper bookkeeping for getOldestRecordTimeInMillis",
+    ),
+    "ReturnUserRecordOnFailure": (
+        "bool",
+        "false",
+        "it is a Java-wrapper option; the caller awaiting a record still holds its data",
+    ),
+    "EnableDaemonHealthCheck": ("bool", "false", _NO_DAEMON + " to check"),
+    "DaemonHealthCheckTimeoutMs": ("int", "30000", _NO_DAEMON + " to check"),
+}
+
+#: Ignored properties whose values are never repeated in a warning.
+_SECRET_PROPERTIES: Final = frozenset({"ProxyPassword"})
+
+KPL_PROPERTY_NAMES: Final[Mapping[str, str | None]] = MappingProxyType(
+    {
+        **{key: name for key, (name, _) in _MAPPED_PROPERTIES.items()},
+        **dict.fromkeys(_ENDPOINT_PROPERTIES, "endpoint_url"),
+        **dict.fromkeys(_IGNORED_PROPERTIES),
+    }
+)
+"""Every KPL property name ``from_kpl_properties`` accepts, mapped to the field it sets, or to
+``None`` for properties accepted and ignored."""
+
+
+def _read_properties(path: Path) -> dict[str, str]:
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        text = data.decode("iso-8859-1")
+    return _parse_properties(text)
+
+
+def _parse_properties(text: str) -> dict[str, str]:
+    """Parse ``java.util.Properties`` text into a dict; a repeated key keeps its last value."""
+    properties: dict[str, str] = {}
+    for line in _logical_lines(text):
+        key, value = _split_key_value(line)
+        properties[key] = value
+    return properties
+
+
+def _logical_lines(text: str) -> list[str]:
+    """Join continued lines; drop blank and comment lines (which are never continued)."""
+    logical: list[str] = []
+    pending: str | None = None
+    for natural in re.split(r"\r\n|\r|\n", text):
+        line = natural.lstrip(" \t\f")
+        if pending is None and (not line or line[0] in "#!"):
+            continue
+        trailing_backslashes = len(line) - len(line.rstrip("\\"))
+        if trailing_backslashes % 2 == 1:
+            pending = (pending or "") + line[:-1]
+            continue
+        logical.append((pending or "") + line)
+        pending = None
+    if pending is not None:
+        logical.append(pending)
+    return logical
+
+
+def _split_key_value(line: str) -> tuple[str, str]:
+    index = 0
+    while index < len(line) and line[index] not in "=: \t\f":
+        index += 2 if line[index] == "\\" else 1
+    index = min(index, len(line))
+    key = line[:index]
+    while index < len(line) and line[index] in " \t\f":
+        index += 1
+    if index < len(line) and line[index] in "=:":
+        index += 1
+    while index < len(line) and line[index] in " \t\f":
+        index += 1
+    return _unescape(key), _unescape(line[index:])
+
+
+_ESCAPES: Final = {"t": "\t", "n": "\n", "r": "\r", "f": "\f"}
+
+
+def _unescape(text: str) -> str:
+    if "\\" not in text:
+        return text
+    out: list[str] = []
+    index = 0
+    while index < len(text):
+        char = text[index]
+        if char != "\\" or index + 1 == len(text):
+            out.append(char)
+            index += 1
+            continue
+        escaped = text[index + 1]
+        hex_digits = text[index + 2 : index + 6]
+        if escaped == "u" and re.fullmatch(r"[0-9A-Fa-f]{4}", hex_digits):
+            out.append(chr(int(hex_digits, 16)))
+            index += 6
+        else:
+            out.append(_ESCAPES.get(escaped, escaped))
+            index += 2
+    return "".join(out)
+
+
+def _clean_value(raw: str) -> str:
+    # Java keeps trailing whitespace, and the KPL sample ends one value with a stray ';'
+    # ("MaxUserRecordSize = 1048576;"), which Long.valueOf would reject. We forgive both.
+    return raw.strip().removesuffix(";").rstrip()
+
+
+def _parse_java_long(text: str) -> int | None:
+    return int(text) if _JAVA_LONG_PATTERN.fullmatch(text) else None
+
+
+def _convert_property(key: str, name: str, kind: str, text: str) -> object:
+    if kind == "str":
+        return text
+    if kind == "bool":
+        if text.lower() in ("true", "false"):
+            return text.lower() == "true"
+        raise ConfigError(name, text, f"true or false (from KPL property {key}={text!r})")
+    number = _parse_java_long(text)
+    if number is None:
+        unit = " number of milliseconds" if kind == "ms" else ""
+        raise ConfigError(name, text, f"an integer{unit} (from KPL property {key}={text!r})")
+    if kind == "ms":
+        return number / 1000
+    if kind == "percent":
+        return float(number)
+    return number
+
+
+def _is_kpl_default(kind: str, default: str, text: str) -> bool:
+    if kind == "bool":
+        return text.lower() == default
+    if kind == "int":
+        return _parse_java_long(text) == int(default)
+    return text == default
+
+
+def _endpoint_from_properties(properties: Mapping[str, str]) -> str | None:
+    """KinesisEndpoint + KinesisPort -> endpoint_url; None when KinesisEndpoint is unset."""
+    port: int | None = None
+    if "KinesisPort" in properties:
+        raw_port = properties["KinesisPort"]
+        port = _parse_java_long(_clean_value(raw_port))
+        if port is None or not 1 <= port <= 65535:
+            raise ConfigError(
+                "endpoint_url",
+                _clean_value(raw_port),
+                f"a port in 1..65535 (from KPL property KinesisPort={raw_port!r})",
+            )
+    host = _clean_value(properties.get("KinesisEndpoint", ""))
+    if not host:
+        if port is not None and port != 443:
+            warnings.warn(
+                "KPL property KinesisPort is accepted and ignored: it has no effect without "
+                "KinesisEndpoint",
+                UserWarning,
+                stacklevel=4,
+            )
+        return None
+    source = f"(from KPL property KinesisEndpoint={properties['KinesisEndpoint']!r})"
+    if "://" not in host:
+        # The KPL's form: a bare host name or IP address, always reached over TLS.
+        if not _ENDPOINT_HOST_PATTERN.fullmatch(host):
+            raise ConfigError(
+                "endpoint_url", host, f"a host name, or an http:// or https:// URL {source}"
+            )
+        return f"https://{host}:{443 if port is None else port}"
+    # Our extension: a URL with a scheme is used as given, plus KinesisPort if it has no port.
+    try:
+        parts = urlsplit(host)
+        url_port = parts.port
+    except ValueError:
+        raise ConfigError(
+            "endpoint_url", host, f"a host name, or an http:// or https:// URL {source}"
+        ) from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(
+            "endpoint_url", host, f"a host name, or an http:// or https:// URL {source}"
+        )
+    if url_port is None:
+        if port is None:
+            return host
+        return urlunsplit(parts._replace(netloc=f"{parts.netloc}:{port}"))
+    # KinesisPort = 443 is the sample file's default line; only a different, explicit port
+    # contradicts the URL.
+    if port is not None and port not in (443, url_port):
+        raise ConfigError(
+            "endpoint_url",
+            host,
+            f"a URL whose port agrees with KPL property KinesisPort={properties['KinesisPort']!r} "
+            f"{source}",
+        )
+    return host
+
+
+def read_kpl_properties(
+    path: Path,
+) -> tuple[dict[str, Any], dict[str, tuple[str, str, bool]]]:
+    """Read a KPL ``.properties`` file into ``ProducerConfig`` field values.
+
+    Returns ``(values, sources)``: the field values, and for each field the KPL property, its
+    raw text and whether the file's unit was milliseconds (so that a ``ConfigError`` can name
+    the property). Warns about ignored and unknown properties.
+    """
+    properties = _read_properties(path)
+    values: dict[str, Any] = {}
+    # field -> (KPL property, value in the file, whether the file's unit was milliseconds)
+    sources: dict[str, tuple[str, str, bool]] = {}
+    for key, raw in properties.items():
+        text = _clean_value(raw)
+        if key in _MAPPED_PROPERTIES:
+            name, kind = _MAPPED_PROPERTIES[key]
+            values[name] = _convert_property(key, name, kind, text)
+            sources[name] = (key, raw, kind == "ms")
+        elif key in _IGNORED_PROPERTIES:
+            kind, default, reason = _IGNORED_PROPERTIES[key]
+            if not _is_kpl_default(kind, default, text):
+                shown = "" if key in _SECRET_PROPERTIES else f" (set to {text!r})"
+                warnings.warn(
+                    f"KPL property {key}{shown} is accepted and ignored: {reason}",
+                    UserWarning,
+                    stacklevel=3,
+                )
+        elif key not in _ENDPOINT_PROPERTIES:
+            warnings.warn(f"unknown KPL property {key!r} ignored", UserWarning, stacklevel=3)
+
+    endpoint_url = _endpoint_from_properties(properties)
+    if endpoint_url is not None:
+        values["endpoint_url"] = endpoint_url
+        sources["endpoint_url"] = ("KinesisEndpoint", properties["KinesisEndpoint"], False)
+
+    return values, sources
