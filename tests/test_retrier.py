@@ -312,6 +312,19 @@ def test_request_failure_retries_every_kinesis_record() -> None:
     assert h.count_of("AllErrors") == 1
 
 
+def test_one_outcome_advances_a_shards_backoff_once() -> None:
+    rng = _StubRandom()
+    h = Harness(rng=rng, backoff_initial=0.05, backoff_max=5.0)
+    # twenty Kinesis records for shard 0 in one failed request: one step of backoff
+    krs = [make_kinesis_record([make_record(i)]) for i in range(20)]
+    h.retrier.handle(outcome(krs, None, code="HTTP500"), 1.0)
+    assert {b for _, b in rng.bounds} == {0.05}
+    # the next failure takes the next step, for every record in it
+    krs = [make_kinesis_record([make_record(i)]) for i in range(3)]
+    h.retrier.handle(outcome(krs, [err(THROTTLED)] * 3), 2.0)
+    assert [b for _, b in rng.bounds[20:]] == pytest.approx([0.1, 0.1, 0.1])
+
+
 def test_record_count_mismatch_fails_everything() -> None:
     h = Harness()
     a, b = make_record(1), make_record(2)

@@ -77,6 +77,9 @@ class Retrier:
         self.backoff_max = backoff_max
         self.rng = rng or random.Random()
         self._streaks: dict[str | None, int] = {}
+        # shards whose streak this outcome already advanced: one failed request with twenty
+        # Kinesis records for a shard is one step of backoff, not twenty
+        self._advanced: set[str | None] = set()
         self._delayed: list[tuple[float, int, list[PendingRecord]]] = []
         self._counter = 0
         self.delayed_records = 0
@@ -84,6 +87,7 @@ class Retrier:
     # -- outcomes -----------------------------------------------------------------------
 
     def handle(self, outcome: Outcome, now: float) -> None:
+        self._advanced.clear()
         records: Sequence[KinesisRecord] = outcome.records
         self.count("RequestTime", round((outcome.end - outcome.start) * 1000), None, None)
         if outcome.response is None:
@@ -225,7 +229,11 @@ class Retrier:
         delay = 0.0
         if backoff:
             streak = self._streaks.get(backoff_key, 0)
-            self._streaks[backoff_key] = streak + 1
+            if backoff_key in self._advanced:
+                streak -= 1  # the step this outcome already took
+            else:
+                self._advanced.add(backoff_key)
+                self._streaks[backoff_key] = streak + 1
             cap = min(self.backoff_max, self.backoff_initial * (2.0**streak))
             delay = self.rng.uniform(0.0, cap)
         release = now + delay
