@@ -42,7 +42,7 @@ class Metrics:
         """Every counter, at its own level and summed into the stream and global levels."""
         out: dict[MetricKey, float] = defaultdict(float)
         for (name, stream, shard, code), value in self._counts.items():
-            out[MetricKey(name, stream, shard, code)] += 0.0  # ensure the exact key exists
+            # a set: a stream-level point (shard None) is its own stream-level ancestor
             keys = {
                 MetricKey(name, None, None, code),
                 MetricKey(name, stream, None, code),

@@ -1,0 +1,152 @@
+"""The Sender: botocore errors become codes at this boundary, concurrency is bounded, every
+request yields exactly one outcome, and cancellation is never turned into an outcome."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import anyio
+import pytest
+from botocore import exceptions as be
+
+from anykpl import errors
+from anykpl._records import KinesisRecord, PendingRecord
+from anykpl._sender import Outcome, error_code, run_sender
+
+
+def _client_error(code: str, status: int, message: str = "m") -> be.ClientError:
+    return be.ClientError(
+        {
+            "Error": {"Code": code, "Message": message},
+            "ResponseMetadata": {"HTTPStatusCode": status},
+        },
+        "PutRecords",
+    )
+
+
+@pytest.mark.parametrize(
+    ("exc", "code"),
+    [
+        (_client_error("ResourceNotFoundException", 400), "ResourceNotFoundException"),
+        (_client_error("InternalFailure", 500), "InternalFailure"),
+        (_client_error("", 503), "HTTP503"),
+        (be.ReadTimeoutError(endpoint_url="http://x"), errors.TIMEOUT),
+        (be.ConnectTimeoutError(endpoint_url="http://x"), errors.TIMEOUT),
+        (TimeoutError(), errors.TIMEOUT),
+        (be.EndpointConnectionError(endpoint_url="http://x"), errors.CONNECTION_ERROR),
+        (be.ConnectionClosedError(endpoint_url="http://x"), errors.CONNECTION_ERROR),
+        (ConnectionResetError(104, "reset"), errors.CONNECTION_ERROR),
+        (be.NoCredentialsError(), "NoCredentialsError"),
+        (be.ParamValidationError(report="bad"), "ParamValidationError"),
+        (ValueError("odd"), "ValueError"),
+    ],
+)
+def test_error_code_translation(exc: BaseException, code: str) -> None:
+    assert error_code(exc)[0] == code
+
+
+def test_error_code_keeps_the_message() -> None:
+    assert error_code(_client_error("AccessDeniedException", 400, "no")) == (
+        "AccessDeniedException",
+        "no",
+    )
+
+
+def test_terminal_and_retried_transport_codes() -> None:
+    assert not errors.is_retriable("NoCredentialsError")
+    assert not errors.is_retriable("ParamValidationError")
+    assert errors.is_retriable(errors.TIMEOUT)
+    assert errors.is_retriable(errors.CONNECTION_ERROR)
+    assert errors.is_retriable("HTTP503")
+
+
+def _request(n: int) -> list[KinesisRecord]:
+    user = PendingRecord("s", "k", b"d", 1, None, 0.0, 1.0, 30.0)
+    return [KinesisRecord.single(user) for _ in range(n)]
+
+
+class _Transport:
+    def __init__(self, fail: BaseException | None = None, hold: float = 0.05) -> None:
+        self.fail = fail
+        self.hold = hold
+        self.active = 0
+        self.peak = 0
+        self.calls = 0
+
+    async def put_records(self, stream: str, records: list[dict[str, Any]]) -> Any:
+        self.calls += 1
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+        try:
+            await anyio.sleep(self.hold)
+            if self.fail is not None:
+                raise self.fail
+            return {
+                "Records": [{"ShardId": "shardId-000000000000", "SequenceNumber": "1"}]
+                * len(records)
+            }
+        finally:
+            self.active -= 1
+
+    async def list_shards(self, **kwargs: Any) -> Any:  # pragma: no cover - unused here
+        return {"Shards": []}
+
+
+async def _run(transport: _Transport, requests: int, max_connections: int) -> list[Outcome]:
+    send_requests, receive_requests = anyio.create_memory_object_stream[Any](math.inf)
+    send_outcomes, receive_outcomes = anyio.create_memory_object_stream[Outcome](math.inf)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(
+            lambda: run_sender(
+                "s",
+                transport,
+                receive_requests,
+                send_outcomes,
+                max_connections=max_connections,
+                request_timeout=5.0,
+            )
+        )
+        async with send_requests:
+            for _ in range(requests):
+                send_requests.send_nowait(_request(2))
+    async with receive_outcomes:
+        return [o async for o in receive_outcomes]
+
+
+@pytest.mark.anyio
+async def test_at_most_max_connections_in_flight_and_one_outcome_per_request() -> None:
+    transport = _Transport()
+    outcomes = await _run(transport, requests=10, max_connections=3)
+    assert transport.peak == 3
+    assert len(outcomes) == 10
+    assert all(o.response is not None and o.error_code is None for o in outcomes)
+    assert all(o.end >= o.start for o in outcomes)
+
+
+@pytest.mark.anyio
+async def test_a_failed_call_becomes_an_outcome_with_a_code() -> None:
+    outcomes = await _run(_Transport(fail=_client_error("InternalFailure", 500)), 2, 2)
+    assert [(o.response, o.error_code) for o in outcomes] == [(None, "InternalFailure")] * 2
+
+
+@pytest.mark.anyio
+async def test_cancellation_is_not_an_outcome() -> None:
+    transport = _Transport(hold=10.0)
+    send_requests, receive_requests = anyio.create_memory_object_stream[Any](math.inf)
+    send_outcomes, receive_outcomes = anyio.create_memory_object_stream[Outcome](math.inf)
+    with anyio.move_on_after(0.1) as scope:
+        async with send_requests:
+            send_requests.send_nowait(_request(1))
+            await run_sender(
+                "s",
+                transport,
+                receive_requests,
+                send_outcomes,
+                max_connections=1,
+                request_timeout=60.0,
+            )
+    assert scope.cancelled_caught
+    assert transport.calls == 1
+    async with receive_outcomes:
+        assert [o async for o in receive_outcomes] == []
