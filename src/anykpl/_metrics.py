@@ -52,9 +52,6 @@ class Metrics:
                 out[key] += value
         return dict(out)
 
-    def total(self, name: str, error_code: str | None = None) -> float:
-        return sum(v for (n, _, _, c), v in self._counts.items() if n == name and c == error_code)
-
     def by_error_code(self) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
         for (name, _, _, code), value in self._counts.items():

@@ -199,14 +199,14 @@ class Producer(anyio.AsyncContextManagerMixin):
             )
             raise
 
-    def _pipeline(self, stream: str) -> Pipeline:
-        pipeline = self._pipelines.get(stream)
-        if pipeline is None:
-            if self._task_group is None or self._transport is None:
-                raise errors.ProducerClosedError("the producer is not open")
-            pipeline = Pipeline(stream, self.config, self._transport, self._metrics, self._finish)
-            self._pipelines[stream] = pipeline
-            pipeline.start(self._task_group, self._guard)
+    def _open_pipeline(self, stream: str) -> Pipeline:
+        """Validate a stream name seen for the first time and start its pipeline."""
+        _check_stream_name(stream)
+        if self._task_group is None or self._transport is None:
+            raise errors.ProducerClosedError("the producer is not open")
+        pipeline = Pipeline(stream, self.config, self._transport, self._metrics, self._finish)
+        self._pipelines[stream] = pipeline
+        pipeline.start(self._task_group, self._guard)
         return pipeline
 
     # -- putting --------------------------------------------------------------------------
@@ -251,7 +251,7 @@ class Producer(anyio.AsyncContextManagerMixin):
         if self._state != "open":
             raise self._not_open()
         record = self._make_record(stream, data, partition_key, explicit_hash_key)
-        pipeline = self._pipelines.get(stream) or self._pipeline(stream)
+        pipeline = self._pipelines.get(stream) or self._open_pipeline(stream)
         if len(self._outstanding) >= self._max_records or (
             self._outstanding_bytes + record.size > self._max_bytes and self._outstanding
         ):
@@ -299,8 +299,6 @@ class Producer(anyio.AsyncContextManagerMixin):
     ) -> PendingRecord:
         if type(data) is not bytes:
             data = _as_bytes(data)
-        if stream not in self._pipelines:
-            _check_stream_name(stream)
         if partition_key is None:
             partition_key = _random_partition_key()
         elif type(partition_key) is not str:
