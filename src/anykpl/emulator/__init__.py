@@ -1,79 +1,259 @@
-"""A local Kinesis (and S3) endpoint for tests, examples and benchmarks, built on moto's server.
+"""``anykpl emulator``: a local Kinesis (and S3) endpoint that enforces shard limits.
 
-This is the seed of ``anykpl emulator``: today it serves moto's backends with every request
-**serialized** behind one lock. moto's threaded server updates a shard's sequence counter
-without a lock, so concurrent PutRecords calls to one shard hand out the same sequence number
-twice and one record overwrites the other (measured: 20 concurrent requests of 500 records to
-one shard stored 9,913 of 10,000 acknowledged records). Serializing requests makes every
-acknowledged record stick. Shard write limits, fault injection and correct post-split routing
-come with the emulator issue.
+moto's backends own streams, shards, sequence numbers, GetRecords, ListShards, resharding, S3 and
+every other API; this package owns the HTTP server (``_server.py``: one event loop, so moto is
+never entered concurrently) and the write path (``_write_path.py``: per-shard limits like the
+service, routing to open shards, fault injection). ``docs/emulator.md`` is the user's guide.
 
-Run it with ``python -m anykpl.emulator --port 4567``. It needs the ``emulator`` extra
+Three ways to run it, all on 127.0.0.1 by default:
+
+- ``anykpl emulator --port 4567 --streams demo:4`` (or ``python -m anykpl.emulator``);
+- ``with Emulator(streams={"demo": 4}) as url:`` / ``async with Emulator(...) as url:`` in this
+  process, on a server thread with its own event loop (tests);
+- ``with spawn(streams={"demo": 4}) as url:`` in its own process (benchmarks: it must not share
+  a core with the producer).
+
+``EmulatorClient(url)`` controls either kind at run time. It needs the ``emulator`` extra
 (``moto[server]``). The producer core never imports this package.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from types import TracebackType
 
-__all__ = ("make_app", "serve", "spawn")
+from ._client import EmulatorClient, EmulatorControlError
+from ._options import Faults, Limits, Reshard, Storm
 
-
-def make_app() -> Callable[..., Iterable[bytes]]:
-    """moto's WSGI application, wrapped so that one request is handled at a time."""
-    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
-
-    app = DomainDispatcherApplication(create_backend_app)
-    lock = threading.Lock()
-
-    def serialized(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        with lock:
-            # materialise the body inside the lock: moto builds it lazily in some services
-            return list(app(environ, start_response))
-
-    return serialized
+__all__ = (
+    "Emulator",
+    "EmulatorClient",
+    "EmulatorControlError",
+    "Faults",
+    "Limits",
+    "Reshard",
+    "Storm",
+    "spawn",
+)
 
 
-def serve(host: str = "127.0.0.1", port: int = 4567) -> None:
-    """Serve until interrupted."""
-    from moto.moto_server.werkzeug_app import MotoRequestHandler
-    from werkzeug.serving import run_simple
+class Emulator:
+    """The emulator in this process, on a server thread with its own asyncio event loop (so it
+    serves asyncio and trio tests alike).
 
-    run_simple(host, port, make_app(), threaded=True, request_handler=MotoRequestHandler)
+    ``with Emulator(...) as url`` and ``async with Emulator(...) as url`` start it on a free
+    port of ``host`` and give its endpoint URL; ``emulator.client`` controls it.
+    """
+
+    def __init__(
+        self,
+        *,
+        streams: Mapping[str, int] | None = None,
+        limits: Limits | None = None,
+        faults: Faults | None = None,
+        storms: Sequence[Storm] = (),
+        reshards: Sequence[Reshard] = (),
+        region: str = "us-east-1",
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        self.streams = dict(streams or {})
+        self.limits = limits or Limits()
+        self.faults = faults or Faults()
+        self.storms = tuple(storms)
+        self.reshards = tuple(reshards)
+        self.region = region
+        self.host = host
+        self.port = port
+        self.url = ""
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    @property
+    def client(self) -> EmulatorClient:
+        if not self.url:
+            raise RuntimeError("the emulator is not running")
+        return EmulatorClient(self.url)
+
+    def start(self) -> str:
+        """Start serving; returns the endpoint URL."""
+        if self._thread is not None:
+            raise RuntimeError("the emulator is already running")
+        self._ready.clear()
+        self._thread = threading.Thread(target=self._run, name="anykpl-emulator", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            self._thread.join()
+            self._thread = None
+            raise RuntimeError("the emulator did not start") from self._error
+        return self.url
+
+    def stop(self) -> None:
+        """Stop serving and wait for the server thread."""
+        thread, loop, stop = self._thread, self._loop, self._stop
+        if thread is None or loop is None or stop is None:
+            return
+        loop.call_soon_threadsafe(stop.set)
+        thread.join()
+        self._thread = None
+        self.url = ""
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as exc:  # reported to start(); the thread just ends
+            self._error = exc
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        from ._server import EmulatorServer
+
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        server = EmulatorServer(limits=self.limits, faults=self.faults, region=self.region)
+        for name, shards in self.streams.items():
+            server.create_stream(name, shards)
+        for storm in self.storms:
+            server.add_storm(storm)
+        for reshard in self.reshards:
+            server.schedule_reshard(reshard)
+        port = await server.start(self.host, self.port)
+        self.url = f"http://{self.host}:{port}"
+        self._ready.set()
+        try:
+            await self._stop.wait()
+        finally:
+            await server.close()
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> str:
+        import anyio.to_thread
+
+        return await anyio.to_thread.run_sync(self.start)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        import anyio.to_thread
+
+        await anyio.to_thread.run_sync(self.stop)
+
+
+def command_line(
+    *,
+    port: int,
+    host: str = "127.0.0.1",
+    streams: Mapping[str, int] | None = None,
+    limits: Limits | None = None,
+    faults: Faults | None = None,
+    storms: Sequence[Storm] = (),
+    reshards: Sequence[Reshard] = (),
+    region: str = "us-east-1",
+) -> list[str]:
+    """The ``python -m anykpl.emulator`` command line for these options."""
+    argv = [sys.executable, "-m", "anykpl.emulator", "--host", host, "--port", str(port)]
+    argv += ["--region", region]
+    if streams:
+        argv += ["--streams", ",".join(f"{name}:{count}" for name, count in streams.items())]
+    limits = limits or Limits()
+    if not limits.enabled:
+        argv.append("--no-limits")
+    argv += ["--records-per-second", repr(limits.records_per_second)]
+    argv += ["--bytes-per-second", repr(limits.bytes_per_second)]
+    faults = faults or Faults()
+    for name in (
+        "error_rate",
+        "record_failure_rate",
+        "latency",
+        "latency_jitter",
+        "reset_rate",
+        "fault_after_write",
+    ):
+        argv += ["--" + name.replace("_", "-"), repr(getattr(faults, name))]
+    if faults.seed is not None:
+        argv += ["--seed", str(faults.seed)]
+    for storm in storms:
+        shard = storm.shard_id or "*"
+        argv += ["--storm", f"{storm.stream}:{shard}:{storm.start}:{storm.duration}:{storm.factor}"]
+    for reshard in reshards:
+        what = str(reshard.target) if reshard.action == "scale" else (reshard.shard_id or "*")
+        argv += ["--reshard", f"{reshard.stream}:{reshard.action}:{what}:{reshard.at}"]
+    return argv
 
 
 @contextmanager
-def spawn(startup_timeout: float = 30.0) -> Iterator[str]:
-    """Run the endpoint in its own process on a free 127.0.0.1 port; yields its URL and stops
-    the process on exit."""
+def spawn(
+    *,
+    streams: Mapping[str, int] | None = None,
+    limits: Limits | None = None,
+    faults: Faults | None = None,
+    storms: Sequence[Storm] = (),
+    reshards: Sequence[Reshard] = (),
+    region: str = "us-east-1",
+    startup_timeout: float = 60.0,
+) -> Iterator[str]:
+    """Run the emulator in its own process on a free 127.0.0.1 port; yields its URL and stops
+    the process on exit. Its output goes to this process's stderr only if it fails to start."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
+    argv = command_line(
+        port=port,
+        streams=streams,
+        limits=limits,
+        faults=faults,
+        storms=storms,
+        reshards=reshards,
+        region=region,
+    )
     process = subprocess.Popen(
-        [sys.executable, "-m", "anykpl.emulator", "--port", str(port)],
+        argv,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
+    url = f"http://127.0.0.1:{port}"
+    client = EmulatorClient(url, timeout=2.0)
     try:
         deadline = time.monotonic() + startup_timeout
         while True:
             try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                client.health()
                 break
             except OSError:
                 if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the local endpoint did not start") from None
-                time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}"
+                    process.kill()
+                    _, err = process.communicate()
+                    raise RuntimeError(
+                        f"the emulator did not start: {err.decode(errors='replace')[-2000:]}"
+                    ) from None
+                time.sleep(0.05)
+        yield url
     finally:
         process.terminate()
         try:
@@ -81,3 +261,5 @@ def spawn(startup_timeout: float = 30.0) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+        if process.stderr is not None:
+            process.stderr.close()

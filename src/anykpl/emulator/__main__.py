@@ -1,21 +1,148 @@
-"""``python -m anykpl.emulator --port 4567``: serve the local endpoint until interrupted."""
+"""A local Kinesis (and S3, and everything else moto serves) on one port, enforcing each shard's
+write limits (1,000 records/s and 1 MiB/s, per record, like the service) and injecting faults on
+request. Any AWS client talks to it with ``endpoint_url=http://HOST:PORT`` and any credentials.
+Control it at run time through ``/_anykpl/`` (``anykpl.emulator.EmulatorClient``)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import signal
+import sys
 
-from . import serve
+from ._options import Faults, Limits, Reshard, Storm
 
 
-def main(argv: list[str] | None = None) -> None:
+def _streams(spec: str) -> dict[str, int]:
+    streams = {}
+    for item in filter(None, spec.split(",")):
+        name, _, count = item.partition(":")
+        streams[name] = int(count or 1)
+    return streams
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    parser.add_argument("--port", type=int, default=4567, help="port to listen on (4567)")
+    parser.add_argument("--region", default="us-east-1", help="region of --streams (us-east-1)")
+    parser.add_argument(
+        "--streams",
+        type=_streams,
+        default={},
+        metavar="NAME:SHARDS,...",
+        help="streams to create at start, e.g. demo:4,other:2",
+    )
+    limits = parser.add_argument_group("shard limits")
+    limits.add_argument("--no-limits", action="store_true", help="accept any rate")
+    limits.add_argument(
+        "--records-per-second",
+        type=float,
+        default=Limits.records_per_second,
+        help="records per second per shard (1000)",
+    )
+    limits.add_argument(
+        "--bytes-per-second",
+        type=float,
+        default=Limits.bytes_per_second,
+        help="bytes (data + partition key) per second per shard (1048576)",
+    )
+    faults = parser.add_argument_group("faults (PutRecord and PutRecords only)")
+    faults.add_argument(
+        "--error-rate", type=float, default=0.0, help="share of requests answered 500/503"
+    )
+    faults.add_argument(
+        "--record-failure-rate",
+        type=float,
+        default=0.0,
+        help="share of records answered InternalFailure",
+    )
+    faults.add_argument("--latency", type=float, default=0.0, help="seconds added to each request")
+    faults.add_argument(
+        "--latency-jitter", type=float, default=0.0, help="up to this many seconds more, at random"
+    )
+    faults.add_argument(
+        "--reset-rate", type=float, default=0.0, help="share of requests whose connection is reset"
+    )
+    faults.add_argument(
+        "--fault-after-write",
+        type=float,
+        default=0.5,
+        help="share of request errors and resets that happen after storing",
+    )
+    faults.add_argument("--seed", type=int, default=None, help="seed of the fault dice")
+    faults.add_argument(
+        "--storm",
+        type=Storm.parse,
+        action="append",
+        default=[],
+        metavar="STREAM:SHARD|*:START:DURATION[:FACTOR]",
+        help="cut a shard's limits to FACTOR (0.1) for DURATION s from START s",
+    )
+    faults.add_argument(
+        "--reshard",
+        type=Reshard.parse,
+        action="append",
+        default=[],
+        metavar="STREAM:split|merge:SHARD|*:AT or STREAM:scale:N:AT",
+        help="reshard at AT seconds after start",
+    )
+    parser.add_argument("--verbose", "-v", action="store_true", help="log control events")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ._server import EmulatorServer
+
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(message)s",
+    )
+    limits = Limits(
+        enabled=not args.no_limits,
+        records_per_second=args.records_per_second,
+        bytes_per_second=args.bytes_per_second,
+    )
+    faults = Faults(
+        error_rate=args.error_rate,
+        record_failure_rate=args.record_failure_rate,
+        latency=args.latency,
+        latency_jitter=args.latency_jitter,
+        reset_rate=args.reset_rate,
+        fault_after_write=args.fault_after_write,
+        seed=args.seed,
+    )
+
+    async def serve() -> None:
+        server = EmulatorServer(limits=limits, faults=faults, region=args.region)
+        for name, shards in args.streams.items():
+            server.create_stream(name, shards)
+        for storm in args.storm:
+            server.add_storm(storm)
+        for reshard in args.reshard:
+            server.schedule_reshard(reshard)
+        port = await server.start(args.host, args.port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        state = "off"
+        if limits.enabled:
+            state = f"{limits.records_per_second:g} records/s and {limits.bytes_per_second:g} B/s"
+        print(f"anykpl emulator on http://{args.host}:{port} (limits: {state})", flush=True)
+        try:
+            await stop.wait()
+        finally:
+            await server.close()
+
+    asyncio.run(serve())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m anykpl.emulator", description=__doc__)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=4567)
-    args = parser.parse_args(argv)
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    serve(args.host, args.port)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,551 @@
+"""The emulator's HTTP server: a small asyncio HTTP/1.1 server in front of moto.
+
+Why not moto's own server: werkzeug's threaded development server handles one request per
+thread, so concurrent PutRecords to one shard race on moto's sequence counter and lose records
+(measured in the core producer issue), and it cannot reset a connection on purpose. This server
+runs every request on one event loop thread, so moto's backend is never entered concurrently:
+
+- ``PutRecord`` / ``PutRecords`` (the ``X-Amz-Target`` header says which) go to the write path
+  (``_write_path.py``), through the fault dice;
+- ``/_anykpl/...`` is the control endpoint (statistics, faults, limits, storms, reshards);
+- everything else — every other Kinesis API, S3, any other service moto serves — is handed to
+  moto's WSGI application in-line, as moto's server would.
+
+The server speaks just enough HTTP/1.1 for AWS SDKs: keep-alive, Content-Length and chunked
+bodies, ``Expect: 100-continue`` (aiohttp waits for it before sending an S3 body).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import re
+import sys
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any
+from urllib.parse import unquote
+
+from ._options import Faults, Limits, Reshard, Storm, from_json, to_json
+from ._write_path import KinesisError, WritePath
+
+__all__ = ("EmulatorServer",)
+
+logger = logging.getLogger("anykpl.emulator")
+
+_TARGET_PREFIX = "Kinesis_20131202."
+_CREDENTIAL = re.compile(r"Credential=([^/,\s]+)/[^/]+/([^/]+)/")
+_CONTROL_PREFIX = "/_anykpl/"
+_REASONS = {
+    100: "Continue",
+    200: "OK",
+    204: "No Content",
+    206: "Partial Content",
+    304: "Not Modified",
+    400: "Bad Request",
+    403: "Forbidden",
+    404: "Not Found",
+    409: "Conflict",
+    412: "Precondition Failed",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
+
+
+class _Request:
+    __slots__ = ("body", "headers", "method", "target")
+
+    def __init__(self, method: str, target: str, headers: dict[str, str], body: bytes) -> None:
+        self.method = method
+        self.target = target
+        self.headers = headers
+        self.body = body
+
+
+class _Reset(Exception):
+    """Raised by a handler to reset the connection with no answer."""
+
+
+_Response = tuple[int, list[tuple[str, str]], bytes]
+
+
+def _json_response(status: int, body: Any, content_type: str = "application/json") -> _Response:
+    payload = json.dumps(body, separators=(",", ":")).encode()
+    return (
+        status,
+        [("Content-Type", content_type), ("x-amzn-RequestId", str(uuid.uuid4()))],
+        (payload),
+    )
+
+
+def _patch_moto_resharding() -> None:
+    """Keep records where the service keeps them when a shard is split or merged.
+
+    moto's ``split_shard`` re-puts the parent's records (they go back into the parent, with new
+    sequence numbers) and ``merge_shards`` copies both parents' records into the child, so a
+    reader of every shard sees them twice. On the service the parents keep their records and the
+    children start empty. Run moto's resharding with the parents' records set aside, then put
+    them back.
+    """
+    from moto.kinesis.models import Stream
+
+    if getattr(Stream, "_anykpl_patched", False):
+        return
+    split, merge = Stream.split_shard, Stream.merge_shards
+
+    def keep_records(original: Callable[..., None]) -> Callable[..., None]:
+        def wrapper(self: Any, *args: Any) -> None:
+            parents = [self.shards[s] for s in args if isinstance(s, str) and s in self.shards]
+            saved = [(p, p.records) for p in parents]
+            for parent in parents:
+                parent.records = type(parent.records)()
+            try:
+                original(self, *args)
+            finally:
+                for parent, records in saved:
+                    parent.records = records
+
+        return wrapper
+
+    Stream.split_shard = keep_records(split)  # type: ignore[method-assign]
+    Stream.merge_shards = keep_records(merge)  # type: ignore[method-assign]
+    Stream._anykpl_patched = True  # type: ignore[attr-defined]
+
+
+class EmulatorServer:
+    """moto's backends, the write path and the control endpoint behind one HTTP port."""
+
+    def __init__(
+        self,
+        *,
+        limits: Limits,
+        faults: Faults,
+        region: str = "us-east-1",
+        account_id: str | None = None,
+    ) -> None:
+        from moto.core.models import DEFAULT_ACCOUNT_ID
+        from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
+
+        _patch_moto_resharding()
+        self._moto = DomainDispatcherApplication(create_backend_app)
+        self.region = region
+        self.account_id = account_id or DEFAULT_ACCOUNT_ID
+        self._loop = asyncio.get_running_loop()
+        self.write_path = WritePath(limits, faults, self._loop.time())
+        self._streams: dict[tuple[str, str, str], Any] = {}
+        self.reshard_log: list[dict[str, Any]] = []
+        self._server: asyncio.base_events.Server | None = None
+        self._connections: set[asyncio.StreamWriter] = set()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen; returns the port (a free one when ``port`` is 0)."""
+        self._server = await asyncio.start_server(
+            self._serve_connection, host, port, limit=1 << 20, backlog=256
+        )
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for writer in list(self._connections):
+                writer.transport.abort()
+            await self._server.wait_closed()
+
+    # -- streams, storms, reshards -----------------------------------------------------------
+
+    def create_stream(self, name: str, shards: int, region: str | None = None) -> None:
+        from moto.kinesis.models import kinesis_backends
+
+        region = region or self.region
+        stream = kinesis_backends[self.account_id][region].create_stream(name, shards)
+        self._streams[(self.account_id, region, name)] = stream
+
+    def add_storm(self, storm: Storm) -> None:
+        self.write_path.add_storm(storm, self._loop.time())
+
+    def schedule_reshard(self, reshard: Reshard) -> None:
+        self._loop.call_later(reshard.at, self._reshard, reshard)
+
+    def _find_stream(self, name: str) -> Any:
+        for (_account, _region, stream_name), stream in self._streams.items():
+            if stream_name == name:
+                return stream
+        from moto.kinesis.models import kinesis_backends
+
+        backend = kinesis_backends[self.account_id][self.region]
+        stream = backend.describe_stream(stream_arn=None, stream_name=name)
+        self._streams[(self.account_id, self.region, name)] = stream
+        return stream
+
+    def _reshard(self, reshard: Reshard) -> None:
+        entry: dict[str, Any] = {**to_json(reshard), "done_at": self.uptime()}
+        try:
+            stream = self._find_stream(reshard.stream)
+            open_shards = sorted(
+                (s for s in stream.shards.values() if s.is_open), key=lambda s: s.starting_hash
+            )
+            if reshard.action == "scale":
+                assert reshard.target is not None
+                stream.update_shard_count(reshard.target)
+            else:
+                if reshard.shard_id is None:
+                    shard = open_shards[0]
+                else:
+                    shard = stream.shards[reshard.shard_id]
+                if reshard.action == "split":
+                    middle = (shard.starting_hash + shard.ending_hash) // 2 + 1
+                    stream.split_shard(shard.shard_id, str(middle))
+                else:
+                    index = open_shards.index(shard)
+                    neighbour = open_shards[index + 1 if index + 1 < len(open_shards) else -2]
+                    first, second = sorted((shard, neighbour), key=lambda s: s.starting_hash)
+                    stream.merge_shards(first.shard_id, second.shard_id)
+            entry["result"] = "ok"
+            logger.info("reshard done: %s", entry)
+        except Exception as exc:
+            entry["result"] = f"{type(exc).__name__}: {exc}"
+            logger.warning("reshard failed: %s", entry)
+        self.reshard_log.append(entry)
+
+    def uptime(self) -> float:
+        return self._loop.time() - self.write_path.started
+
+    def statistics(self) -> dict[str, Any]:
+        """The statistics document (see docs/emulator.md)."""
+        now = self._loop.time()
+        write_path = self.write_path
+        shards = []
+        seen: set[tuple[str, str]] = set()
+        for (_account, _region, stream_name), stream in list(self._streams.items()):
+            for shard in stream.shards.values():
+                seen.add((stream_name, shard.shard_id))
+                shards.append(self._shard_document(stream_name, shard.shard_id, shard.is_open, now))
+        for stream_name, shard_id in list(write_path.stats):
+            if (stream_name, shard_id) not in seen:
+                shards.append(self._shard_document(stream_name, shard_id, None, now))
+        return {
+            "uptime": now - write_path.started,
+            "totals": dict(write_path.totals),
+            "limits": to_json(write_path.limits),
+            "faults": to_json(write_path.faults),
+            "storms": [
+                {**to_json(storm), "starts_in": start - now, "ends_in": end - now}
+                for start, end, storm in write_path.storms
+                if end > now
+            ],
+            "reshards": list(self.reshard_log),
+            "shards": shards,
+        }
+
+    def _shard_document(
+        self, stream: str, shard_id: str, is_open: bool | None, now: float
+    ) -> dict[str, Any]:
+        stats = self.write_path.shard_stats(stream, shard_id)
+        limits = self.write_path.shard_limits(stream, shard_id, now)
+        totals = stats.totals
+        return {
+            "stream": stream,
+            "shard_id": shard_id,
+            "open": is_open,
+            "limit_records": None if limits is None else limits[0],
+            "limit_bytes": None if limits is None else limits[1],
+            "accepted_records": totals[0],
+            "accepted_bytes": totals[1],
+            "throttled_records": totals[2],
+            "throttled_bytes": totals[3],
+            "failed_records": totals[4],
+            "per_second": [[second, *row[:4]] for second, row in sorted(stats.per_second.items())],
+        }
+
+    # -- HTTP --------------------------------------------------------------------------------
+
+    async def _serve_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        self._connections.add(writer)
+        try:
+            while True:
+                request = await self._read_request(reader, writer)
+                if request is None:
+                    return
+                try:
+                    status, headers, body = await self._dispatch(request)
+                except _Reset:
+                    writer.transport.abort()
+                    return
+                keep_alive = request.headers.get("connection", "").lower() != "close"
+                head = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}"]
+                head.extend(f"{name}: {value}" for name, value in headers)
+                head.append(f"Content-Length: {len(body)}")
+                if not keep_alive:
+                    head.append("Connection: close")
+                writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
+                if request.method != "HEAD" and body:
+                    writer.write(body)
+                await writer.drain()
+                if not keep_alive:
+                    return
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            return
+        except asyncio.CancelledError:
+            # the server is closing; nothing awaits this task, and Python 3.11's start_server
+            # callback would log a cancelled connection task as an error
+            return
+        finally:
+            self._connections.discard(writer)
+            writer.close()
+
+    async def _read_request(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> _Request | None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError as exc:
+            if exc.partial.strip():
+                raise
+            return None
+        lines = head[:-4].decode("latin-1").split("\r\n")
+        method, target, _version = lines[0].split(" ", 2)
+        if not target.startswith("/"):
+            # absolute form (``POST http://host:port/ HTTP/1.1``), as some clients send it
+            target = "/" + target.split("://", 1)[-1].partition("/")[2]
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            name = name.strip().lower()
+            value = value.strip()
+            headers[name] = f"{headers[name]}, {value}" if name in headers else value
+        if headers.get("expect", "").lower() == "100-continue":
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            chunks = []
+            while True:
+                size_line = await reader.readuntil(b"\r\n")
+                size = int(size_line.split(b";", 1)[0].strip(), 16)
+                if size == 0:
+                    # trailers, up to the blank line
+                    while (await reader.readuntil(b"\r\n")) != b"\r\n":
+                        pass
+                    break
+                chunks.append(await reader.readexactly(size))
+                await reader.readexactly(2)
+            body = b"".join(chunks)
+            del headers["transfer-encoding"]
+            headers["content-length"] = str(len(body))
+        else:
+            length = int(headers.get("content-length", "0") or 0)
+            body = await reader.readexactly(length) if length else b""
+        return _Request(method, target, headers, body)
+
+    async def _dispatch(self, request: _Request) -> _Response:
+        if request.target.startswith(_CONTROL_PREFIX):
+            try:
+                return self._control(request)
+            except (ValueError, TypeError, KeyError) as exc:
+                return _json_response(400, {"error": f"{type(exc).__name__}: {exc}"})
+        target = request.headers.get("x-amz-target", "")
+        if target in ("Kinesis_20131202.PutRecords", "Kinesis_20131202.PutRecord"):
+            return await self._write(request, target[len(_TARGET_PREFIX) :])
+        return self._call_moto(request)
+
+    # -- the write path, through the fault dice ----------------------------------------------
+
+    async def _write(self, request: _Request, operation: str) -> _Response:
+        write_path = self.write_path
+        faults = write_path.faults
+        dice = write_path.random.random
+        write_path.totals["requests"] += 1
+        fault = None
+        if faults.error_rate or faults.reset_rate:
+            roll = dice()
+            if roll < faults.error_rate:
+                fault = "error"
+            elif roll < faults.error_rate + faults.reset_rate:
+                fault = "reset"
+        after_write = fault is not None and dice() < faults.fault_after_write
+        if faults.latency or faults.latency_jitter:
+            await asyncio.sleep(faults.latency + dice() * faults.latency_jitter)
+        if fault is not None and not after_write:
+            return self._fault(fault)
+        try:
+            response = self._put(request, operation)
+        except KinesisError as exc:
+            write_path.totals["request_errors"] += 1
+            return _json_response(exc.status, exc.body(), "application/x-amz-json-1.1")
+        if fault is not None:
+            return self._fault(fault)
+        return _json_response(200, response, "application/x-amz-json-1.1")
+
+    def _fault(self, fault: str) -> _Response:
+        totals = self.write_path.totals
+        if fault == "reset":
+            totals["resets"] += 1
+            raise _Reset
+        totals["request_errors"] += 1
+        if self.write_path.random.random() < 0.5:
+            body = {"__type": "InternalFailure", "message": "Internal service failure."}
+            return _json_response(500, body, "application/x-amz-json-1.1")
+        body = {"__type": "ServiceUnavailable", "message": "Service Unavailable"}
+        return _json_response(503, body, "application/x-amz-json-1.1")
+
+    def _put(self, request: _Request, operation: str) -> dict[str, Any]:
+        from moto.kinesis.models import kinesis_backends
+
+        try:
+            payload = json.loads(request.body)
+        except ValueError as exc:
+            raise KinesisError(400, "SerializationException", str(exc)) from None
+        if not isinstance(payload, dict):
+            raise KinesisError(400, "SerializationException", "the request is not an object")
+        account_id, region = self._caller(request.headers)
+        name = payload.get("StreamName")
+        arn = payload.get("StreamARN")
+        stream = self._streams.get((account_id, region, name)) if name else None
+        if stream is None:
+            try:
+                stream = kinesis_backends[account_id][region].describe_stream(
+                    stream_arn=arn, stream_name=name
+                )
+            except Exception as exc:
+                raise KinesisError(
+                    getattr(exc, "code", 400),
+                    getattr(exc, "error_type", "ResourceNotFoundException"),
+                    getattr(exc, "message", str(exc)),
+                ) from None
+            self._streams[(account_id, region, stream.stream_name)] = stream
+        now = self._loop.time()
+        if operation == "PutRecords":
+            return self.write_path.put_records(stream, account_id, payload.get("Records"), now)
+        return self.write_path.put_record(stream, account_id, payload, now)
+
+    def _caller(self, headers: Mapping[str, str]) -> tuple[str, str]:
+        """(account id, region) as moto decides them: MOTO_ACCOUNT_ID, the x-moto-account-id
+        header, or the access key; the region from the signature's credential scope."""
+        import os
+
+        match = _CREDENTIAL.search(headers.get("authorization", ""))
+        region = match.group(2) if match else self.region
+        account = os.environ.get("MOTO_ACCOUNT_ID") or headers.get("x-moto-account-id")
+        if not account:
+            if match:
+                from moto.iam.models import get_account_id_from
+
+                account = get_account_id_from(match.group(1))
+            else:
+                account = self.account_id
+        return account, region
+
+    # -- moto --------------------------------------------------------------------------------
+
+    def _call_moto(self, request: _Request) -> _Response:
+        path, _, query = request.target.partition("?")
+        host = request.headers.get("host", "127.0.0.1")
+        server_name, _, server_port = host.partition(":")
+        environ: dict[str, Any] = {
+            "REQUEST_METHOD": request.method,
+            "SCRIPT_NAME": "",
+            "PATH_INFO": unquote(path, encoding="latin-1"),
+            "RAW_URI": request.target,
+            "REQUEST_URI": request.target,
+            "QUERY_STRING": query,
+            "SERVER_NAME": server_name,
+            "SERVER_PORT": server_port or "80",
+            "SERVER_PROTOCOL": "HTTP/1.1",
+            "CONTENT_LENGTH": str(len(request.body)),
+            "wsgi.version": (1, 0),
+            "wsgi.url_scheme": "http",
+            "wsgi.input": io.BytesIO(request.body),
+            "wsgi.errors": sys.stderr,
+            "wsgi.multithread": False,
+            "wsgi.multiprocess": False,
+            "wsgi.run_once": False,
+        }
+        for name, value in request.headers.items():
+            if name == "content-type":
+                environ["CONTENT_TYPE"] = value
+            elif name != "content-length":
+                environ["HTTP_" + name.upper().replace("-", "_")] = value
+        captured: dict[str, Any] = {}
+
+        def start_response(
+            status: str, headers: list[tuple[str, str]], exc_info: Any = None
+        ) -> Callable[[bytes], None]:
+            captured["status"] = int(status.split(" ", 1)[0])
+            captured["headers"] = headers
+            return lambda data: None
+
+        chunks: Iterable[bytes] = self._moto(environ, start_response)
+        try:
+            body = b"".join(chunks)
+        finally:
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()
+        headers = [
+            (name, value)
+            for name, value in captured["headers"]
+            if name.lower() not in ("content-length", "connection", "transfer-encoding")
+        ]
+        return captured["status"], headers, body
+
+    # -- control -----------------------------------------------------------------------------
+
+    def _control(self, request: _Request) -> _Response:
+        path = request.target[len(_CONTROL_PREFIX) :].partition("?")[0].strip("/")
+        method = request.method
+        body: Any = json.loads(request.body) if request.body else {}
+        write_path = self.write_path
+
+        def done(action: Callable[..., None], *args: Any) -> dict[str, Any]:
+            action(*args)
+            return {"ok": True}
+
+        def create_stream() -> None:
+            self.create_stream(str(body["name"]), int(body.get("shards", 1)), body.get("region"))
+
+        handlers: dict[tuple[str, str], Callable[[], Any]] = {
+            ("GET", "health"): lambda: {"ok": True, "uptime": self.uptime()},
+            ("GET", "stats"): self.statistics,
+            ("POST", "stats/reset"): lambda: done(write_path.reset_stats),
+            ("GET", "faults"): lambda: to_json(write_path.faults),
+            ("POST", "faults"): lambda: self._update_faults(body),
+            ("GET", "limits"): lambda: to_json(write_path.limits),
+            ("POST", "limits"): lambda: self._update_limits(body),
+            ("POST", "storms"): lambda: done(self.add_storm, from_json(Storm, body)),
+            ("POST", "reshards"): lambda: done(self.schedule_reshard, from_json(Reshard, body)),
+            ("POST", "streams"): lambda: done(create_stream),
+        }
+        handler = handlers.get((method, path))
+        if handler is None:
+            return _json_response(404, {"error": f"no control endpoint {method} /_anykpl/{path}"})
+        return _json_response(200, handler())
+
+    def _update_faults(self, changes: dict[str, Any]) -> dict[str, Any]:
+        merged = {**to_json(self.write_path.faults), **changes}
+        self.write_path.set_faults(from_json(Faults, merged))
+        return to_json(self.write_path.faults)
+
+    def _update_limits(self, changes: dict[str, Any]) -> dict[str, Any]:
+        merged = {**to_json(self.write_path.limits), **changes}
+        self.write_path.set_limits(from_json(Limits, merged))
+        return to_json(self.write_path.limits)
+
+
+async def run_server(
+    server: EmulatorServer,
+    host: str,
+    port: int,
+    on_ready: Callable[[int], None],
+    stopped: Callable[[], Awaitable[None]],
+) -> None:
+    """Serve until ``stopped()`` returns; ``on_ready(port)`` once listening."""
+    bound = await server.start(host, port)
+    on_ready(bound)
+    try:
+        await stopped()
+    finally:
+        await server.close()

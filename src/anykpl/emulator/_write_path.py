@@ -1,0 +1,338 @@
+"""The emulator's write path: PutRecord and PutRecords with the service's per-shard limits.
+
+moto accepts any rate and routes records after a split to the closed parent shard (its
+``Stream.get_shard_for_key`` walks closed shards too, in insertion order, and treats the ending
+hash key as exclusive). This module replaces moto's write path and nothing else: it routes each
+record to the **open** shard whose (inclusive) hash range holds its hash key, charges the shard's
+token buckets, answers throttled records with ``ProvisionedThroughputExceededException`` in the
+service's message format, and appends stored records to moto's shard objects so that moto's
+GetShardIterator and GetRecords read them back unchanged.
+
+It is synchronous and clock-injected (``now`` is passed in), so the limits and routing are
+tested without a server or an event loop; the HTTP server owns the only clock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from bisect import bisect_left
+from collections.abc import Iterable
+from datetime import datetime, timezone
+from typing import Any
+
+from .._limits import (
+    DEFAULT_MAX_RECORD_SIZE,
+    MAX_HASH_KEY,
+    MAX_PARTITION_KEY_LENGTH,
+    PUT_RECORDS_MAX_BYTES,
+    PUT_RECORDS_MAX_RECORDS,
+)
+from ._options import Faults, Limits, Storm
+
+__all__ = ("KinesisError", "ShardStats", "WritePath")
+
+#: How many seconds of per-second statistics each shard keeps.
+STATS_HISTORY_SECONDS = 300
+
+_INTERNAL_FAILURE = {"ErrorCode": "InternalFailure", "ErrorMessage": "Internal service failure."}
+
+
+class KinesisError(Exception):
+    """A whole-request error, answered as the service does: ``{"__type": ..., "message": ...}``
+    with an HTTP status."""
+
+    def __init__(self, status: int, error_type: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.error_type = error_type
+        self.message = message
+
+    def body(self) -> dict[str, str]:
+        return {"__type": self.error_type, "message": self.message}
+
+
+class ShardStats:
+    """Counters for one shard: totals and one row per second of uptime."""
+
+    __slots__ = ("per_second", "totals")
+
+    def __init__(self) -> None:
+        # accepted records, accepted bytes, throttled records, throttled bytes, failed records
+        self.totals = [0, 0, 0, 0, 0]
+        self.per_second: dict[int, list[int]] = {}
+
+    def row(self, second: int) -> list[int]:
+        row = self.per_second.get(second)
+        if row is None:
+            row = self.per_second[second] = [0, 0, 0, 0, 0]
+            if len(self.per_second) > STATS_HISTORY_SECONDS:
+                for old in sorted(self.per_second)[: len(self.per_second) - STATS_HISTORY_SECONDS]:
+                    del self.per_second[old]
+        return row
+
+
+class _Bucket:
+    """Records and bytes tokens of one shard. Capacity is one second of the rate in force (the
+    service's limits are per second); there is no debt, so a record bigger than the byte
+    capacity during a storm is throttled until the storm ends."""
+
+    __slots__ = ("bytes", "records", "updated")
+
+    def __init__(self, records: float, nbytes: float, now: float) -> None:
+        self.records = records
+        self.bytes = nbytes
+        self.updated = now
+
+    def try_take(self, size: int, records_rate: float, bytes_rate: float, now: float) -> bool:
+        elapsed = now - self.updated
+        if elapsed > 0:
+            self.records = min(records_rate, self.records + elapsed * records_rate)
+            self.bytes = min(bytes_rate, self.bytes + elapsed * bytes_rate)
+            self.updated = now
+        else:
+            # a storm that just started cuts the capacity at once
+            self.records = min(self.records, records_rate)
+            self.bytes = min(self.bytes, bytes_rate)
+        if self.records >= 1.0 and self.bytes >= size:
+            self.records -= 1.0
+            self.bytes -= size
+            return True
+        return False
+
+
+def _decoded_length(data: str) -> int:
+    """The length of base64 ``data`` once decoded, without decoding it."""
+    n = len(data)
+    if n % 4:
+        raise KinesisError(400, "SerializationException", "Data is not valid base64.")
+    padding = 2 if data.endswith("==") else 1 if data.endswith("=") else 0
+    return n // 4 * 3 - padding
+
+
+class WritePath:
+    """Routes, limits, counts and stores records; one per emulator."""
+
+    def __init__(self, limits: Limits, faults: Faults, now: float) -> None:
+        self.limits = limits
+        self.faults = faults
+        self.random = random.Random(faults.seed)
+        self.started = now
+        self.storms: list[tuple[float, float, Storm]] = []
+        self.stats: dict[tuple[str, str], ShardStats] = {}
+        self.totals = {
+            "requests": 0,
+            "request_errors": 0,
+            "resets": 0,
+            "accepted_records": 0,
+            "accepted_bytes": 0,
+            "throttled_records": 0,
+            "throttled_bytes": 0,
+            "failed_records": 0,
+        }
+        self._buckets: dict[tuple[str, str], _Bucket] = {}
+
+    # -- control -----------------------------------------------------------------------------
+
+    def set_faults(self, faults: Faults) -> None:
+        self.faults = faults
+        if faults.seed is not None:
+            self.random.seed(faults.seed)
+
+    def set_limits(self, limits: Limits) -> None:
+        self.limits = limits
+
+    def add_storm(self, storm: Storm, now: float) -> None:
+        start = now + storm.start
+        self.storms.append((start, start + storm.duration, storm))
+
+    def reset_stats(self) -> None:
+        self.stats.clear()
+        for key in self.totals:
+            self.totals[key] = 0
+
+    def limit_factor(self, stream: str, shard_id: str, now: float) -> float:
+        """The storm factor in force for a shard now (1.0 outside storms)."""
+        factor = 1.0
+        if self.storms:
+            self.storms = [s for s in self.storms if s[1] > now]
+            for start, _end, storm in self.storms:
+                if start <= now and storm.stream == stream and storm.shard_id in (None, shard_id):
+                    factor = min(factor, storm.factor)
+        return factor
+
+    def shard_limits(self, stream: str, shard_id: str, now: float) -> tuple[float, float] | None:
+        """(records/s, bytes/s) in force for a shard, or None when limits are off."""
+        if not self.limits.enabled:
+            return None
+        factor = self.limit_factor(stream, shard_id, now)
+        return (self.limits.records_per_second * factor, self.limits.bytes_per_second * factor)
+
+    def shard_stats(self, stream: str, shard_id: str) -> ShardStats:
+        key = (stream, shard_id)
+        stats = self.stats.get(key)
+        if stats is None:
+            stats = self.stats[key] = ShardStats()
+        return stats
+
+    # -- the write path ----------------------------------------------------------------------
+
+    def put_records(self, stream: Any, account_id: str, entries: Any, now: float) -> dict[str, Any]:
+        """Handle one PutRecords request for moto's ``stream``; returns the response body."""
+        if not isinstance(entries, list) or not entries:
+            raise KinesisError(
+                400,
+                "ValidationException",
+                "1 validation error detected: Value at 'records' failed to satisfy constraint: "
+                "Member must have length greater than or equal to 1",
+            )
+        if len(entries) > PUT_RECORDS_MAX_RECORDS:
+            raise KinesisError(
+                400,
+                "ValidationException",
+                f"1 validation error detected: Value at 'records' failed to satisfy constraint: "
+                f"Member must have length less than or equal to {PUT_RECORDS_MAX_RECORDS}",
+            )
+        prepared = [self._prepare(entry, index) for index, entry in enumerate(entries)]
+        if sum(p[3] for p in prepared) > PUT_RECORDS_MAX_BYTES:
+            raise KinesisError(400, "InvalidArgumentException", "Records size exceeds 5 MB limit")
+        results = self._write(stream, account_id, prepared, now)
+        failed = sum(1 for r in results if "ErrorCode" in r)
+        return {"FailedRecordCount": failed, "Records": results, "EncryptionType": "NONE"}
+
+    def put_record(self, stream: Any, account_id: str, entry: Any, now: float) -> dict[str, Any]:
+        """Handle one PutRecord request; a throttled or failed record is a request error."""
+        result = self._write(stream, account_id, [self._prepare(entry, 0)], now)[0]
+        code = result.get("ErrorCode")
+        if code == "ProvisionedThroughputExceededException":
+            raise KinesisError(400, code, result["ErrorMessage"])
+        if code is not None:
+            raise KinesisError(500, code, result["ErrorMessage"])
+        return {**result, "EncryptionType": "NONE"}
+
+    def _prepare(self, entry: Any, index: int) -> tuple[str, str, int, int]:
+        """Validate one entry; returns (partition key, base64 data, hash key, size)."""
+        if not isinstance(entry, dict):
+            raise KinesisError(400, "SerializationException", f"record {index} is not an object")
+        key = entry.get("PartitionKey")
+        data = entry.get("Data")
+        if not isinstance(key, str) or not 1 <= len(key) <= MAX_PARTITION_KEY_LENGTH:
+            raise KinesisError(
+                400,
+                "ValidationException",
+                f"1 validation error detected: Value at 'records.{index + 1}.member.partitionKey'"
+                f" failed to satisfy constraint: Member must have length between 1 and "
+                f"{MAX_PARTITION_KEY_LENGTH}",
+            )
+        if not isinstance(data, str):
+            raise KinesisError(400, "SerializationException", f"record {index} has no Data")
+        size = _decoded_length(data) + len(key.encode("utf-8"))
+        if size > DEFAULT_MAX_RECORD_SIZE:
+            raise KinesisError(
+                400,
+                "ValidationException",
+                f"1 validation error detected: Value at 'records.{index + 1}.member.data' failed "
+                f"to satisfy constraint: Member must have length less than or equal to "
+                f"{DEFAULT_MAX_RECORD_SIZE}",
+            )
+        explicit = entry.get("ExplicitHashKey")
+        if explicit is not None:
+            if not (isinstance(explicit, str) and explicit.isdigit()) or int(explicit) > (
+                MAX_HASH_KEY
+            ):
+                raise KinesisError(
+                    400,
+                    "InvalidArgumentException",
+                    f"Invalid ExplicitHashKey. ExplicitHashKey must be in the range: "
+                    f"[0, {MAX_HASH_KEY}]. Specified value was {explicit}",
+                )
+            hash_key = int(explicit)
+        else:
+            hash_key = int.from_bytes(hashlib.md5(key.encode("utf-8")).digest(), "big")
+        return key, data, hash_key, size
+
+    def _write(
+        self,
+        stream: Any,
+        account_id: str,
+        prepared: Iterable[tuple[str, str, int, int]],
+        now: float,
+    ) -> list[dict[str, str]]:
+        from moto.kinesis.models import Record
+
+        open_shards = sorted(
+            (s for s in stream.shards.values() if s.is_open), key=lambda s: s.starting_hash
+        )
+        ends = [s.ending_hash for s in open_shards]
+        stream_name: str = stream.stream_name
+        faults = self.faults
+        dice = self.random.random
+        second = int(now - self.started)
+        arrival = datetime.now(timezone.utc).replace(tzinfo=None)
+        arrival_seconds = arrival.replace(tzinfo=timezone.utc).timestamp()
+        totals = self.totals
+        # per shard in this request: (bucket, rates, stats, row, next sequence number)
+        per_shard: dict[str, list[Any]] = {}
+        results: list[dict[str, str]] = []
+        for key, data, hash_key, size in prepared:
+            shard = open_shards[bisect_left(ends, hash_key)]
+            shard_id: str = shard.shard_id
+            state = per_shard.get(shard_id)
+            if state is None:
+                rates = self.shard_limits(stream_name, shard_id, now)
+                bucket = None
+                if rates is not None:
+                    bucket = self._buckets.get((stream.arn, shard_id))
+                    if bucket is None:
+                        bucket = self._buckets[(stream.arn, shard_id)] = _Bucket(*rates, now)
+                stats = self.shard_stats(stream_name, shard_id)
+                records = shard.records
+                next_sequence = next(reversed(records)) + 1 if records else 1
+                state = per_shard[shard_id] = [
+                    bucket,
+                    rates,
+                    stats,
+                    stats.row(second),
+                    records,
+                    next_sequence,
+                ]
+            bucket, rates, stats, row, records, sequence = state
+            if faults.record_failure_rate and dice() < faults.record_failure_rate:
+                stats.totals[4] += 1
+                row[4] += 1
+                totals["failed_records"] += 1
+                results.append(_INTERNAL_FAILURE)
+                continue
+            if bucket is not None and not bucket.try_take(size, rates[0], rates[1], now):
+                stats.totals[2] += 1
+                stats.totals[3] += size
+                row[2] += 1
+                row[3] += size
+                totals["throttled_records"] += 1
+                totals["throttled_bytes"] += size
+                results.append(
+                    {
+                        "ErrorCode": "ProvisionedThroughputExceededException",
+                        "ErrorMessage": f"Rate exceeded for shard {shard_id} in stream "
+                        f"{stream_name} under account {account_id}.",
+                    }
+                )
+                continue
+            # moto's Record, filled in directly: one timestamp per request, no per-record clock
+            record: Any = Record.__new__(Record)
+            record.partition_key = key
+            record.data = data
+            record.sequence_number = sequence
+            record.explicit_hash_key = None
+            record.created_at_datetime = arrival
+            record.created_at = arrival_seconds
+            records[sequence] = record
+            state[5] = sequence + 1
+            stats.totals[0] += 1
+            stats.totals[1] += size
+            row[0] += 1
+            row[1] += size
+            totals["accepted_records"] += 1
+            totals["accepted_bytes"] += size
+            results.append({"SequenceNumber": str(sequence), "ShardId": shard_id})
+        return results
