@@ -1,0 +1,302 @@
+"""The emulator over HTTP, driven by plain aiobotocore clients (asyncio and trio) and by its
+control endpoint: shard limits, routing after a split, each fault kind, S3 on the same port,
+and the options reaching a spawned process."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+from botocore.exceptions import ClientError
+
+from anykpl._limits import MAX_HASH_KEY
+from anykpl.emulator import (
+    Emulator,
+    EmulatorClient,
+    EmulatorControlError,
+    Faults,
+    Limits,
+    Storm,
+    spawn,
+)
+
+from .conftest import CREDENTIALS, REGION
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def emulator() -> Iterator[tuple[str, EmulatorClient]]:
+    with Emulator() as url:
+        yield url, EmulatorClient(url)
+
+
+@pytest.fixture
+def control(emulator: tuple[str, EmulatorClient]) -> Iterator[EmulatorClient]:
+    client = emulator[1]
+    yield client
+    client.clear_faults()
+    client.set_limits(enabled=True, records_per_second=1000, bytes_per_second=1024 * 1024)
+
+
+@asynccontextmanager
+async def kinesis(url: str) -> AsyncIterator[Any]:
+    """A plain aiobotocore Kinesis client for the running backend, SDK retries off."""
+    import sniffio
+    from aiobotocore.config import AioConfig
+    from aiobotocore.session import get_session
+
+    options: dict[str, Any] = {"retries": {"max_attempts": 0}, "connect_timeout": 5}
+    if sniffio.current_async_library() == "trio":
+        from aiobotocore.httpxsession import HttpxSession
+
+        options["http_session_cls"] = HttpxSession
+    async with get_session().create_client(
+        "kinesis",
+        region_name=REGION,
+        endpoint_url=url,
+        config=AioConfig(**options),
+        **CREDENTIALS,
+    ) as client:
+        yield client
+
+
+def new_stream(control: EmulatorClient, shards: int = 1) -> str:
+    name = f"emu-{uuid.uuid4().hex[:10]}"
+    control.create_stream(name, shards)
+    return name
+
+
+def records(count: int, key: str = "hot", size: int = 20) -> list[dict[str, Any]]:
+    return [{"Data": b"x" * size, "PartitionKey": key} for _ in range(count)]
+
+
+async def test_three_times_the_record_limit_throttles_about_two_thirds(
+    emulator: tuple[str, EmulatorClient], control: EmulatorClient
+) -> None:
+    stream = new_stream(control)
+    async with kinesis(emulator[0]) as client:
+        # drain the shard's one-second burst first, so what follows is the steady state
+        for _ in range(2):
+            await client.put_records(StreamName=stream, Records=records(500))
+        throttled = sent = 0
+        start = anyio.current_time()
+        for i in range(12):  # 500 records every 1/6 s: 3,000 records/s for 2 s
+            await anyio.sleep_until(start + i / 6)
+            response = await client.put_records(StreamName=stream, Records=records(500))
+            sent += 500
+            for entry in response["Records"]:
+                if entry.get("ErrorCode") == "ProvisionedThroughputExceededException":
+                    throttled += 1
+                    assert entry["ErrorMessage"].startswith("Rate exceeded for shard ")
+                else:
+                    assert "SequenceNumber" in entry
+            assert response["FailedRecordCount"] == sum(
+                1 for e in response["Records"] if "ErrorCode" in e
+            )
+    assert 0.55 <= throttled / sent <= 0.75, throttled / sent
+
+
+async def test_new_records_go_to_the_children_after_a_split(
+    emulator: tuple[str, EmulatorClient], control: EmulatorClient
+) -> None:
+    stream = new_stream(control)
+    ends = [
+        {"Data": b"a", "PartitionKey": "a", "ExplicitHashKey": str(k)} for k in (0, MAX_HASH_KEY)
+    ]
+    async with kinesis(emulator[0]) as client:
+        before = await client.put_records(StreamName=stream, Records=ends)
+        assert {r["ShardId"] for r in before["Records"]} == {"shardId-000000000000"}
+        control.reshard(stream, "split")
+        with anyio.fail_after(5):
+            while not control.stats()["reshards"]:  # noqa: ASYNC110 (polling another thread)
+                await anyio.sleep(0.02)
+        assert control.stats()["reshards"][-1]["result"] == "ok"
+        after = await client.put_records(StreamName=stream, Records=ends)
+        assert [r["ShardId"] for r in after["Records"]] == [
+            "shardId-000000000001",
+            "shardId-000000000002",
+        ]
+        shards = {s["ShardId"]: s for s in (await client.list_shards(StreamName=stream))["Shards"]}
+        assert "EndingSequenceNumber" in shards["shardId-000000000000"]["SequenceNumberRange"]
+        assert shards["shardId-000000000001"]["ParentShardId"] == "shardId-000000000000"
+        iterator = (
+            await client.get_shard_iterator(
+                StreamName=stream, ShardId="shardId-000000000000", ShardIteratorType="TRIM_HORIZON"
+            )
+        )["ShardIterator"]
+        parent_records = (await client.get_records(ShardIterator=iterator))["Records"]
+        assert len(parent_records) == 2
+
+
+async def test_scheduled_scale_happens_at_its_time(
+    emulator: tuple[str, EmulatorClient], control: EmulatorClient
+) -> None:
+    stream = new_stream(control, 2)
+    control.reshard(stream, "scale", target=4, at=1.0)
+    assert sum(1 for s in control.stats()["shards"] if s["stream"] == stream and s["open"]) == 2
+    async with kinesis(emulator[0]) as client:
+
+        async def open_shards() -> int:
+            shards = (await client.list_shards(StreamName=stream))["Shards"]
+            return sum(1 for s in shards if "EndingSequenceNumber" not in s["SequenceNumberRange"])
+
+        with anyio.fail_after(5):
+            while await open_shards() != 4:  # noqa: ASYNC110 (polling the server)
+                await anyio.sleep(0.05)
+
+
+async def test_whole_request_errors_are_500_or_503(
+    emulator: tuple[str, EmulatorClient], control: EmulatorClient
+) -> None:
+    stream = new_stream(control)
+    control.set_faults(error_rate=1.0, fault_after_write=0.0, seed=7)
+    statuses = set()
+    async with kinesis(emulator[0]) as client:
+        for _ in range(12):
+            with pytest.raises(ClientError) as caught:
+                await client.put_records(StreamName=stream, Records=records(1))
+            statuses.add(caught.value.response["ResponseMetadata"]["HTTPStatusCode"])
+            assert caught.value.response["Error"]["Code"] in (
+                "InternalFailure",
+                "ServiceUnavailable",
+            )
+    assert statuses == {500, 503}
+    stats = control.stats()
+    assert stats["totals"]["request_errors"] >= 12
+    assert all(s["accepted_records"] == 0 for s in stats["shards"] if s["stream"] == stream)
+
+
+async def test_an_error_after_the_write_keeps_the_records(
+    emulator: tuple[str, EmulatorClient], control: EmulatorClient
+) -> None:
+    stream = new_stream(control)
+    control.set_faults(error_rate=1.0, fault_after_write=1.0)
+    async with kinesis(emulator[0]) as client:
+        with pytest.raises(ClientError):
+            await client.put_records(StreamName=stream, Records=records(3))
+    shard = next(s for s in control.stats()["shards"] if s["stream"] == stream)
+    assert shard["accepted_records"] == 3
+
+
+async def test_per_record_internal_failures(
+    emulator: tuple[str, EmulatorClient], control: EmulatorClient
+) -> None:
+    stream = new_stream(control)
+    control.set_faults(record_failure_rate=1.0)
+    async with kinesis(emulator[0]) as client:
+        response = await client.put_records(StreamName=stream, Records=records(4))
+    assert response["FailedRecordCount"] == 4
+    assert {r["ErrorCode"] for r in response["Records"]} == {"InternalFailure"}
+
+
+async def test_connection_resets(
+    emulator: tuple[str, EmulatorClient], control: EmulatorClient
+) -> None:
+    from botocore.exceptions import ConnectionError as BotocoreConnectionError
+    from botocore.exceptions import HTTPClientError
+
+    stream = new_stream(control)
+    control.set_faults(reset_rate=1.0)
+    async with kinesis(emulator[0]) as client:
+        with pytest.raises((BotocoreConnectionError, HTTPClientError)):
+            await client.put_records(StreamName=stream, Records=records(1))
+        control.clear_faults()
+        response = await client.put_records(StreamName=stream, Records=records(1))
+        assert response["FailedRecordCount"] == 0
+    assert control.stats()["totals"]["resets"] >= 1
+
+
+async def test_added_latency(emulator: tuple[str, EmulatorClient], control: EmulatorClient) -> None:
+    stream = new_stream(control)
+    async with kinesis(emulator[0]) as client:
+        await client.put_records(StreamName=stream, Records=records(1))  # connect first
+        control.set_faults(latency=0.3)
+        started = anyio.current_time()
+        await client.put_records(StreamName=stream, Records=records(1))
+        assert anyio.current_time() - started >= 0.3
+
+
+async def test_a_throttle_storm_cuts_the_shard_then_ends(
+    emulator: tuple[str, EmulatorClient], control: EmulatorClient
+) -> None:
+    stream = new_stream(control)
+    control.storm(stream, duration=0.6, factor=0.0)
+    async with kinesis(emulator[0]) as client:
+        response = await client.put_records(StreamName=stream, Records=records(5))
+        assert response["FailedRecordCount"] == 5
+        shard = next(s for s in control.stats()["shards"] if s["stream"] == stream)
+        assert shard["limit_records"] == 0
+        await anyio.sleep(0.8)
+        response = await client.put_records(StreamName=stream, Records=records(5))
+        assert response["FailedRecordCount"] == 0
+
+
+async def test_limits_can_be_turned_off_at_run_time(
+    emulator: tuple[str, EmulatorClient], control: EmulatorClient
+) -> None:
+    stream = new_stream(control)
+    control.set_limits(enabled=False)
+    async with kinesis(emulator[0]) as client:
+        for _ in range(6):
+            response = await client.put_records(StreamName=stream, Records=records(500))
+            assert response["FailedRecordCount"] == 0
+
+
+async def test_missing_stream_is_resource_not_found(
+    emulator: tuple[str, EmulatorClient], control: EmulatorClient
+) -> None:
+    async with kinesis(emulator[0]) as client:
+        with pytest.raises(ClientError) as caught:
+            await client.put_records(StreamName="no-such-stream", Records=records(1))
+    assert caught.value.response["Error"]["Code"] == "ResourceNotFoundException"
+
+
+def test_control_endpoint_rejects_bad_values_clearly(control: EmulatorClient) -> None:
+    with pytest.raises(EmulatorControlError, match="error_rate"):
+        control.set_faults(error_rate=2)
+    with pytest.raises(EmulatorControlError, match="unknown Faults field"):
+        control.set_faults(eror_rate=0.1)
+    assert control.faults()["error_rate"] == 0.0
+
+
+def test_s3_is_served_on_the_same_port(emulator: tuple[str, EmulatorClient]) -> None:
+    import boto3
+
+    s3 = boto3.client("s3", region_name=REGION, endpoint_url=emulator[0], **CREDENTIALS)
+    bucket = f"bucket-{uuid.uuid4().hex[:8]}"
+    s3.create_bucket(Bucket=bucket)
+    s3.put_object(Bucket=bucket, Key="lease", Body=b"one", IfNoneMatch="*")
+    with pytest.raises(ClientError) as caught:
+        s3.put_object(Bucket=bucket, Key="lease", Body=b"two", IfNoneMatch="*")
+    assert caught.value.response["Error"]["Code"] == "PreconditionFailed"
+    assert s3.get_object(Bucket=bucket, Key="lease")["Body"].read() == b"one"
+
+
+def test_spawned_process_gets_every_option() -> None:
+    with spawn(
+        streams={"opts": 3},
+        limits=Limits(records_per_second=50, bytes_per_second=5000),
+        faults=Faults(error_rate=0.25, latency=0.01, seed=4),
+        storms=[Storm("opts", duration=60, start=30, factor=0.5)],
+    ) as url:
+        stats = EmulatorClient(url).stats()
+    assert stats["limits"] == {"enabled": True, "records_per_second": 50, "bytes_per_second": 5000}
+    assert stats["faults"]["error_rate"] == 0.25
+    assert stats["faults"]["seed"] == 4
+    assert [s["stream"] for s in stats["storms"]] == ["opts"]
+    assert sorted(s["shard_id"] for s in stats["shards"]) == [
+        f"shardId-00000000000{i}" for i in range(3)
+    ]
+
+
+async def test_async_context_manager_serves(anyio_backend: str) -> None:
+    # moto's backends are per process: a second in-process emulator sees the same streams
+    name = f"own-{uuid.uuid4().hex[:8]}"
+    async with Emulator(streams={name: 1}, limits=Limits.off()) as url, kinesis(url) as client:
+        response = await client.put_records(StreamName=name, Records=records(3))
+    assert response["FailedRecordCount"] == 0
