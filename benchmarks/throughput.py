@@ -24,7 +24,7 @@ import anyio
 import boto3
 
 from anykpl import PendingRecord, Producer, ProducerConfig
-from anykpl.emulator import spawn
+from anykpl.emulator import Limits, spawn
 
 CREDENTIALS = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench"}
 
@@ -100,7 +100,7 @@ def main() -> None:
     args = parser.parse_args()
     backends = ["asyncio", "trio"] if args.backend == "both" else [args.backend]
     results = {}
-    with spawn() as endpoint:
+    with spawn(limits=Limits.off()) as endpoint:
         client = boto3.client(
             "kinesis", region_name="us-east-1", endpoint_url=endpoint, **CREDENTIALS
         )

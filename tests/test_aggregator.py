@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from anykpl import _wire
-from anykpl._aggregator import Aggregator
+from anykpl._aggregator import SHARD_MAP_WAIT, Aggregator
 from anykpl._records import KinesisRecord, PendingRecord, partition_key_hash
 
 SHARD = "shardId-000000000000"
@@ -169,17 +169,64 @@ def test_flush_after_an_oversized_record() -> None:
     assert agg.next_deadline == math.inf
 
 
-def test_record_with_no_prediction_is_sent_single_at_once() -> None:
+def test_records_wait_for_the_shard_map_then_aggregate() -> None:
+    ready = False
+    agg = make_aggregator(predict=lambda _: SHARD if ready else None)
+    first, second = make_record("a", deadline=1.0), make_record("b", deadline=1.2)
+    out: list[KinesisRecord] = []
+    assert agg.put(first, out)  # the first waiting record sets a deadline: wake the timer
+    assert not agg.put(second, out)
+    assert out == []
+    assert agg.waiting_for_shard_map == 2
+    assert agg.buffered_records == 2
+    assert agg.next_deadline == 1.0 + SHARD_MAP_WAIT
+    agg.flush_due(0.5, out)  # the map is still not ready: they keep waiting
+    assert out == []
+    ready = True
+    agg.flush_due(0.6, out)  # ready: they join an aggregate, due at the first deadline
+    assert out == []
+    assert agg.waiting_for_shard_map == 0
+    assert agg.queue_depths() == {SHARD: 2}
+    assert agg.next_deadline == 1.0
+    agg.flush_due(1.0, out)
+    (kr,) = out
+    assert kr.records == [first, second]
+    assert kr.predicted_shard == SHARD
+
+
+def test_records_go_out_raw_when_the_shard_map_never_comes() -> None:
     agg = make_aggregator(predict=lambda _: None)
-    record = make_record()
+    record = make_record(deadline=1.0)
     record.predicted_shard = "shardId-000000000009"  # left over from an earlier attempt
     out: list[KinesisRecord] = []
-    assert not agg.put(record, out)
+    agg.put(record, out)
+    agg.flush_due(1.0 + SHARD_MAP_WAIT - 0.01, out)
+    assert out == []
+    agg.flush_due(1.0 + SHARD_MAP_WAIT, out)
     (kr,) = out
     assert kr.records == [record]
     assert kr.predicted_shard is None
     assert record.predicted_shard is None
     assert agg.buffered_records == 0
+    assert agg.next_deadline == math.inf
+
+
+def test_a_flush_sends_records_waiting_for_the_shard_map_raw() -> None:
+    agg = make_aggregator(predict=lambda _: None)
+    out: list[KinesisRecord] = []
+    agg.put(make_record("a"), out)
+    agg.flush_all(out)
+    assert [len(kr.records) for kr in out] == [1]
+    assert agg.waiting_for_shard_map == 0
+
+
+def test_records_waiting_for_the_shard_map_are_taken_when_failing_everything() -> None:
+    agg = make_aggregator(predict=lambda _: None)
+    record = make_record()
+    agg.put(record, [])
+    assert agg.take_all_records() == [record]
+    assert agg.buffered_records == 0
+    assert agg.next_deadline == math.inf
 
 
 def test_aggregation_off_still_predicts_the_shard() -> None:

@@ -7,8 +7,9 @@ import math
 import pytest
 
 from anykpl import _limits
-from anykpl._limiter import Limiter
+from anykpl._limiter import MIN_REFILL_WAIT, Limiter
 from anykpl._records import KinesisRecord, PendingRecord
+from anykpl._token_bucket import BURST_SECONDS
 
 SHARD = "shardId-000000000000"
 OTHER = "shardId-000000000001"
@@ -72,7 +73,7 @@ def test_bucket_capacity_then_wait_for_tokens() -> None:
     records = [make_kinesis_record(deadline=i) for i in range(15)]
     limiter.put(records, 0.0, [])
     out, expired, wake = _drain(limiter, 0.0)
-    assert out == records[:10]  # the bucket starts full
+    assert out == records[:5]  # the bucket starts full: half a second of tokens
     assert expired == []
     assert wake == pytest.approx(0.1)
     levels = limiter.token_levels(0.0)[SHARD]
@@ -80,13 +81,14 @@ def test_bucket_capacity_then_wait_for_tokens() -> None:
     out, _, _ = _drain(limiter, 0.05)
     assert out == []
     out, _, wake = _drain(limiter, 0.1)
-    assert out == records[10:11]
+    assert out == records[5:6]
     assert wake == pytest.approx(0.2)
 
 
 def test_head_of_line_blocks_smaller_records_behind_it() -> None:
-    limiter = Limiter(rate_limit_percent=1)
-    byte_rate = _limits.SHARD_BYTES_PER_SECOND * 0.01
+    limiter = Limiter(rate_limit_percent=2)
+    byte_rate = _limits.SHARD_BYTES_PER_SECOND * 0.02
+    capacity = byte_rate * BURST_SECONDS
     first = make_kinesis_record(size=8000, deadline=1.0)
     head = make_kinesis_record(size=8000, deadline=2.0)
     small = make_kinesis_record(size=100, deadline=3.0)
@@ -95,18 +97,36 @@ def test_head_of_line_blocks_smaller_records_behind_it() -> None:
     # ``small`` would fit in the bytes left, but ``head`` has the earlier deadline
     assert out == [first]
     assert limiter.queue_depths() == {SHARD: 2}
-    ready = (8000 - (byte_rate - 8000)) / byte_rate
+    ready = (8000 - (capacity - 8000)) / byte_rate
     assert wake <= ready  # the tokens' time, or an earlier expiry scan
     out, _, _ = _drain(limiter, ready - 0.01)
     assert out == []
     out, _, _ = _drain(limiter, ready + 1e-9)
     assert out == [head]
+    # a saturated shard waits at least MIN_REFILL_WAIT for its next tokens
     out, _, _ = _drain(limiter, ready + 100 / byte_rate + 1e-6)
+    assert out == []
+    out, _, _ = _drain(limiter, ready + MIN_REFILL_WAIT + 1e-6)
     assert out == [small]
 
 
+def test_a_saturated_shard_releases_in_refills_not_one_token_at_a_time() -> None:
+    limiter = Limiter(rate_limit_percent=100)  # 1000 records/s: a token every millisecond
+    records = [make_kinesis_record(deadline=i) for i in range(600)]
+    limiter.put(records, 0.0, [])
+    out, _, wake = _drain(limiter, 0.0)
+    assert len(out) == 500  # half a second of tokens
+    assert wake == pytest.approx(MIN_REFILL_WAIT)
+    # new input does not make it release the token that came in meanwhile
+    limiter.put([make_kinesis_record(deadline=0.0)], 0.001, [])
+    out, _, _ = _drain(limiter, 0.001)
+    assert out == []
+    out, _, _ = _drain(limiter, MIN_REFILL_WAIT)
+    assert len(out) == 25
+
+
 def test_shards_are_limited_independently() -> None:
-    limiter = Limiter(rate_limit_percent=1)
+    limiter = Limiter(rate_limit_percent=1, burst=1.0)
     limiter.put([make_kinesis_record(shard=SHARD) for _ in range(12)], 0.0, [])
     limiter.put([make_kinesis_record(shard=OTHER) for _ in range(3)], 0.0, [])
     out, _, _ = _drain(limiter, 0.0)
@@ -127,7 +147,7 @@ def test_expired_at_the_head_is_failed_not_sent() -> None:
 
 
 def test_expiry_while_waiting_behind_the_head() -> None:
-    limiter = Limiter(rate_limit_percent=1)
+    limiter = Limiter(rate_limit_percent=1, burst=1.0)
     filler = [make_kinesis_record(deadline=0.0) for _ in range(10)]
     head = make_kinesis_record(deadline=1.0, expiration=100.0)
     doomed = make_kinesis_record(deadline=2.0, expiration=0.5)
@@ -154,7 +174,7 @@ def test_drain_wakes_for_expiry_scans_when_records_wait() -> None:
 
 
 def test_rate_is_obeyed_over_simulated_time() -> None:
-    limiter = Limiter(rate_limit_percent=1)  # 10 records/s, capacity 10
+    limiter = Limiter(rate_limit_percent=1, burst=1.0)  # 10 records/s, capacity 10
     records = [make_kinesis_record(deadline=i * 0.001) for i in range(100)]
     limiter.put(records, 0.0, [])
     released: list[float] = []
@@ -176,7 +196,7 @@ def test_rate_is_obeyed_over_simulated_time() -> None:
 
 
 def test_take_all() -> None:
-    limiter = Limiter(rate_limit_percent=1)
+    limiter = Limiter(rate_limit_percent=1, burst=1.0)
     records = [make_kinesis_record(shard=s) for s in (SHARD, OTHER) for _ in range(12)]
     limiter.put(records, 0.0, [])
     _drain(limiter, 0.0)

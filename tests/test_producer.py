@@ -921,7 +921,8 @@ class TestOnMockClock:
             assert (await pending).success
             assert anyio.current_time() == 0.0
             stream = producer.statistics().streams[STREAM]
-            assert set(stream.rates) == {"shardId-000000000000"}
+            # (the warm-up record may have made shard 3's limiter too)
+            assert "shardId-000000000000" in stream.rates
             assert set(stream.token_levels) == set(stream.rates)
 
     @pytest.mark.timeout(15)
@@ -966,8 +967,8 @@ class TestOnMockClock:
             except errors.RecordFailedError as exc:
                 failures.append((exc.error_code, exc.result.attempts[-1].error_message))
         ok = len(pendings) - len(failures)
-        # 10 at once, then 10/s for the ~0.5 s TTL: about 15 get through
-        assert 12 <= ok <= 18
+        # 5 at once (half a second of tokens), then 10/s for the ~0.5 s TTL: about 10
+        assert 7 <= ok <= 13
         assert {code for code, _ in failures} == {errors.EXPIRED}
         assert all("limiter" in str(message) for _, message in failures)
         assert len(stored(fake)) == ok

@@ -18,6 +18,15 @@ def test_starts_full() -> None:
     assert bucket.levels(5.0) == (1000, 1024 * 1024)
 
 
+def test_capacity_is_burst_seconds_of_the_rate() -> None:
+    bucket = TokenBucket(1000, 1024 * 1024, now=0.0, burst=0.5)
+    assert (bucket.records_capacity, bucket.bytes_capacity) == (500, 512 * 1024)
+    bucket.set_rates(100, 1000, now=0.0)
+    assert (bucket.records_capacity, bucket.bytes_capacity) == (50, 500)
+    with pytest.raises(ValueError, match="burst"):
+        TokenBucket(1, 1, now=0.0, burst=0)
+
+
 def test_capacity_is_at_least_one_token() -> None:
     bucket = TokenBucket(0.5, 0.25, now=0.0)
     assert bucket.records_capacity == 1.0

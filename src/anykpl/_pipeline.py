@@ -65,6 +65,34 @@ async def _receive_until(stream: MemoryObjectReceiveStream[Any], deadline: float
     return None
 
 
+#: The most messages a stage takes from its input in one go.
+MAX_COALESCE = 1024
+
+
+async def _receive_batch(stream: MemoryObjectReceiveStream[Any], deadline: float) -> list[Any]:
+    """The next message and every message already queued behind it (up to ``MAX_COALESCE``);
+    ``[]`` once ``deadline`` has passed; ending with ``END`` if the upstream side has closed.
+
+    A stage that falls behind (the event loop busy sending) then handles its backlog as one
+    batch instead of one message at a time: with aggregation off every user record is its own
+    message, and handling them singly made one PutRecords request per record once their
+    deadlines had passed in the queue (measured: 1.6 records per request, ~900 records/s).
+    """
+    first = await _receive_until(stream, deadline)
+    if first is None:
+        return []
+    messages = [first]
+    while first is not END and len(messages) < MAX_COALESCE:
+        try:
+            messages.append(stream.receive_nowait())
+        except anyio.WouldBlock:
+            break
+        except anyio.EndOfStream:
+            messages.append(END)
+            break
+    return messages
+
+
 class Pipeline:
     """The stages of one stream. Created by the producer; its tasks run in the producer's
     task group."""
@@ -158,8 +186,17 @@ class Pipeline:
 
     async def _run_shard_map(self) -> None:
         await run_shard_map(
-            self.shard_map, self.stream, self.transport.list_shards, self._new_refresh_event
+            self.shard_map,
+            self.stream,
+            self.transport.list_shards,
+            self._new_refresh_event,
+            self._shard_map_ready,
         )
+
+    def _shard_map_ready(self) -> None:
+        # records that waited for the map can be aggregated now
+        if self.aggregator.waiting_for_shard_map:
+            self.aggregator_send.send_nowait(WAKE)
 
     async def _run_aggregator(self) -> None:
         aggregator = self.aggregator
@@ -187,39 +224,46 @@ class Pipeline:
         wake = math.inf
         async with self.limiter_in, self.collector_send:
             while True:
-                message = await _receive_until(self.limiter_in, wake)
-                if message is END:
+                messages = await _receive_batch(self.limiter_in, wake)
+                if messages and messages[0] is END:
                     return
                 now = anyio.current_time()
                 out: list[KinesisRecord] = []
                 expired: list[KinesisRecord] = []
-                if message is not None and message is not FLUSH:
-                    limiter.put(message, now, out)
+                for message in messages:
+                    if message is not FLUSH and message is not END:
+                        limiter.put(message, now, out)
                 wake = limiter.drain(now, out, expired)
                 if expired:
                     self.retrier.expire(expired, now)
                 if out:
                     self.collector_send.send_nowait(out)
-                if message is FLUSH:
+                if FLUSH in messages:
+                    # after the records that came before it (and a few after: harmless)
                     self.collector_send.send_nowait(FLUSH)
+                if messages and messages[-1] is END:
+                    return
 
     async def _run_collector(self) -> None:
         collector = self.collector
         async with self.collector_in, self.sender_send:
             while True:
-                message = await _receive_until(self.collector_in, collector.deadline)
-                if message is END:
+                messages = await _receive_batch(self.collector_in, collector.deadline)
+                if messages and messages[0] is END:
                     return
                 now = anyio.current_time()
                 out: list[list[KinesisRecord]] = []
-                if message is FLUSH:
-                    collector.flush(out)
-                elif message is not None:
-                    collector.put(message, now, out)
+                for message in messages:
+                    if message is FLUSH:
+                        collector.flush(out)
+                    elif message is not END:
+                        collector.put(message, now, out)
                 collector.flush_due(now, out)
                 for request in out:
                     self.in_flight += 1
                     self.sender_send.send_nowait(request)
+                if messages and messages[-1] is END:
+                    return
 
     async def _run_sender(self) -> None:
         await run_sender(

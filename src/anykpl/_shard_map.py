@@ -182,11 +182,16 @@ ListShards = Callable[..., Awaitable[Mapping[str, Any]]]
 
 
 async def run_shard_map(
-    shard_map: ShardMap, stream: str, list_shards: ListShards, wake: Callable[[], anyio.Event]
+    shard_map: ShardMap,
+    stream: str,
+    list_shards: ListShards,
+    wake: Callable[[], anyio.Event],
+    on_ready: Callable[[], None] = lambda: None,
 ) -> None:
     """Keep ``shard_map`` fresh for ``stream``: refresh when requested, retry with backoff.
 
-    ``wake()`` returns the event that is set when somebody requests a refresh.
+    ``wake()`` returns the event that is set when somebody requests a refresh; ``on_ready()``
+    is called after every successful refresh.
     """
     while True:
         if shard_map.refresh_requested and shard_map.begin_update():
@@ -213,6 +218,7 @@ async def run_shard_map(
                 shard_map.refresh_requested = True
                 continue
             shard_map.finish_update(anyio.current_time())
+            on_ready()
             logger.info(
                 "shard map of %s refreshed: %d open shard(s)",
                 stream,

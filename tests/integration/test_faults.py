@@ -27,7 +27,7 @@ def faulty_emulator() -> Iterator[tuple[str, EmulatorClient, str]]:
     stream = f"faults-{random.randrange(1 << 32):08x}"
     faults = Faults(
         error_rate=0.05,
-        record_failure_rate=0.01,
+        record_failure_rate=0.05,
         reset_rate=0.01,
         latency_jitter=0.01,
         fault_after_write=0.5,
@@ -54,7 +54,13 @@ async def test_every_record_arrives_through_a_throttle_storm_and_injected_errors
     results: dict[int, RecordResult] = {}
 
     async with Producer(
-        region=REGION, endpoint_url=url, record_max_buffered_time=0.05, **CREDENTIALS
+        region=REGION,
+        endpoint_url=url,
+        record_max_buffered_time=0.05,
+        # small aggregates and requests: many of each, so every fault kind is surely hit
+        aggregation_max_size=1024,
+        collection_max_count=10,
+        **CREDENTIALS,
     ) as producer:
         handles = {}
 
