@@ -28,14 +28,14 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    session.install("-e", ".[test]")
-    session.run("python", "benchmarks/throughput.py", *session.posargs)
+    session.install("-e", ".[bench]")
+    session.run("anykpl", "bench", *session.posargs)
 
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    session.install("-e", ".[test]")
-    session.run("python", "examples/quickstart.py", *session.posargs)
+    session.install("-e", ".[demo]")
+    session.run("anykpl", "demo", *session.posargs)
 
 
 @nox.session
