@@ -22,6 +22,20 @@ def _streams(spec: str) -> dict[str, int]:
     return streams
 
 
+def _storm(spec: str) -> Storm:
+    try:
+        return Storm.parse(spec)
+    except ValueError as exc:  # argparse would only say "invalid parse value"
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _reshard(spec: str) -> Reshard:
+    try:
+        return Reshard.parse(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     parser.add_argument("--port", type=int, default=4567, help="port to listen on (4567)")
@@ -73,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     faults.add_argument("--seed", type=int, default=None, help="seed of the fault dice")
     faults.add_argument(
         "--storm",
-        type=Storm.parse,
+        type=_storm,
         action="append",
         default=[],
         metavar="STREAM:SHARD|*:START:DURATION[:FACTOR]",
@@ -81,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     faults.add_argument(
         "--reshard",
-        type=Reshard.parse,
+        type=_reshard,
         action="append",
         default=[],
         metavar="STREAM:split|merge:SHARD|*:AT or STREAM:scale:N:AT",
