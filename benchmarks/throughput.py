@@ -1,7 +1,7 @@
 """End-to-end producer throughput: 100-byte records, aggregation on, limits off.
 
-The endpoint (moto's server, serialized — ``python -m anykpl.emulator``) runs in its own
-process; this process is the one producer. For each backend it submits ``--records`` records
+The endpoint (the emulator, ``anykpl.emulator.spawn``, limits off) runs in its own process;
+this process is the one producer. For each backend it submits ``--records`` records
 with ``--keys`` distinct partition keys as fast as admission allows, flushes, checks every
 result, and reports user records/s (wall clock, submit to last result) and CPU seconds per
 100k records of this process.
