@@ -300,3 +300,31 @@ async def test_async_context_manager_serves(anyio_backend: str) -> None:
     async with Emulator(streams={name: 1}, limits=Limits.off()) as url, kinesis(url) as client:
         response = await client.put_records(StreamName=name, Records=records(3))
     assert response["FailedRecordCount"] == 0
+
+
+async def test_a_merge_sends_new_records_to_the_child_and_keeps_the_parents_records(
+    emulator: tuple[str, EmulatorClient], control: EmulatorClient
+) -> None:
+    stream = new_stream(control, 2)
+    ends = [
+        {"Data": b"m", "PartitionKey": "m", "ExplicitHashKey": str(k)} for k in (0, MAX_HASH_KEY)
+    ]
+    async with kinesis(emulator[0]) as client:
+        await client.put_records(StreamName=stream, Records=ends)
+        control.reshard(stream, "merge", shard_id="shardId-000000000001")
+        with anyio.fail_after(5):
+            while not any(  # noqa: ASYNC110 (polling another thread)
+                r["stream"] == stream for r in control.stats()["reshards"]
+            ):
+                await anyio.sleep(0.02)
+        after = await client.put_records(StreamName=stream, Records=ends)
+        assert {r["ShardId"] for r in after["Records"]} == {"shardId-000000000002"}
+        total = 0
+        for shard in (await client.list_shards(StreamName=stream))["Shards"]:
+            iterator = (
+                await client.get_shard_iterator(
+                    StreamName=stream, ShardId=shard["ShardId"], ShardIteratorType="TRIM_HORIZON"
+                )
+            )["ShardIterator"]
+            total += len((await client.get_records(ShardIterator=iterator))["Records"])
+        assert total == 4  # two in the parents, two in the child, none copied
