@@ -123,12 +123,7 @@ class Emulator:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         server = EmulatorServer(limits=self.limits, faults=self.faults, region=self.region)
-        for name, shards in self.streams.items():
-            server.create_stream(name, shards)
-        for storm in self.storms:
-            server.add_storm(storm)
-        for reshard in self.reshards:
-            server.schedule_reshard(reshard)
+        server.set_up(self.streams, self.storms, self.reshards)
         port = await server.start(self.host, self.port)
         self.url = f"http://{self.host}:{port}"
         self._ready.set()

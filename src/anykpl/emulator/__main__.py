@@ -10,8 +10,12 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Callable
+from typing import TypeVar
 
 from ._options import Faults, Limits, Reshard, Storm
+
+_T = TypeVar("_T")
 
 
 def _streams(spec: str) -> dict[str, int]:
@@ -22,18 +26,17 @@ def _streams(spec: str) -> dict[str, int]:
     return streams
 
 
-def _storm(spec: str) -> Storm:
-    try:
-        return Storm.parse(spec)
-    except ValueError as exc:  # argparse would only say "invalid parse value"
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def _spec(parse: Callable[[str], _T]) -> Callable[[str], _T]:
+    """``parse``, with its ValueError's message kept (argparse would only say "invalid
+    parse value")."""
 
+    def checked(spec: str) -> _T:
+        try:
+            return parse(spec)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
 
-def _reshard(spec: str) -> Reshard:
-    try:
-        return Reshard.parse(spec)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return checked
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     faults.add_argument("--seed", type=int, default=None, help="seed of the fault dice")
     faults.add_argument(
         "--storm",
-        type=_storm,
+        type=_spec(Storm.parse),
         action="append",
         default=[],
         metavar="STREAM:SHARD|*:START:DURATION[:FACTOR]",
@@ -95,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     faults.add_argument(
         "--reshard",
-        type=_reshard,
+        type=_spec(Reshard.parse),
         action="append",
         default=[],
         metavar="STREAM:split|merge:SHARD|*:AT or STREAM:scale:N:AT",
@@ -128,12 +131,7 @@ def run(args: argparse.Namespace) -> int:
 
     async def serve() -> None:
         server = EmulatorServer(limits=limits, faults=faults, region=args.region)
-        for name, shards in args.streams.items():
-            server.create_stream(name, shards)
-        for storm in args.storm:
-            server.add_storm(storm)
-        for reshard in args.reshard:
-            server.schedule_reshard(reshard)
+        server.set_up(args.streams, args.storm, args.reshard)
         port = await server.start(args.host, args.port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -157,6 +157,17 @@ class EmulatorServer:
 
     # -- streams, storms, reshards -----------------------------------------------------------
 
+    def set_up(
+        self, streams: Mapping[str, int], storms: Iterable[Storm], reshards: Iterable[Reshard]
+    ) -> None:
+        """Create the streams and schedule the storms and reshards given at start."""
+        for name, shards in streams.items():
+            self.create_stream(name, shards)
+        for storm in storms:
+            self.add_storm(storm)
+        for reshard in reshards:
+            self.schedule_reshard(reshard)
+
     def create_stream(self, name: str, shards: int, region: str | None = None) -> None:
         from moto.kinesis.models import kinesis_backends
 
