@@ -328,3 +328,120 @@ async def test_a_merge_sends_new_records_to_the_child_and_keeps_the_parents_reco
             )["ShardIterator"]
             total += len((await client.get_records(ShardIterator=iterator))["Records"])
         assert total == 4  # two in the parents, two in the child, none copied
+
+
+# -- the HTTP edge and control mistakes ------------------------------------------------------
+
+
+def raw_exchange(url: str, payload: bytes) -> bytes:
+    """Send raw bytes, return everything the server answers until it closes or goes quiet."""
+    import socket
+    import urllib.parse
+
+    address = urllib.parse.urlsplit(url)
+    with socket.create_connection((address.hostname, address.port), timeout=2) as sock:
+        sock.sendall(payload)
+        received = b""
+        try:
+            while chunk := sock.recv(65536):
+                received += chunk
+        except TimeoutError:
+            pass
+    return received
+
+
+def test_malformed_requests_get_a_400_and_the_server_keeps_serving(
+    emulator: tuple[str, EmulatorClient], control: EmulatorClient
+) -> None:
+    assert raw_exchange(emulator[0], b"GARBAGE\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+    bad_length = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n"
+    assert raw_exchange(emulator[0], bad_length).startswith(b"HTTP/1.1 400 ")
+    assert control.health()["ok"]
+
+
+def test_pipelined_chunked_and_connection_close_requests(
+    emulator: tuple[str, EmulatorClient],
+) -> None:
+    chunked = (
+        b"POST /_anykpl/faults HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+        b"Expect: 100-continue\r\n\r\n2\r\n{}\r\n0\r\n\r\n"
+    )
+    closing = b"GET /_anykpl/health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    answer = raw_exchange(emulator[0], chunked + closing)
+    assert answer.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK")
+    assert answer.count(b"HTTP/1.1 200 OK") == 2
+    assert b"Connection: close" in answer
+
+
+def test_a_deleted_stream_is_not_written_and_a_recreated_one_starts_empty(
+    emulator: tuple[str, EmulatorClient], control: EmulatorClient
+) -> None:
+    import boto3
+
+    client = boto3.client("kinesis", region_name=REGION, endpoint_url=emulator[0], **CREDENTIALS)
+    stream = new_stream(control)
+    client.put_record(StreamName=stream, Data=b"old", PartitionKey="k")
+    client.delete_stream(StreamName=stream)
+    with pytest.raises(ClientError) as caught:
+        client.put_record(StreamName=stream, Data=b"lost?", PartitionKey="k")
+    assert caught.value.response["Error"]["Code"] == "ResourceNotFoundException"
+    client.create_stream(StreamName=stream, ShardCount=1)
+    put = client.put_record(StreamName=stream, Data=b"new", PartitionKey="k")
+    iterator = client.get_shard_iterator(
+        StreamName=stream,
+        ShardId=put["ShardId"],
+        ShardIteratorType="AT_SEQUENCE_NUMBER",
+        StartingSequenceNumber=put["SequenceNumber"],
+    )["ShardIterator"]
+    assert [r["Data"] for r in client.get_records(ShardIterator=iterator)["Records"]] == [b"new"]
+
+
+def test_put_record_by_stream_arn_and_bad_hash_keys(
+    emulator: tuple[str, EmulatorClient], control: EmulatorClient
+) -> None:
+    import boto3
+
+    client = boto3.client("kinesis", region_name=REGION, endpoint_url=emulator[0], **CREDENTIALS)
+    stream = new_stream(control)
+    arn = client.describe_stream_summary(StreamName=stream)["StreamDescriptionSummary"]["StreamARN"]
+    assert client.put_record(StreamARN=arn, Data=b"a", PartitionKey="k")["SequenceNumber"] == "1"
+    with pytest.raises(ClientError) as caught:
+        client.put_record(StreamName=stream, Data=b"a", PartitionKey="k", ExplicitHashKey="²")
+    assert caught.value.response["Error"]["Code"] == "InvalidArgumentException"
+
+
+def test_s3_head_object_reports_the_object_length(emulator: tuple[str, EmulatorClient]) -> None:
+    import boto3
+
+    s3 = boto3.client("s3", region_name=REGION, endpoint_url=emulator[0], **CREDENTIALS)
+    bucket = f"bucket-{uuid.uuid4().hex[:8]}"
+    s3.create_bucket(Bucket=bucket)
+    s3.put_object(Bucket=bucket, Key="k", Body=b"eleven byte")
+    assert s3.head_object(Bucket=bucket, Key="k")["ContentLength"] == 11
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda c, s: c.reshard("no-such-stream", "split"), "no stream"),
+        (lambda c, s: c.reshard(s, "split", shard_id="shardId-000000000042"), "no open shard"),
+        (lambda c, s: c.reshard(s, "merge"), "nothing to merge"),
+        (lambda c, s: c.reshard(s, "scale", target=4), "half to double"),
+        (lambda c, s: c.storm("no-such-stream", duration=1), "no stream"),
+        (lambda c, s: c.storm(s, duration=1, shard_id="shardId-000000000042"), "no shard"),
+        (lambda c, s: c.create_stream(s), "already exists"),
+    ],
+)
+def test_control_mistakes_are_refused_at_once_with_the_reason(
+    control: EmulatorClient, call: Any, message: str
+) -> None:
+    stream = new_stream(control)  # one shard
+    with pytest.raises(EmulatorControlError, match=message):
+        call(control, stream)
+
+
+def test_a_second_in_process_emulator_names_the_shared_stream() -> None:
+    name = f"shared-{uuid.uuid4().hex[:8]}"
+    with Emulator(streams={name: 1}), pytest.raises(RuntimeError) as caught:
+        Emulator(streams={name: 1}).start()
+    assert "already exists" in str(caught.value.__cause__)

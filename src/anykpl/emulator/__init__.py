@@ -24,6 +24,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -213,7 +214,7 @@ def spawn(
     startup_timeout: float = 60.0,
 ) -> Iterator[str]:
     """Run the emulator in its own process on a free 127.0.0.1 port; yields its URL and stops
-    the process on exit. Its output goes to this process's stderr only if it fails to start."""
+    the process on exit. Its log goes to a temporary file, shown if it fails to start."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
@@ -226,35 +227,36 @@ def spawn(
         reshards=reshards,
         region=region,
     )
-    process = subprocess.Popen(
-        argv,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    client = EmulatorClient(url, timeout=2.0)
-    try:
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            try:
-                client.health()
-                break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    process.kill()
-                    _, err = process.communicate()
-                    raise RuntimeError(
-                        f"the emulator did not start: {err.decode(errors='replace')[-2000:]}"
-                    ) from None
-                time.sleep(0.05)
-        yield url
-    finally:
-        process.terminate()
+    # stderr to a file, not a pipe: nobody reads a pipe while the emulator runs, and a full one
+    # would block its logging and so the emulator itself
+    with tempfile.TemporaryFile() as log:
+        process = subprocess.Popen(
+            argv,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        )
+        url = f"http://127.0.0.1:{port}"
+        client = EmulatorClient(url, timeout=2.0)
         try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        if process.stderr is not None:
-            process.stderr.close()
+            deadline = time.monotonic() + startup_timeout
+            while True:
+                try:
+                    client.health()
+                    break
+                except OSError:
+                    if process.poll() is not None or time.monotonic() > deadline:
+                        process.kill()
+                        process.wait()
+                        log.seek(0)
+                        output = log.read().decode(errors="replace")[-2000:]
+                        raise RuntimeError(f"the emulator did not start: {output}") from None
+                    time.sleep(0.05)
+            yield url
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()

@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from ._options import Reshard, Storm, to_json
+from ._options import Faults, Reshard, Storm, to_json
 
 __all__ = ("EmulatorClient", "EmulatorControlError")
 
@@ -73,9 +73,8 @@ class EmulatorClient:
         return result
 
     def clear_faults(self) -> dict[str, Any]:
-        return self.set_faults(
-            error_rate=0.0, record_failure_rate=0.0, latency=0.0, latency_jitter=0.0, reset_rate=0.0
-        )
+        """Every fault setting back to its default (no faults)."""
+        return self.set_faults(**to_json(Faults()))
 
     def limits(self) -> dict[str, Any]:
         result: dict[str, Any] = self._call("GET", "limits")

@@ -68,6 +68,10 @@ class _Reset(Exception):
     """Raised by a handler to reset the connection with no answer."""
 
 
+class _BadRequest(Exception):
+    """A request the server cannot parse: answered 400, then the connection is closed."""
+
+
 _Response = tuple[int, list[tuple[str, str]], bytes]
 
 
@@ -77,6 +81,14 @@ def _json_response(status: int, body: Any, content_type: str = "application/json
         status,
         [("Content-Type", content_type), ("x-amzn-RequestId", str(uuid.uuid4()))],
         (payload),
+    )
+
+
+def _bad_request(message: str) -> bytes:
+    body = json.dumps({"error": message}).encode()
+    return (
+        b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
     )
 
 
@@ -134,7 +146,8 @@ class EmulatorServer:
         self.account_id = account_id or DEFAULT_ACCOUNT_ID
         self._loop = asyncio.get_running_loop()
         self.write_path = WritePath(limits, faults, self._loop.time())
-        self._streams: dict[tuple[str, str, str], Any] = {}
+        # (account, region, name) of every stream the emulator has seen: for statistics
+        self._known: dict[tuple[str, str, str], None] = {}
         self.reshard_log: list[dict[str, Any]] = []
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[asyncio.StreamWriter] = set()
@@ -172,41 +185,84 @@ class EmulatorServer:
         from moto.kinesis.models import kinesis_backends
 
         region = region or self.region
-        stream = kinesis_backends[self.account_id][region].create_stream(name, shards)
-        self._streams[(self.account_id, region, name)] = stream
+        backend = kinesis_backends[self.account_id][region]
+        if name in backend.streams:
+            # moto's backends are per process: another emulator in this process made it
+            raise ValueError(
+                f"stream {name!r} already exists in {region} (streams live in moto's "
+                f"backend, which every emulator in one process shares)"
+            )
+        backend.create_stream(name, shards)
+        self._known[(self.account_id, region, name)] = None
 
     def add_storm(self, storm: Storm) -> None:
+        stream = self._find_stream(storm.stream)
+        if storm.shard_id is not None and storm.shard_id not in stream.shards:
+            raise ValueError(f"stream {storm.stream!r} has no shard {storm.shard_id!r}")
         self.write_path.add_storm(storm, self._loop.time())
 
     def schedule_reshard(self, reshard: Reshard) -> None:
+        self._plan_reshard(reshard)  # a mistake is a clear error now, not a log entry later
         self._loop.call_later(reshard.at, self._reshard, reshard)
 
-    def _find_stream(self, name: str) -> Any:
-        for (_account, _region, stream_name), stream in self._streams.items():
-            if stream_name == name:
-                return stream
+    @staticmethod
+    def _live(account: str, region: str, name: str) -> Any:
         from moto.kinesis.models import kinesis_backends
 
-        backend = kinesis_backends[self.account_id][self.region]
-        stream = backend.describe_stream(stream_arn=None, stream_name=name)
-        self._streams[(self.account_id, self.region, name)] = stream
+        return kinesis_backends[account][region].streams.get(name)
+
+    def _find_stream(self, name: str) -> Any:
+        """The live moto stream called ``name``: one the emulator has seen, else one in its
+        default region."""
+        for account, region, known in self._known:
+            if known == name and (stream := self._live(account, region, name)) is not None:
+                return stream
+        stream = self._live(self.account_id, self.region, name)
+        if stream is None:
+            raise ValueError(f"no stream {name!r} (in {self.region})")
+        self._known[(self.account_id, self.region, name)] = None
         return stream
+
+    def _plan_reshard(self, reshard: Reshard) -> tuple[Any, Any]:
+        """Check ``reshard`` against the stream as it is now; returns (stream, the shard to
+        split or merge, or None for a scale)."""
+        stream = self._find_stream(reshard.stream)
+        open_shards = [s for s in stream.shards.values() if s.is_open]
+        if reshard.action == "scale":
+            assert reshard.target is not None
+            # the service's rule for one UpdateShardCount call
+            if not (len(open_shards) + 1) // 2 <= reshard.target <= 2 * len(open_shards):
+                raise ValueError(
+                    f"cannot scale {reshard.stream!r} from {len(open_shards)} to "
+                    f"{reshard.target} shards in one step (the service allows half to double)"
+                )
+            return stream, None
+        if reshard.shard_id is None:
+            shard = min(open_shards, key=lambda s: s.starting_hash)
+        else:
+            shard = stream.shards.get(reshard.shard_id)
+            if shard is None or not shard.is_open:
+                raise ValueError(
+                    f"stream {reshard.stream!r} has no open shard {reshard.shard_id!r}"
+                )
+        if reshard.action == "merge" and len(open_shards) < 2:
+            raise ValueError(f"stream {reshard.stream!r} has one open shard: nothing to merge")
+        return stream, shard
 
     def _reshard(self, reshard: Reshard) -> None:
         entry: dict[str, Any] = {**to_json(reshard), "done_at": self.uptime()}
         try:
-            stream = self._find_stream(reshard.stream)
+            stream, shard = self._plan_reshard(reshard)
             open_shards = sorted(
                 (s for s in stream.shards.values() if s.is_open), key=lambda s: s.starting_hash
             )
             if reshard.action == "scale":
                 assert reshard.target is not None
                 stream.update_shard_count(reshard.target)
+                now_open = sum(1 for s in stream.shards.values() if s.is_open)
+                if now_open != reshard.target:
+                    raise RuntimeError(f"moto left {now_open} open shards")
             else:
-                if reshard.shard_id is None:
-                    shard = open_shards[0]
-                else:
-                    shard = stream.shards[reshard.shard_id]
                 if reshard.action == "split":
                     middle = (shard.starting_hash + shard.ending_hash) // 2 + 1
                     stream.split_shard(shard.shard_id, str(middle))
@@ -231,7 +287,12 @@ class EmulatorServer:
         write_path = self.write_path
         shards = []
         seen: set[tuple[str, str]] = set()
-        for (_account, _region, stream_name), stream in list(self._streams.items()):
+        for key in list(self._known):
+            stream_name = key[2]
+            stream = self._live(*key)
+            if stream is None:  # deleted since
+                del self._known[key]
+                continue
             for shard in stream.shards.values():
                 seen.add((stream_name, shard.shard_id))
                 shards.append(self._shard_document(stream_name, shard.shard_id, shard.is_open, now))
@@ -280,7 +341,12 @@ class EmulatorServer:
         self._connections.add(writer)
         try:
             while True:
-                request = await self._read_request(reader, writer)
+                try:
+                    request = await self._read_request(reader, writer)
+                except _BadRequest as exc:
+                    writer.write(_bad_request(str(exc)))
+                    await writer.drain()
+                    return
                 if request is None:
                     return
                 try:
@@ -288,10 +354,20 @@ class EmulatorServer:
                 except _Reset:
                     writer.transport.abort()
                     return
+                except Exception as exc:  # a bug or a moto error: answer it, keep serving
+                    logger.exception("error handling %s %s", request.method, request.target)
+                    status, headers, body = _json_response(
+                        500,
+                        {"__type": "InternalFailure", "message": f"emulator error: {exc!r}"},
+                        "application/x-amz-json-1.1",
+                    )
                 keep_alive = request.headers.get("connection", "").lower() != "close"
                 head = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}"]
                 head.extend(f"{name}: {value}" for name, value in headers)
-                head.append(f"Content-Length: {len(body)}")
+                if request.method != "HEAD" or not any(
+                    name.lower() == "content-length" for name, _ in headers
+                ):
+                    head.append(f"Content-Length: {len(body)}")
                 if not keep_alive:
                     head.append("Connection: close")
                 writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
@@ -320,7 +396,10 @@ class EmulatorServer:
                 raise
             return None
         lines = head[:-4].decode("latin-1").split("\r\n")
-        method, target, _version = lines[0].split(" ", 2)
+        try:
+            method, target, _version = lines[0].split(" ", 2)
+        except ValueError:
+            raise _BadRequest(f"malformed request line {lines[0][:100]!r}") from None
         if not target.startswith("/"):
             # absolute form (``POST http://host:port/ HTTP/1.1``), as some clients send it
             target = "/" + target.split("://", 1)[-1].partition("/")[2]
@@ -348,7 +427,10 @@ class EmulatorServer:
             del headers["transfer-encoding"]
             headers["content-length"] = str(len(body))
         else:
-            length = int(headers.get("content-length", "0") or 0)
+            try:
+                length = int(headers.get("content-length", "0") or 0)
+            except ValueError:
+                raise _BadRequest("malformed Content-Length") from None
             body = await reader.readexactly(length) if length else b""
         return _Request(method, target, headers, body)
 
@@ -358,6 +440,9 @@ class EmulatorServer:
                 return self._control(request)
             except (ValueError, TypeError, KeyError) as exc:
                 return _json_response(400, {"error": f"{type(exc).__name__}: {exc}"})
+            except Exception as exc:  # moto's errors (a stream that exists, ...)
+                message = getattr(exc, "message", None) or str(exc)
+                return _json_response(400, {"error": f"{type(exc).__name__}: {message}"})
         target = request.headers.get("x-amz-target", "")
         if target in ("Kinesis_20131202.PutRecords", "Kinesis_20131202.PutRecord"):
             return await self._write(request, target[len(_TARGET_PREFIX) :])
@@ -415,19 +500,23 @@ class EmulatorServer:
         account_id, region = self._caller(request.headers)
         name = payload.get("StreamName")
         arn = payload.get("StreamARN")
-        stream = self._streams.get((account_id, region, name)) if name else None
+        if not isinstance(name, str) and not isinstance(arn, str):
+            raise KinesisError(
+                400, "ValidationException", "Either StreamName or StreamARN must be provided."
+            )
+        backend = kinesis_backends[account_id][region]
+        if isinstance(name, str):
+            stream = backend.streams.get(name)
+        else:
+            stream = next((s for s in backend.streams.values() if s.arn == arn), None)
         if stream is None:
-            try:
-                stream = kinesis_backends[account_id][region].describe_stream(
-                    stream_arn=arn, stream_name=name
-                )
-            except Exception as exc:
-                raise KinesisError(
-                    getattr(exc, "code", 400),
-                    getattr(exc, "error_type", "ResourceNotFoundException"),
-                    getattr(exc, "message", str(exc)),
-                ) from None
-            self._streams[(account_id, region, stream.stream_name)] = stream
+            missing = name if isinstance(name, str) else arn
+            raise KinesisError(
+                400,
+                "ResourceNotFoundException",
+                f"Stream {missing} under account {account_id} not found.",
+            )
+        self._known[(account_id, region, stream.stream_name)] = None
         now = self._loop.time()
         if operation == "PutRecords":
             return self.write_path.put_records(stream, account_id, payload.get("Records"), now)
@@ -496,10 +585,11 @@ class EmulatorServer:
             close = getattr(chunks, "close", None)
             if close is not None:
                 close()
+        dropped = {"connection", "transfer-encoding"}
+        if request.method != "HEAD":  # a HEAD answer keeps the length of what GET would send
+            dropped.add("content-length")
         headers = [
-            (name, value)
-            for name, value in captured["headers"]
-            if name.lower() not in ("content-length", "connection", "transfer-encoding")
+            (name, value) for name, value in captured["headers"] if name.lower() not in dropped
         ]
         return captured["status"], headers, body
 

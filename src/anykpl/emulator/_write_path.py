@@ -237,9 +237,9 @@ class WritePath:
             )
         explicit = entry.get("ExplicitHashKey")
         if explicit is not None:
-            if not (isinstance(explicit, str) and explicit.isdigit()) or int(explicit) > (
-                MAX_HASH_KEY
-            ):
+            if not (isinstance(explicit, str) and explicit.isascii() and explicit.isdigit()) or int(
+                explicit
+            ) > (MAX_HASH_KEY):
                 raise KinesisError(
                     400,
                     "InvalidArgumentException",
