@@ -2,14 +2,18 @@
 
 Runs on a fresh machine with no AWS account: it starts moto's server on 127.0.0.1, creates a
 stream, puts 10,000 records through the producer, and proves every one of them is in the
-stream. Run with ``--backend trio`` for trio.
+stream. Run with ``--backend trio`` for trio, and with ``--endpoint URL`` (or
+``ANYKPL_ENDPOINT_URL``) to use a running ``anykpl emulator`` instead of starting one.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import os
 import time
+import uuid
 
 import anyio
 import boto3
@@ -64,12 +68,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     parser.add_argument("--records", type=int, default=10_000)
+    parser.add_argument("--endpoint", default=os.environ.get("ANYKPL_ENDPOINT_URL"))
     args = parser.parse_args()
-    with spawn() as endpoint:
+    with contextlib.ExitStack() as stack:
+        endpoint = args.endpoint or stack.enter_context(spawn())
         client = boto3.client(
             "kinesis", region_name="us-east-1", endpoint_url=endpoint, **CREDENTIALS
         )
-        stream = "quickstart"
+        stream = f"quickstart-{uuid.uuid4().hex[:8]}"
         client.create_stream(StreamName=stream, ShardCount=4)
         sent = anyio.run(produce, endpoint, stream, args.records, backend=args.backend)
         found = read_back(client, stream)

@@ -709,7 +709,7 @@ async def test_move_on_after_around_a_hanging_put(fake_kinesis: FakeKinesis) -> 
 
 
 async def test_a_crashing_stage_fails_every_pending_record(
-    fake_kinesis: FakeKinesis, monkeypatch: pytest.MonkeyPatch
+    fake_kinesis: FakeKinesis, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     def broken_put(self: Collector, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError("boom")
@@ -749,6 +749,10 @@ async def test_a_crashing_stage_fails_every_pending_record(
     assert codes == [errors.PIPELINE_FAILED] * admitted
     with pytest.raises(errors.ProducerClosedError):
         await producer.submit(STREAM, b"after", partition_key="k")
+    crashes = [r for r in caplog.records if r.name == "anykpl.producer"]
+    assert len(crashes) == 1
+    assert crashes[0].levelname == "ERROR"
+    assert "a pipeline stage crashed (RuntimeError: boom)" in crashes[0].getMessage()
 
 
 async def test_a_crashing_transport_list_shards_fails_records_not_hangs(

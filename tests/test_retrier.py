@@ -495,3 +495,38 @@ def test_take_all_empties_the_retry_queue() -> None:
     assert sorted(id(r) for r in h.retrier.take_all()) == sorted(id(r) for r in records)
     assert h.retrier.delayed_records == 0
     assert h.retrier.take_due(1e9) == []
+
+
+# -- logging --------------------------------------------------------------------------------
+
+
+def test_records_failed_for_good_are_logged_once_per_code_per_outcome(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    h = Harness()
+    krs = [make_kinesis_record([make_record(), make_record()]) for _ in range(3)]
+    caplog.set_level("INFO", logger="anykpl")
+    h.retrier.handle(
+        outcome(krs, [err("AccessDeniedException", "no access")] * 2 + [err(THROTTLED)]), 0.5
+    )
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1  # the throttled one is retried: not logged
+    (line,) = warnings
+    assert line.name == "anykpl.retrier"
+    assert "4 user record(s) of stream stream failed: AccessDeniedException: no access" in (
+        line.getMessage()
+    )
+    assert (line.stream, line.error_code, line.records) == (  # type: ignore[attr-defined]
+        "stream",
+        "AccessDeniedException",
+        4,
+    )
+
+
+def test_expiry_in_the_limiter_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    h = Harness()
+    krs = [make_kinesis_record([make_record()]) for _ in range(5)]
+    caplog.set_level("INFO", logger="anykpl")
+    h.retrier.expire(krs, 31.0)
+    (line,) = caplog.records
+    assert "5 user record(s) of stream stream expired (record_ttl)" in line.getMessage()

@@ -13,20 +13,27 @@ General layout (one private module per stage; follow a record top to bottom):
 - ``_sender.py``: aiobotocore transport, the only place botocore errors are seen.
 - ``_retrier.py``: outcome classification, results, retries with backoff.
 - ``_records.py``: :class:`PendingRecord`, :class:`RecordResult`, :class:`Attempt`.
-- ``_metrics.py``: the KPL's metrics, counted in process.
+- ``_sync.py``: :class:`SyncProducer`, the blocking facade (a Producer in a portal thread).
+- ``_metrics.py``: the KPL's metrics, counted in process; ``metrics.py`` (public): the sinks
+  that upload them (``MetricsSink``, ``CloudWatchSink``, ``PrometheusSink``,
+  ``OpenTelemetrySink``).
 - ``_limits.py``: Kinesis service limits, the one source of each number.
 
-Public modules: this package, :mod:`anykpl.errors` and :mod:`anykpl.config`.
+Public modules: this package, :mod:`anykpl.errors`, :mod:`anykpl.config` and
+:mod:`anykpl.metrics`. Tools users run live apart (``emulator/``, ``demo/``, ``bench/``,
+``cli.py``); the core never imports them.
 """
 
 from . import errors as errors
 from ._metrics import MetricKey as MetricKey
+from ._metrics import MetricValue as MetricValue
 from ._producer import Producer as Producer
 from ._producer import ProducerStatistics as ProducerStatistics
 from ._producer import StreamStatistics as StreamStatistics
 from ._records import Attempt as Attempt
 from ._records import PendingRecord as PendingRecord
 from ._records import RecordResult as RecordResult
+from ._sync import SyncProducer as SyncProducer
 from .config import ProducerConfig as ProducerConfig
 
 __version__ = "0.1.0.dev0"
@@ -34,12 +41,14 @@ __version__ = "0.1.0.dev0"
 __all__ = (
     "Attempt",
     "MetricKey",
+    "MetricValue",
     "PendingRecord",
     "Producer",
     "ProducerConfig",
     "ProducerStatistics",
     "RecordResult",
     "StreamStatistics",
+    "SyncProducer",
     "errors",
 )
 

@@ -1,18 +1,83 @@
-"""KPL metrics kept in process: counters under the KPL's names (aws/metrics/metrics_constants.h).
+"""The KPL's metrics, kept in process as statistic sets (aws/metrics/*).
 
-Each data point is counted at the level it is emitted (stream, shard, error code) and is also
-visible summed over the levels above it, as ``Metric::put`` feeds its ancestors in the KPL.
-Upload sinks (CloudWatch and others) come later; this module only counts, and it counts per
-batch, never per user record on the hot path.
+Mirrors ``aws/metrics/metrics_manager.{h,cc}``, ``accumulator.h`` and ``metrics_constants.cc``:
+
+- every metric has a name, a unit and a level (``summary`` or ``detailed``), and is recorded
+  with up to three dimensions — ``ErrorCode``, ``StreamName``, ``ShardId`` — in that order;
+- a data point counts at its own level and at every level above it (``Metric::put`` feeds its
+  ancestors), so one shard-level point is visible per shard, per stream and globally;
+- values accumulate into statistic sets (count, sum, min, max) in one-second buckets, 60 of
+  which are kept for local queries (:meth:`Metrics.query`, the KPL's ``getMetrics``);
+- an upload takes what accumulated since the last one, filtered by ``metrics_level`` and
+  ``metrics_granularity`` (``constants::filter``).
+
+Where we differ, and why:
+
+- **Counting per batch.** The KPL puts one data point per user record; we record what a batch
+  (a PutRecords outcome, a Kinesis record) adds up to — count, sum, min and max — in one call,
+  because the hot path is measured. ``UserRecordsReceived`` is folded in from the pipelines'
+  admission counters when the metrics are read, never once per ``put``.
+- **Granularity of a few detailed metrics.** ``BufferingTime``, ``UserRecordsPerKinesisRecord``
+  and ``KinesisRecordsDataPut`` are recorded per stream (one sample per Kinesis record), not per
+  shard; ``UserRecordsPending`` is not recorded (``Producer.statistics()`` has the queue depths).
+- **Uploads are exact intervals.** The KPL uploads ``[last checkpoint, now - 1 s]`` from its
+  buckets; we close the current bucket at each upload, so every sample is uploaded exactly once
+  and nothing waits a second longer.
+- ``UserRecordsFailed`` (records that ended in failure, by ``ErrorCode``) is ours.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Mapping
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Final, Literal
 
-__all__ = ("MetricKey", "Metrics")
+__all__ = (
+    "HISTORY_SECONDS",
+    "METRICS",
+    "MetricKey",
+    "MetricValue",
+    "Metrics",
+    "MetricsLevel",
+    "Unit",
+    "leaves",
+    "with_ancestors",
+)
+
+Unit = Literal["Count", "Bytes", "Milliseconds"]
+MetricsLevel = Literal["summary", "detailed"]
+
+#: name -> (unit, level): the KPL's table (metrics_constants.cc; kpl.md §5).
+METRICS: Final[Mapping[str, tuple[Unit, MetricsLevel]]] = {
+    "UserRecordsReceived": ("Count", "detailed"),
+    "UserRecordsPut": ("Count", "summary"),
+    "UserRecordsDataPut": ("Bytes", "detailed"),
+    "KinesisRecordsPut": ("Count", "summary"),
+    "KinesisRecordsDataPut": ("Bytes", "detailed"),
+    "ErrorsByCode": ("Count", "summary"),
+    "AllErrors": ("Count", "summary"),
+    "RetriesPerRecord": ("Count", "detailed"),
+    "UserRecordExpired": ("Count", "summary"),
+    "BufferingTime": ("Milliseconds", "summary"),
+    "RequestTime": ("Milliseconds", "detailed"),
+    "UserRecordsPerKinesisRecord": ("Count", "detailed"),
+    "KinesisRecordsPerPutRecordsRequest": ("Count", "detailed"),
+    "UserRecordsPerPutRecordsRequest": ("Count", "detailed"),
+    "UserRecordsFailed": ("Count", "detailed"),  # ours
+}
+
+#: One-second buckets kept for :meth:`Metrics.query` (the KPL keeps 60).
+HISTORY_SECONDS: Final = 60
+
+_GRANULARITY_DEPTH: Final = {"global": 0, "stream": 1, "shard": 2}
+
+#: (name, stream, shard, error code)
+_Key = tuple[str, "str | None", "str | None", "str | None"]
+#: [count, sum, min, max]
+_Stats = list[float]
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -25,36 +90,268 @@ class MetricKey:
     error_code: str | None = None
 
 
-class Metrics:
-    """Counters keyed by :class:`MetricKey`."""
+@dataclass(frozen=True, slots=True)
+class MetricValue:
+    """One metric at one set of dimensions, as a statistic set over a span of time.
 
-    def __init__(self) -> None:
-        self._counts: defaultdict[tuple[str, str | None, str | None, str | None], float] = (
-            defaultdict(float)
+    Attributes:
+        name: the KPL metric name, such as ``"UserRecordsPut"``.
+        unit: ``"Count"``, ``"Bytes"`` or ``"Milliseconds"``.
+        level: ``"summary"`` or ``"detailed"``.
+        stream: the ``StreamName`` dimension, or ``None`` at the global level.
+        shard: the ``ShardId`` dimension, or ``None`` above the shard level.
+        error_code: the ``ErrorCode`` dimension (``ErrorsByCode``, ``UserRecordsFailed``).
+        count: number of samples (CloudWatch's ``SampleCount``).
+        sum: sum of the samples.
+        min: smallest sample.
+        max: largest sample.
+        duration: seconds the statistics cover.
+    """
+
+    name: str
+    unit: Unit
+    level: MetricsLevel
+    stream: str | None
+    shard: str | None
+    error_code: str | None
+    count: float
+    sum: float
+    min: float
+    max: float
+    duration: float
+
+    @property
+    def mean(self) -> float:
+        """``sum / count`` (0 without samples)."""
+        return self.sum / self.count if self.count else 0.0
+
+    @property
+    def granularity(self) -> Literal["global", "stream", "shard"]:
+        if self.shard is not None:
+            return "shard"
+        return "stream" if self.stream is not None else "global"
+
+    @property
+    def dimensions(self) -> tuple[tuple[str, str], ...]:
+        """The dimensions in the KPL's order: ``ErrorCode``, ``StreamName``, ``ShardId``."""
+        out: list[tuple[str, str]] = []
+        if self.error_code is not None:
+            out.append(("ErrorCode", self.error_code))
+        if self.stream is not None:
+            out.append(("StreamName", self.stream))
+        if self.shard is not None:
+            out.append(("ShardId", self.shard))
+        return tuple(out)
+
+
+def _merge_into(target: dict[_Key, _Stats], source: Mapping[_Key, _Stats]) -> None:
+    for key, stats in source.items():
+        mine = target.get(key)
+        if mine is None:
+            target[key] = list(stats)
+        else:
+            mine[0] += stats[0]
+            mine[1] += stats[1]
+            if stats[2] < mine[2]:
+                mine[2] = stats[2]
+            if stats[3] > mine[3]:
+                mine[3] = stats[3]
+
+
+def with_ancestors(stats: Mapping[_Key, _Stats]) -> dict[_Key, _Stats]:
+    """Each data point at its own level and at the stream and global levels above it."""
+    out: dict[_Key, _Stats] = {}
+    for (name, stream, shard, code), value in stats.items():
+        keys = {(name, None, None, code), (name, stream, None, code), (name, stream, shard, code)}
+        _merge_into(out, dict.fromkeys(keys, value))
+    return out
+
+
+def leaves(stats: Mapping[_Key, _Stats], granularity: str) -> dict[_Key, _Stats]:
+    """Each data point once, cut to ``granularity`` (deeper dimensions merged away)."""
+    depth = _GRANULARITY_DEPTH[granularity]
+    out: dict[_Key, _Stats] = {}
+    for (name, stream, shard, code), value in stats.items():
+        key = (name, stream if depth >= 1 else None, shard if depth >= 2 else None, code)
+        _merge_into(out, {key: value})
+    return out
+
+
+def to_values(
+    stats: Mapping[_Key, _Stats],
+    duration: float,
+    *,
+    name: str | None = None,
+    level: str = "detailed",
+    granularity: str = "shard",
+) -> tuple[MetricValue, ...]:
+    """Statistic sets as :class:`MetricValue` s, sorted, filtered like the KPL's upload
+    (``constants::filter``: level ≤ ``level`` and granularity ≤ ``granularity``)."""
+    depth = _GRANULARITY_DEPTH[granularity]
+    out = []
+    for key in sorted(stats, key=_sort_key):
+        metric, stream, shard, code = key
+        if name is not None and metric != name:
+            continue
+        unit, metric_level = METRICS.get(metric, ("Count", "detailed"))
+        if level == "none" or (level == "summary" and metric_level != "summary"):
+            continue
+        if (shard is not None and depth < 2) or (stream is not None and depth < 1):
+            continue
+        count, total, low, high = stats[key]
+        if count <= 0:
+            continue
+        out.append(
+            MetricValue(
+                metric, unit, metric_level, stream, shard, code, count, total, low, high, duration
+            )
         )
+    return tuple(out)
+
+
+def _sort_key(key: _Key) -> tuple[str, str, str, str]:
+    name, stream, shard, code = key
+    return (name, code or "", stream or "", shard or "")
+
+
+class Metrics:
+    """Statistic sets keyed by (name, stream, shard, error code), in one-second buckets.
+
+    Pure and clock-injected: ``clock`` is read once per recorded batch. The producer sets it to
+    the running backend's clock when it opens.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._bucket: dict[_Key, _Stats] = {}
+        self._bucket_start = -math.inf
+        self._bucket_end = -math.inf
+        self._history: deque[tuple[float, dict[_Key, _Stats]]] = deque()
+        self._total: dict[_Key, _Stats] = {}
+        self._started: float | None = None
+        #: statistics not yet handed to sinks; ``None`` while nothing uploads
+        self._unsent: dict[_Key, _Stats] | None = None
+        self._unsent_since = 0.0
+
+    # -- recording (once per batch) -------------------------------------------------------
 
     def add(
         self, name: str, value: float, stream: str | None, shard: str | None, code: str | None
     ) -> None:
-        self._counts[(name, stream, shard, code)] += value
+        """``value`` events, each a sample of 1 (a count metric)."""
+        if value:
+            self.observe(name, stream, shard, code, value, value, 1.0, 1.0)
+
+    def sample(
+        self, name: str, value: float, stream: str | None, shard: str | None, code: str | None
+    ) -> None:
+        """One sample of ``value`` (a time, a size)."""
+        self.observe(name, stream, shard, code, 1, value, value, value)
+
+    def observe(
+        self,
+        name: str,
+        stream: str | None,
+        shard: str | None,
+        code: str | None,
+        count: float,
+        total: float,
+        low: float,
+        high: float,
+    ) -> None:
+        """Merge a statistic set (``count`` samples summing to ``total``, between ``low`` and
+        ``high``)."""
+        now = self.clock()
+        if now >= self._bucket_end:
+            self._roll(now)
+        key = (name, stream, shard, code)
+        stats = self._bucket.get(key)
+        if stats is None:
+            self._bucket[key] = [count, total, low, high]
+        else:
+            stats[0] += count
+            stats[1] += total
+            if low < stats[2]:
+                stats[2] = low
+            if high > stats[3]:
+                stats[3] = high
+
+    def _roll(self, now: float) -> None:
+        """Close the current bucket and start the one ``now`` falls in."""
+        if self._started is None:
+            self._started = now
+            self._unsent_since = now
+        bucket = self._bucket
+        if bucket:
+            _merge_into(self._total, bucket)
+            if self._unsent is not None:
+                _merge_into(self._unsent, bucket)
+            self._history.append((self._bucket_start, bucket))
+            self._bucket = {}
+        horizon = now - HISTORY_SECONDS
+        history = self._history
+        while history and history[0][0] < horizon:
+            history.popleft()
+        self._bucket_start = now
+        self._bucket_end = math.floor(now) + 1.0
+
+    # -- reading --------------------------------------------------------------------------
+
+    def enable_uploads(self) -> None:
+        """Start keeping the statistics not yet taken by :meth:`take_unsent`."""
+        if self._unsent is None:
+            self._unsent = {}
+            self._unsent_since = self.clock()
+
+    def take_unsent(self) -> tuple[dict[_Key, _Stats], float, float]:
+        """(statistics since the last call, its start, its end): closes the current bucket."""
+        now = self.clock()
+        self._roll(now)
+        self._bucket_end = -math.inf  # the next sample starts a fresh bucket
+        taken = self._unsent or {}
+        start = self._unsent_since
+        self._unsent = {}
+        self._unsent_since = now
+        return taken, start, now
+
+    def cumulative(self) -> dict[_Key, _Stats]:
+        """Every statistic since the first sample (data points at their own level)."""
+        out = {key: list(stats) for key, stats in self._total.items()}
+        _merge_into(out, self._bucket)
+        return out
+
+    def window(self, seconds: float) -> dict[_Key, _Stats]:
+        """The statistics of the last ``seconds`` (at one-second resolution, up to 60)."""
+        horizon = self.clock() - seconds
+        out: dict[_Key, _Stats] = {}
+        for start, bucket in self._history:
+            if start + 1.0 > horizon:
+                _merge_into(out, bucket)
+        _merge_into(out, self._bucket)
+        return out
+
+    def query(self, name: str | None = None, window: float | None = None) -> list[MetricValue]:
+        """The KPL's ``getMetrics``: every metric at every level, cumulative or over the last
+        ``window`` seconds."""
+        now = self.clock()
+        if window is None:
+            stats = self.cumulative()
+            duration = now - self._started if self._started is not None else 0.0
+        else:
+            stats = self.window(window)
+            duration = window
+        return list(to_values(with_ancestors(stats), duration, name=name))
 
     def snapshot(self) -> Mapping[MetricKey, float]:
-        """Every counter, at its own level and summed into the stream and global levels."""
-        out: dict[MetricKey, float] = defaultdict(float)
-        for (name, stream, shard, code), value in self._counts.items():
-            # a set: a stream-level point (shard None) is its own stream-level ancestor
-            keys = {
-                MetricKey(name, None, None, code),
-                MetricKey(name, stream, None, code),
-                MetricKey(name, stream, shard, code),
-            }
-            for key in keys:
-                out[key] += value
-        return dict(out)
+        """Every metric's sum, at its own level and summed into the stream and global levels."""
+        return {
+            MetricKey(*key): stats[1] for key, stats in with_ancestors(self.cumulative()).items()
+        }
 
     def by_error_code(self) -> dict[str, int]:
-        out: dict[str, int] = defaultdict(int)
-        for (name, _, _, code), value in self._counts.items():
-            if name == "ErrorsByCode" and code is not None:
-                out[code] += int(value)
-        return dict(out)
+        out: dict[str, int] = {}
+        for items in (self._total.items(), self._bucket.items()):
+            for (name, _, _, code), stats in items:
+                if name == "ErrorsByCode" and code is not None:
+                    out[code] = out.get(code, 0) + int(stats[1])
+        return out

@@ -134,6 +134,7 @@ class Pipeline:
             fail_if_throttled=config.fail_if_throttled,
             backoff_initial=config.retry_backoff_initial,
             backoff_max=config.retry_backoff_max,
+            observe=self._observe,
         )
         self.aggregator_send, self.aggregator_in = _stream()
         self.limiter_send, self.limiter_in = _stream()
@@ -176,6 +177,18 @@ class Pipeline:
 
     def _count(self, name: str, value: int, shard: str | None, code: str | None) -> None:
         self.metrics.add(name, value, self.stream, shard, code)
+
+    def _observe(
+        self,
+        name: str,
+        shard: str | None,
+        code: str | None,
+        count: float,
+        total: float,
+        low: float,
+        high: float,
+    ) -> None:
+        self.metrics.observe(name, self.stream, shard, code, count, total, low, high)
 
     def _request_refresh(self) -> None:
         self._refresh_event.set()

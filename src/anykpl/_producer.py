@@ -14,6 +14,7 @@ resolve every record that is left, and no awaiter ever hangs.
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
@@ -24,11 +25,14 @@ from typing import Any
 import anyio
 
 from . import _limits, errors
-from ._metrics import MetricKey, Metrics
+from ._metrics import MetricKey, Metrics, MetricValue
 from ._pipeline import Pipeline
 from ._records import PendingRecord, RecordResult, _AttemptRecord, partition_key_hash
 from ._sender import Transport, _running_trio, open_transport
 from .config import ProducerConfig
+from .metrics import MetricsSink, Uploader
+
+logger = logging.getLogger("anykpl.producer")
 
 if sys.version_info >= (3, 11):
     from typing import Self
@@ -99,6 +103,10 @@ class Producer(anyio.AsyncContextManagerMixin):
 
     ``transport`` replaces the aiobotocore client (for tests: anything with the
     :class:`~anykpl._sender.Transport` methods).
+
+    ``metrics_sinks`` receive the KPL metrics every ``metrics_upload_delay`` seconds (see
+    :mod:`anykpl.metrics`). They are objects with state (clients, registries), so they are
+    arguments of the producer rather than configuration values.
     """
 
     def __init__(
@@ -106,6 +114,7 @@ class Producer(anyio.AsyncContextManagerMixin):
         config: ProducerConfig | None = None,
         *,
         transport: Transport | None = None,
+        metrics_sinks: Sequence[MetricsSink] = (),
         **overrides: Any,
     ) -> None:
         if config is None:
@@ -113,6 +122,14 @@ class Producer(anyio.AsyncContextManagerMixin):
         elif overrides:
             config = config.replace(**overrides)
         self.config = config
+        for sink in metrics_sinks:
+            if not isinstance(sink, MetricsSink):
+                raise TypeError(
+                    f"metrics_sinks takes MetricsSink objects (with open() and publish()), "
+                    f"not {type(sink).__name__}"
+                )
+        self._metrics_sinks = tuple(metrics_sinks)
+        self._uploader: Uploader | None = None
         self._transport_override = transport
         self._transport: Transport | None = None
         self._pipelines: dict[str, Pipeline] = {}
@@ -151,6 +168,12 @@ class Producer(anyio.AsyncContextManagerMixin):
                 self._transport = transport
                 self._task_group = tg
                 self._clock = _backend_clock()
+                self._metrics.clock = self._clock
+                if self._metrics_sinks and self.config.metrics_level != "none":
+                    self._uploader = Uploader(
+                        self._metrics, self._metrics_sinks, self.config, self._count_received
+                    )
+                    tg.start_soon(self._uploader.run)
                 self._state = "open"
                 cancelled = False
                 try:
@@ -164,6 +187,10 @@ class Producer(anyio.AsyncContextManagerMixin):
                         with anyio.move_on_after(self.config.close_timeout, shield=True):
                             await self.flush()
                     self._fail_closed()
+                    if self._uploader is not None and not cancelled:
+                        # the last report, bounded like the flush
+                        with anyio.move_on_after(self.config.close_timeout, shield=True):
+                            await self._uploader.close()
                     tg.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             # unwrap a lone stage failure so the caller sees the real error
@@ -194,6 +221,14 @@ class Producer(anyio.AsyncContextManagerMixin):
                 return
             self._failure = exc
             self._state = "closing"
+            logger.error(
+                "a pipeline stage crashed (%s: %s); failing %d outstanding record(s)",
+                type(exc).__name__,
+                exc,
+                len(self._outstanding),
+                exc_info=exc,
+                extra={"records": len(self._outstanding)},
+            )
             self._fail_outstanding(
                 errors.PIPELINE_FAILED, f"a pipeline stage failed: {type(exc).__name__}: {exc}"
             )
@@ -436,12 +471,7 @@ class Producer(anyio.AsyncContextManagerMixin):
                 retry_backoff_records=p.retrier.delayed_records,
                 user_records_received=p.received,
             )
-        for name, p in self._pipelines.items():
-            # counted here rather than once per put (the hot path)
-            self._metrics.add(
-                "UserRecordsReceived", p.received - p.received_counted, name, None, None
-            )
-            p.received_counted = p.received
+        self._count_received()
         return ProducerStatistics(
             outstanding_records=len(self._outstanding),
             outstanding_bytes=self._outstanding_bytes,
@@ -449,6 +479,32 @@ class Producer(anyio.AsyncContextManagerMixin):
             errors_by_code=self._metrics.by_error_code(),
             metrics=self._metrics.snapshot(),
         )
+
+    def metrics(self, name: str | None = None, window: float | None = None) -> list[MetricValue]:
+        """The KPL metrics kept in process, like the KPL's ``getMetrics``.
+
+        Every metric at every level (global, per stream, per shard; ``metrics_level`` and
+        ``metrics_granularity`` filter only what sinks receive), as statistic sets: count, sum,
+        min, max and mean, sorted by name and dimensions.
+
+        Args:
+            name: only this metric (a KPL name such as ``"UserRecordsPut"``).
+            window: only the last ``window`` seconds (0 < window <= 60, one-second
+                resolution); ``None``: everything since the producer started.
+        """
+        if window is not None and not (isinstance(window, (int, float)) and 0 < window <= 60):
+            raise ValueError(f"window must be None or in (0, 60] seconds, got {window!r}")
+        self._count_received()
+        return self._metrics.query(name, window)
+
+    def _count_received(self) -> None:
+        # counted when the metrics are read rather than once per put (the hot path)
+        for name, p in self._pipelines.items():
+            if p.received != p.received_counted:
+                self._metrics.add(
+                    "UserRecordsReceived", p.received - p.received_counted, name, None, None
+                )
+                p.received_counted = p.received
 
 
 def _check_stream_name(stream: object) -> None:

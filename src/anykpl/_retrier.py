@@ -46,6 +46,8 @@ logger = logging.getLogger("anykpl.retrier")
 
 Finish = Callable[[Sequence[PendingRecord], bool], None]
 Count = Callable[[str, int, str | None, str | None], None]
+#: (name, shard, error code, count, sum, min, max): a statistic set for the metrics
+Observe = Callable[[str, str | None, str | None, float, float, float, float], None]
 
 
 class Retrier:
@@ -65,11 +67,13 @@ class Retrier:
         backoff_initial: float,
         backoff_max: float,
         rng: random.Random | None = None,
+        observe: Observe | None = None,
     ) -> None:
         self.stream = stream
         self.shard_map = shard_map
         self.finish = finish
         self.count = count
+        self.observe = observe
         self.request_refresh = request_refresh
         self.retry_delay = record_max_buffered_time / 2
         self.fail_if_throttled = fail_if_throttled
@@ -81,15 +85,48 @@ class Retrier:
         # Kinesis records for a shard is one step of backoff, not twenty
         self._advanced: set[str | None] = set()
         self._delayed: list[tuple[float, int, list[PendingRecord]]] = []
+        # records failed for good while handling one outcome: code -> (count, a message)
+        self._failed: dict[str, tuple[int, str]] = {}
         self._counter = 0
         self.delayed_records = 0
 
     # -- outcomes -----------------------------------------------------------------------
 
     def handle(self, outcome: Outcome, now: float) -> None:
+        try:
+            self._handle(outcome, now)
+        finally:
+            if self._failed:
+                self._log_failures()
+
+    def _log_failures(self) -> None:
+        """One log line per error code for the records that just failed for good: never one
+        per record, and nothing for records that will be retried."""
+        for code, (count, message) in self._failed.items():
+            if code == errors.EXPIRED:
+                logger.warning(
+                    "%d user record(s) of stream %s expired (record_ttl): %s",
+                    count,
+                    self.stream,
+                    message,
+                    extra={"stream": self.stream, "error_code": code, "records": count},
+                )
+            else:
+                logger.warning(
+                    "%d user record(s) of stream %s failed: %s: %s",
+                    count,
+                    self.stream,
+                    code,
+                    message,
+                    extra={"stream": self.stream, "error_code": code, "records": count},
+                )
+        self._failed.clear()
+
+    def _handle(self, outcome: Outcome, now: float) -> None:
         self._advanced.clear()
         records: Sequence[KinesisRecord] = outcome.records
-        self.count("RequestTime", round((outcome.end - outcome.start) * 1000), None, None)
+        if self.observe is not None:
+            self._observe_request(outcome)
         if outcome.response is None:
             code = outcome.error_code or "UnknownError"
             message = outcome.error_message or ""
@@ -112,6 +149,7 @@ class Retrier:
                 self._fail(kr.records, attempt)
             return
         succeeded = failed = 0
+        put_bytes, smallest, largest = 0, math.inf, 0
         for kr, entry in zip(records, entries, strict=True):
             sequence_number = entry.get("SequenceNumber")
             if sequence_number is None:
@@ -124,10 +162,56 @@ class Retrier:
                 self._fail_or_retry(kr, attempt, now)
             else:
                 succeeded += 1
+                size = kr.size
+                put_bytes += size
+                if size < smallest:
+                    smallest = size
+                if size > largest:
+                    largest = size
                 self._succeed_if_correct_shard(kr, entry["ShardId"], sequence_number, outcome, now)
         self.count("KinesisRecordsPut", succeeded, None, None)
+        if succeeded and self.observe is not None:
+            self.observe(
+                "KinesisRecordsDataPut", None, None, succeeded, put_bytes, smallest, largest
+            )
         if failed:
             self.count("AllErrors", failed, None, None)
+
+    def _observe_request(self, outcome: Outcome) -> None:
+        """The per-request metrics, one statistic set each (see anykpl/_metrics.py)."""
+        observe = self.observe
+        assert observe is not None
+        records: Sequence[KinesisRecord] = outcome.records
+        start = outcome.start
+        milliseconds = (outcome.end - start) * 1000
+        observe("RequestTime", None, None, 1, milliseconds, milliseconds, milliseconds)
+        if not records:
+            return
+        count = len(records)
+        observe("KinesisRecordsPerPutRecordsRequest", None, None, 1, count, count, count)
+        users = 0
+        fewest = most = len(records[0].records)
+        longest, shortest, waited = 0.0, math.inf, 0.0
+        for kr in records:
+            n = len(kr.records)
+            users += n
+            if n < fewest:
+                fewest = n
+            elif n > most:
+                most = n
+            # BufferingTime, per Kinesis record: how long its oldest user record waited since
+            # it arrived or its previous attempt ended (the KPL samples every user record)
+            oldest = kr.records[0]
+            last = oldest._last_attempt
+            wait = (start - (oldest.arrival if last is None else last.end)) * 1000
+            waited += wait
+            if wait > longest:
+                longest = wait
+            if wait < shortest:
+                shortest = wait
+        observe("UserRecordsPerPutRecordsRequest", None, None, 1, users, users, users)
+        observe("UserRecordsPerKinesisRecord", None, None, count, users, fewest, most)
+        observe("BufferingTime", None, None, count, waited, shortest, longest)
 
     def _succeed_if_correct_shard(
         self,
@@ -175,6 +259,11 @@ class Retrier:
             record.sub_sequence_number = index
         self._streaks.pop(predicted, None)
         self.count("UserRecordsPut", len(kr.records), actual, None)
+        if self.observe is not None:
+            sizes = [len(record.data) for record in kr.records]
+            self.observe(
+                "UserRecordsDataPut", actual, None, len(sizes), sum(sizes), min(sizes), max(sizes)
+            )
         self.finish(kr.records, True)
 
     def _fail_or_retry(self, kr: KinesisRecord, attempt: _AttemptRecord, now: float) -> None:
@@ -187,6 +276,9 @@ class Retrier:
     def _fail(self, records: Sequence[PendingRecord], attempt: _AttemptRecord) -> None:
         for record in records:
             record._add_attempt(attempt)
+        code = attempt.code or "UnknownError"
+        seen = self._failed.get(code)
+        self._failed[code] = ((seen[0] if seen else 0) + len(records), attempt.message or "")
         if attempt.code == errors.EXPIRED:
             self.count("UserRecordExpired", len(records), None, None)
         self.count("UserRecordsFailed", len(records), None, attempt.code)
@@ -199,6 +291,7 @@ class Retrier:
         )
         for kr in records:
             self._fail(kr.records, attempt)
+        self._log_failures()
 
     def _retry(
         self,

@@ -9,6 +9,9 @@ The hierarchy (and whether anykpl or the caller may retry)::
     ├── ProducerClosedError                  put after (or during) close       not retriable
     ├── BackpressureTimeout (TimeoutError)   admission_timeout ran out         caller may retry
     ├── FlushTimeout (TimeoutError)          flush(timeout=...) ran out        caller may retry
+    ├── PutTimeout (TimeoutError)            SyncProducer.put_record(timeout=)  not retriable
+    │                                        ran out after admission; the record is still in
+    │                                        flight (.future); putting it again duplicates it
     ├── AggregationFormatError (ValueError)  corrupt aggregated record         not retriable
     └── RecordFailedError                    a record failed; .result has every Attempt
 
@@ -23,6 +26,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from ._records import RecordResult
 
 __all__ = (
@@ -33,6 +38,7 @@ __all__ = (
     "FlushTimeout",
     "InvalidRecordError",
     "ProducerClosedError",
+    "PutTimeout",
     "RecordFailedError",
     "RecordTypeError",
     "is_retriable",
@@ -83,6 +89,21 @@ class FlushTimeout(AnyKplError, TimeoutError):
     nothing was failed. Retriable by the caller."""
 
     retriable = True
+
+
+class PutTimeout(AnyKplError, TimeoutError):
+    """``SyncProducer.put_record(timeout=...)`` ran out after the record was admitted but before
+    it was terminal. The record was *not* withdrawn: it is still in flight and will be delivered
+    or fail as usual. ``future`` is its :class:`concurrent.futures.Future`, to wait again or to
+    check later. Not retriable: putting the record again would duplicate it.
+
+    (A ``timeout`` that runs out while the record still waits for room raises
+    :class:`BackpressureTimeout` instead: then nothing was enqueued.)
+    """
+
+    def __init__(self, message: str, future: Future[RecordResult]) -> None:
+        super().__init__(message)
+        self.future = future
 
 
 class AggregationFormatError(AnyKplError, ValueError):

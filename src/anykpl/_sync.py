@@ -1,0 +1,625 @@
+"""SyncProducer: the blocking facade for code that has no event loop (scripts, Django, Flask,
+Jupyter, thread pools).
+
+Why a portal thread. The producer is async all the way down (its stages are tasks, its network
+is async), so blocking callers need an event loop to run it in. The SyncProducer starts one of
+its own — ``anyio.from_thread.start_blocking_portal``, on asyncio or trio — in a daemon thread
+that lives as long as the SyncProducer, and runs one ordinary :class:`~anykpl.Producer` inside
+it. The caller's threads never run async code; they hand records over and wait on plain locks.
+Running our own loop (rather than borrowing a running one) is what makes it work unchanged in
+Jupyter, whose kernel already runs an asyncio loop in the main thread.
+
+What blocks where. Three long-lived tasks run in the loop thread: ``_run`` (holds the Producer
+open, then closes it), the *admitter* and the *watcher*.
+
+- ``submit`` appends the record to a thread-safe admission queue, wakes the admitter if it is
+  idle (one thread-safe callback, no task), and blocks the calling thread until the admitter
+  has passed the record to ``Producer.submit``. So input errors, ``ProducerClosedError`` and
+  backpressure (no room under ``max_outstanding_*``) reach the caller exactly as they do on the
+  async producer, and admission is FIFO across threads. One admitter serves every thread: a
+  burst from many threads is admitted in one pass, without a task or a loop round trip per
+  record (``BlockingPortal.call`` costs both; see docs/sync.md for the numbers).
+- The record's :class:`concurrent.futures.Future` is completed by the watcher. A
+  :class:`PendingRecord` has no completion callback, so the watcher waits on the oldest
+  record it holds and, when it is done, completes the whole run of done records behind it.
+  A record that finishes while an older one is still retrying is picked up by a sweep,
+  ``_SWEEP_INTERVAL`` later at most unless the interval grew with the sweep's cost (it does, so
+  that sweeping stays under 5 % of the loop, when a very large number of futures is pending).
+  ``flush`` sweeps before it returns, so every future of a flushed record is done when
+  ``flush`` returns. (A done-callback hook on PendingRecord, called where the
+  record is resolved, would replace the watcher and its sweeps.)
+- ``put_record`` is ``submit`` followed by ``future.result(timeout)``.
+- ``flush`` and ``statistics`` go through ``BlockingPortal.call``: rare calls, a task each.
+
+Futures are completed in the loop thread, so a future's done callbacks run there: they must be
+quick and must not call the SyncProducer (that raises ``RuntimeError`` instead of deadlocking).
+
+Shutdown order (``close``, leaving a ``with`` block, or the ``atexit`` hook). (1) The state
+becomes ``closing`` under the lock, so new calls raise ``ProducerClosedError``; records already
+in the admission queue were accepted and are still admitted. (2) In the loop, bounded by the
+close timeout (``config.close_timeout`` unless ``close(timeout=...)`` says otherwise): the
+admitter drains the queue and stops, then ``Producer.flush()``. (3) The Producer's block is
+left — normally if the flush finished, by cancellation if the bound ran out, which fails what
+is left with ``ProducerClosed`` at once instead of flushing for another ``close_timeout``.
+(4) Every future still held is completed (every record is terminal once the Producer is
+closed); queued admissions that never ran fail with ``ProducerClosedError``. (5) The portal is
+stopped and its thread joined. The closing thread waits at most the bound plus
+``_CLOSE_GRACE`` for steps 2-4; if the loop is wedged (a future callback that blocks, say) it
+logs an error and abandons the daemon thread rather than hang the interpreter.
+
+If a pipeline stage crashes, the Producer fails every record and its block raises; the
+SyncProducer then behaves as closed and its next ``close`` re-raises that error.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import os
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import CancelledError as FutureCancelledError
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from contextlib import AbstractContextManager, suppress
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+from anyio.abc import TaskStatus
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from . import errors
+from ._producer import Producer, ProducerStatistics
+from ._records import PendingRecord, RecordResult
+from ._sender import Transport, _running_trio
+from .config import ProducerConfig
+from .metrics import MetricsSink
+
+if sys.version_info >= (3, 11):
+    from typing import Self
+else:  # pragma: no cover
+    from typing_extensions import Self
+
+__all__ = ("SyncProducer",)
+
+logger = logging.getLogger("anykpl.sync")
+
+_SWEEP_INTERVAL = 0.05  # seconds; the longest a future waits behind an older, slower record
+_SWEEP_MAX_SHARE = 20  # the sweep interval is at least this many times the sweep's own cost
+_CLOSE_GRACE = 5.0  # seconds a closing thread waits beyond the close bound before giving up
+
+# admission states, changed only under SyncProducer._lock
+_QUEUED, _TAKEN, _CANCELLED = 0, 1, 2
+
+
+class _Admission:
+    """One record on its way from a caller's thread into ``Producer.submit``."""
+
+    __slots__ = ("args", "deadline", "error", "future", "signal", "state")
+
+    def __init__(
+        self,
+        args: tuple[str, bytes | bytearray | memoryview, str | None, str | int | None],
+        deadline: float | None,
+    ) -> None:
+        self.args = args
+        self.deadline = deadline  # time.monotonic() value, or None
+        self.state = _QUEUED
+        self.error: BaseException | None = None
+        # Running at once, so that Future.cancel() is refused: like cancelling an ``await``
+        # of a PendingRecord, it could not withdraw a record that was admitted.
+        self.future: Future[RecordResult] = Future()
+        self.future.set_running_or_notify_cancel()
+        # held until the admitter is done with the record: the caller blocks on it
+        self.signal = threading.Lock()
+        self.signal.acquire()
+
+
+# Every open SyncProducer, so that a forked child (gunicorn --preload, multiprocessing with
+# fork) finds them unusable at once instead of waiting on a loop thread the child lacks.
+_live: weakref.WeakSet[SyncProducer] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for producer in list(_live):
+        producer._forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class SyncProducer(AbstractContextManager["SyncProducer"]):
+    """A thread-safe, blocking :class:`~anykpl.Producer` for code without an event loop.
+
+    ``SyncProducer(config)`` or ``SyncProducer(**overrides)`` (``ProducerConfig`` field names),
+    or both, as for :class:`~anykpl.Producer`. It starts at once — an event loop in a daemon
+    thread, running a Producer — and must be closed: ``with SyncProducer(...) as producer:``,
+    or :meth:`close`; one that is still open at interpreter exit is closed by an ``atexit``
+    hook (flushing, bounded by ``config.close_timeout``)::
+
+        with SyncProducer(region="us-east-1") as producer:
+            result = producer.put_record("stream", b"data", partition_key="key")
+            future = producer.submit("stream", b"more", partition_key="key")
+            producer.flush()
+
+    Every method may be called from any number of threads at once.
+
+    ``backend`` is ``"asyncio"`` (the default) or ``"trio"``, with ``backend_options`` passed to
+    :func:`anyio.run` (``{"use_uvloop": True}``, say). ``transport`` and ``metrics_sinks`` are
+    as for :class:`~anykpl.Producer`.
+    """
+
+    def __init__(
+        self,
+        config: ProducerConfig | None = None,
+        *,
+        backend: str = "asyncio",
+        backend_options: dict[str, Any] | None = None,
+        transport: Transport | None = None,
+        metrics_sinks: Sequence[MetricsSink] = (),
+        **overrides: Any,
+    ) -> None:
+        # built here, so that configuration errors raise in the caller before any thread starts
+        self._producer = Producer(
+            config, transport=transport, metrics_sinks=metrics_sinks, **overrides
+        )
+        self.config = self._producer.config
+        self.backend = backend
+        self._lock = threading.Lock()
+        self._state = "open"  # open → closing → closed
+        self._queue: deque[_Admission] = deque()
+        self._admitter_idle = False
+        self._admitter_wakeup: anyio.Event | None = None
+        self._watched: deque[tuple[PendingRecord, Future[RecordResult]]] = deque()
+        self._watcher_wakeup: anyio.Event | None = None
+        self._close_requested: anyio.Event | None = None
+        self._close_bound = self.config.close_timeout
+        self._closer: threading.Thread | None = None
+        self._closed = threading.Event()
+        self._loop_thread: int | None = None
+        self._schedule: Callable[[Callable[[], object]], object] | None = None
+        self._run_error: Exception | None = None  # raised once, by close()
+        self._closed_reason = ""  # for ProducerClosedError messages
+        self._final_statistics: ProducerStatistics | None = None  # taken as the loop ends
+
+        self._portal_cm: AbstractContextManager[BlockingPortal] = start_blocking_portal(
+            backend, backend_options
+        )
+        self._portal = self._portal_cm.__enter__()
+        try:
+            self._run_future, _ = self._portal.start_task(self._run)
+        except BaseException:
+            self._state = "closed"
+            self._portal_cm.__exit__(*sys.exc_info())
+            raise
+        atexit.register(self._close_at_exit)
+        _live.add(self)
+
+    def __repr__(self) -> str:
+        return f"<SyncProducer {self._state} backend={self.backend} {self._producer!r}>"
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- putting --------------------------------------------------------------------------
+
+    def put_record(
+        self,
+        stream: str,
+        data: bytes | bytearray | memoryview,
+        partition_key: str | None = None,
+        explicit_hash_key: str | int | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> RecordResult:
+        """Put one record and block until it is terminal, or for at most ``timeout`` seconds.
+
+        Arguments as for :meth:`Producer.put_record <anykpl.Producer.put_record>`.
+
+        :returns: the :class:`~anykpl.RecordResult` on success.
+        :raises ~anykpl.errors.RecordFailedError: the record failed for good.
+        :raises errors.PutTimeout: ``timeout`` ran out after admission; the record is still in
+            flight (``exc.future`` gives its outcome later). Do not put it again.
+        :raises ~anykpl.errors.BackpressureTimeout: ``timeout`` (or ``admission_timeout``) ran
+            out while waiting for room; nothing was enqueued.
+        :raises ~anykpl.errors.InvalidRecordError, ~anykpl.errors.RecordTypeError: bad input;
+            nothing was enqueued.
+        :raises ~anykpl.errors.ProducerClosedError: the producer is closed or closing.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        future = self._admit(stream, data, partition_key, explicit_hash_key, deadline)
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            return future.result(remaining)
+        except FutureTimeoutError:
+            if future.done():  # it finished just as the wait ran out
+                return future.result()
+            raise errors.PutTimeout(
+                f"the record was not terminal within timeout={timeout} s; it is still in "
+                "flight (exc.future has its outcome)",
+                future,
+            ) from None
+
+    def submit(
+        self,
+        stream: str,
+        data: bytes | bytearray | memoryview,
+        partition_key: str | None = None,
+        explicit_hash_key: str | int | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> Future[RecordResult]:
+        """Admit one record and return a :class:`concurrent.futures.Future` of its result.
+
+        Blocks only until the record is admitted: while there is no room under
+        ``max_outstanding_records``/``max_outstanding_bytes`` (backpressure), for at most
+        ``timeout`` seconds (and ``admission_timeout``). The future's result is the
+        :class:`~anykpl.RecordResult`; on failure its exception is
+        :class:`~anykpl.errors.RecordFailedError`. The future cannot be cancelled: an admitted
+        record is delivered or fails. Its done callbacks run in the producer's event-loop
+        thread.
+
+        Raises like :meth:`put_record`, except that record failures come from the future.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return self._admit(stream, data, partition_key, explicit_hash_key, deadline)
+
+    def _admit(
+        self,
+        stream: str,
+        data: bytes | bytearray | memoryview,
+        partition_key: str | None,
+        explicit_hash_key: str | int | None,
+        deadline: float | None,
+    ) -> Future[RecordResult]:
+        self._check_thread()
+        item = _Admission((stream, data, partition_key, explicit_hash_key), deadline)
+        with self._lock:
+            if self._state != "open":
+                raise self._closed_error()
+            self._queue.append(item)
+            wake = self._admitter_idle
+            self._admitter_idle = False
+        if wake:
+            self._call_soon(self._wake_admitter)
+        if deadline is None:
+            item.signal.acquire()
+        elif not item.signal.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            with self._lock:
+                withdrawn = item.state == _QUEUED
+                if withdrawn:
+                    item.state = _CANCELLED
+            if withdrawn:
+                raise errors.BackpressureTimeout(
+                    "the record was not admitted within the timeout; nothing was enqueued"
+                )
+            # the admitter has it, and bounds its wait for room by the same deadline
+            item.signal.acquire()
+        if item.error is not None:
+            try:
+                raise item.error
+            finally:
+                item.error = None  # no reference cycle through the traceback
+        return item.future
+
+    # -- flushing, closing, statistics ----------------------------------------------------
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Block until every record admitted so far is terminal and its future done.
+
+        Records submitted while the flush waits are not waited for. After close, returns at
+        once (everything is terminal then).
+
+        :raises ~anykpl.errors.FlushTimeout: if ``timeout`` seconds pass first (nothing is
+            failed; the records carry on).
+        """
+        self._check_thread()
+        if self._state == "closed":
+            return
+        try:
+            self._portal.call(self._flush, timeout)
+        except RuntimeError:
+            if self._state == "closed":
+                return  # the portal stopped meanwhile: everything is terminal
+            raise
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flush, then close: fail whatever is still outstanding after ``timeout`` seconds
+        (``config.close_timeout`` by default) with ``ProducerClosed``, stop the event loop and
+        join its thread. Never hangs. Idempotent; other threads calling it meanwhile wait.
+
+        :raises Exception: the error of a pipeline stage that crashed, once.
+        """
+        self._check_thread()
+        with self._lock:
+            closer = self._closer is None
+            if closer:
+                self._closer = threading.current_thread()
+                if self._state == "open":
+                    self._state = "closing"
+                if timeout is not None:
+                    self._close_bound = timeout
+        if not closer:
+            self._closed.wait()
+            return
+        try:
+            self._shut_down()
+        finally:
+            self._closed.set()
+        error, self._run_error = self._run_error, None
+        if error is not None:
+            raise error
+
+    def statistics(self) -> ProducerStatistics:
+        """A frozen snapshot of the producer's state and counters (see
+        :meth:`Producer.statistics <anykpl.Producer.statistics>`)."""
+        self._check_thread()
+        if self._state != "closed":
+            with suppress(RuntimeError):  # the portal stopped meanwhile
+                return self._portal.call(self._producer.statistics)
+        if self._final_statistics is not None:
+            return self._final_statistics
+        return self._producer.statistics()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has started (or the producer failed)."""
+        return self._state != "open"
+
+    def _shut_down(self) -> None:
+        atexit.unregister(self._close_at_exit)
+        _live.discard(self)
+        bound = self._close_bound
+        self._call_soon(self._request_close)
+        try:
+            self._run_future.exception(bound + _CLOSE_GRACE if math.isfinite(bound) else None)
+        except FutureCancelledError:
+            pass
+        except FutureTimeoutError:
+            logger.error(
+                "SyncProducer: the event loop did not close within %.1f s; abandoning its "
+                "thread (records still outstanding are lost)",
+                bound + _CLOSE_GRACE,
+            )
+            return
+        self._portal_cm.__exit__(None, None, None)
+
+    def _close_at_exit(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            logger.exception("SyncProducer: error while closing at interpreter exit")
+
+    def _forked(self) -> None:
+        """In a forked child: the loop thread does not exist here, so nothing may wait on it."""
+        self._state = "closed"
+        self._closed_reason = (
+            " (it was created in the parent process, before a fork: create one in each process)"
+        )
+        self._closer = threading.current_thread()
+        self._closed.set()
+        self._lock = threading.Lock()  # it may have been held by a thread that is gone
+        atexit.unregister(self._close_at_exit)
+
+    # -- thread-side helpers ---------------------------------------------------------------
+
+    def _check_thread(self) -> None:
+        if threading.get_ident() == self._loop_thread:
+            raise RuntimeError(
+                "SyncProducer methods block, so they cannot be called from the producer's own "
+                "event-loop thread (a future's done callback runs there): it would deadlock"
+            )
+
+    def _closed_error(self) -> errors.ProducerClosedError:
+        return errors.ProducerClosedError(
+            f"the SyncProducer is {self._state}{self._closed_reason}; nothing was enqueued"
+        )
+
+    def _call_soon(self, callback: Callable[[], object]) -> None:
+        """Run ``callback`` in the loop thread soon, without waiting (no-op once it is gone)."""
+        schedule = self._schedule
+        if schedule is not None:
+            with suppress(RuntimeError):  # the loop has finished (trio's RunFinishedError too)
+                schedule(callback)
+
+    # -- in the event-loop thread ---------------------------------------------------------
+
+    async def _run(self, *, task_status: TaskStatus[None]) -> None:
+        self._loop_thread = threading.get_ident()
+        self._schedule = _thread_safe_scheduler()
+        self._close_requested = anyio.Event()
+        admitted_all = anyio.Event()
+        flushed = False
+        try:
+            with anyio.CancelScope() as without_flush:
+                async with self._producer as producer:
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(self._admit_forever, producer, admitted_all)
+                        tg.start_soon(self._watch_forever)
+                        task_status.started()
+                        await self._close_requested.wait()
+                        with anyio.move_on_after(self._close_bound):
+                            await admitted_all.wait()
+                            await producer.flush()
+                            flushed = True
+                        tg.cancel_scope.cancel()
+                    if not flushed:
+                        # Leave the Producer's block by cancellation: it then fails what is
+                        # left at once, instead of flushing for another close_timeout.
+                        without_flush.cancel()
+                        await anyio.lowlevel.checkpoint()
+        except Exception as exc:
+            self._run_error = exc
+            self._closed_reason = f" (the producer failed: {type(exc).__name__}: {exc})"
+            raise
+        finally:
+            self._finish_run()
+
+    def _request_close(self) -> None:
+        assert self._close_requested is not None
+        self._close_requested.set()
+        self._wake_admitter()
+
+    def _wake_admitter(self) -> None:
+        event = self._admitter_wakeup
+        if event is not None:
+            self._admitter_wakeup = None
+            event.set()
+
+    async def _admit_forever(self, producer: Producer, admitted_all: anyio.Event) -> None:
+        """Pass queued records to ``Producer.submit``, one at a time, in arrival order."""
+        lock = self._lock
+        queue = self._queue
+        while True:
+            with lock:
+                item = queue.popleft() if queue else None
+                if item is None:
+                    if self._state != "open":
+                        admitted_all.set()
+                        return
+                    self._admitter_idle = True
+                    wakeup = self._admitter_wakeup = anyio.Event()
+                elif item.state == _CANCELLED:
+                    continue
+                else:
+                    item.state = _TAKEN
+            if item is None:
+                await wakeup.wait()
+                continue
+            try:
+                if item.deadline is None:
+                    pending = await producer.submit(*item.args)
+                else:
+                    with anyio.fail_after(max(0.0, item.deadline - time.monotonic())):
+                        pending = await producer.submit(*item.args)
+            except errors.AnyKplError as exc:
+                item.error = exc
+            except TimeoutError:
+                item.error = errors.BackpressureTimeout(
+                    "no room for the record within the timeout; nothing was enqueued"
+                )
+            except Exception as exc:
+                item.error = exc
+            except BaseException:
+                item.error = errors.ProducerClosedError(
+                    "the producer closed before the record was admitted; nothing was enqueued"
+                )
+                raise
+            else:
+                self._watched.append((pending, item.future))
+                watcher = self._watcher_wakeup
+                if watcher is not None:
+                    self._watcher_wakeup = None
+                    watcher.set()
+            finally:
+                item.signal.release()
+
+    async def _watch_forever(self) -> None:
+        """Complete each record's future once the record is terminal (see the module doc)."""
+        watched = self._watched
+        interval = _SWEEP_INTERVAL
+        while True:
+            if not watched:
+                wakeup = self._watcher_wakeup = anyio.Event()
+                await wakeup.wait()
+                continue
+            head = watched[0][0]
+            if not head.done():
+                with anyio.move_on_after(interval), suppress(errors.RecordFailedError):
+                    await head.wait()
+                if not head.done():
+                    # an old record is still retrying: complete what finished behind it
+                    started = time.perf_counter()
+                    self._sweep()
+                    cost = time.perf_counter() - started
+                    interval = max(_SWEEP_INTERVAL, _SWEEP_MAX_SHARE * cost)
+                    continue
+            while watched and watched[0][0].done():
+                _complete(*watched.popleft())
+            await anyio.lowlevel.checkpoint()
+
+    def _sweep(self) -> None:
+        """Complete the future of every done record, keeping the others in order."""
+        watched = self._watched
+        remaining = [entry for entry in watched if not entry[0].done()]
+        if len(remaining) == len(watched):
+            return
+        for entry in watched:
+            if entry[0].done():
+                _complete(*entry)
+        watched.clear()
+        watched.extend(remaining)
+
+    async def _flush(self, timeout: float | None) -> None:  # noqa: ASYNC109 (Producer.flush's)
+        try:
+            await self._producer.flush(timeout)
+        finally:
+            self._sweep()
+
+    def _finish_run(self) -> None:
+        """The Producer is closed, so every record is terminal: complete every future, and
+        fail the admissions that never ran."""
+        with self._lock:
+            self._state = "closed"
+            queued = [item for item in self._queue if item.state == _QUEUED]
+            for item in queued:
+                item.state = _TAKEN
+            self._queue.clear()
+        for item in queued:
+            item.error = errors.ProducerClosedError(
+                "the producer closed before the record was admitted; nothing was enqueued"
+            )
+            item.signal.release()
+        try:
+            # taken here, in the loop: the Producer's snapshot may need the loop's clock
+            self._final_statistics = self._producer.statistics()
+        except Exception:  # pragma: no cover - statistics() then tries again in the caller
+            logger.exception("SyncProducer: could not take the final statistics")
+        watched = self._watched
+        while watched:
+            pending, future = watched.popleft()
+            if pending.done():
+                _complete(pending, future)
+            else:  # pragma: no cover - the Producer resolves every record when it closes
+                future.set_exception(
+                    errors.ProducerClosedError("the producer closed without resolving the record")
+                )
+        # thread idents are reused once a thread ends: forget ours before it does (and after
+        # the last future callback, which runs here)
+        self._loop_thread = None
+
+
+def _complete(pending: PendingRecord, future: Future[RecordResult]) -> None:
+    try:
+        result = pending.result()
+    except errors.RecordFailedError as exc:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+def _thread_safe_scheduler() -> Callable[[Callable[[], object]], object]:
+    """The running loop's "call this soon, from any thread" (no task, no waiting)."""
+    if _running_trio():
+        import trio
+
+        return trio.lowlevel.current_trio_token().run_sync_soon
+    import asyncio
+
+    return asyncio.get_running_loop().call_soon_threadsafe

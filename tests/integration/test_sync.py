@@ -1,0 +1,100 @@
+"""SyncProducer end to end against the local emulator: many threads, the stream read back.
+
+As in test_end_to_end.py, "nothing lost" is judged from the stream itself: every shard is read
+back with GetRecords and deaggregated, and each user record must be there exactly once, with
+its partition key and data, in the shard whose hash key range holds it. The SyncProducer runs
+asyncio or trio underneath; the test itself is plain threads.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+
+from anykpl import RecordResult
+from anykpl._sync import SyncProducer
+
+from .test_end_to_end import (
+    MAX_HASH_KEY,
+    Sent,
+    assert_success,
+    check_read_back,
+    make_sent,
+    read_stream,
+)
+
+THREADS = 12
+PER_THREAD = 250
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@pytest.mark.timeout(60)
+def test_many_threads_every_record_arrives_once(
+    backend: str, make_stream: Any, kinesis_client: Any, producer_options: dict[str, Any]
+) -> None:
+    stream = make_stream(4)
+    rng = random.Random(20240607)
+    keys = [f"sensor-{i:03d}" for i in range(300)]
+    sent: dict[int, Sent] = {}
+    for uid in range(THREADS * PER_THREAD):
+        explicit_hash_key = str(rng.randint(0, MAX_HASH_KEY)) if rng.random() < 0.05 else None
+        sent[uid] = make_sent(
+            uid,
+            keys[uid % len(keys)],
+            size=rng.randint(80, 120),
+            explicit_hash_key=explicit_hash_key,
+        )
+    uids = list(sent)
+    rng.shuffle(uids)
+    shares = [uids[t::THREADS] for t in range(THREADS)]
+
+    results: dict[int, RecordResult] = {}
+    futures: dict[int, Future[RecordResult]] = {}
+    failures: list[BaseException] = []
+    lock = threading.Lock()
+
+    with SyncProducer(
+        backend=backend, record_max_buffered_time=0.02, close_timeout=10.0, **producer_options
+    ) as producer:
+
+        def worker(share: list[int]) -> None:
+            try:
+                for n, uid in enumerate(share):
+                    record = sent[uid]
+                    args = (stream, record.data, record.partition_key, record.explicit_hash_key)
+                    if n % 25 == 0:
+                        result = producer.put_record(*args, timeout=30)
+                        with lock:
+                            results[uid] = result
+                    else:
+                        future = producer.submit(*args)
+                        with lock:
+                            futures[uid] = future
+            except BaseException as exc:  # pragma: no cover - reported below
+                failures.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(share,)) for share in shares]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not failures, failures
+        producer.flush(timeout=30)
+        assert all(future.done() for future in futures.values())
+        for uid, future in futures.items():
+            results[uid] = future.result()
+        assert producer.statistics().outstanding_records == 0
+
+    assert len(results) == len(sent)
+    for result in results.values():
+        assert_success(result)
+
+    arrived = check_read_back(read_stream(kinesis_client, stream), sent)
+    missing = set(sent) - set(arrived)
+    duplicated = {uid: n for uid, n in arrived.items() if n > 1}
+    assert not missing, f"{len(missing)} records lost, e.g. {sorted(missing)[:10]}"
+    assert not duplicated, f"{len(duplicated)} records duplicated, e.g. {duplicated}"

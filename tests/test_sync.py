@@ -1,0 +1,399 @@
+"""SyncProducer over a fake Kinesis transport, on asyncio and trio underneath.
+
+These tests are synchronous: the SyncProducer runs its own event loop in a portal thread, and
+every test joins that thread (``close``) before it ends, so none leaks.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from anykpl import ProducerConfig, RecordResult, SyncProducer, errors
+from anykpl._collector import Collector
+from anykpl.errors import PutTimeout
+
+from .fakes import MAX_HASH, FakeKinesis
+
+STREAM = "stream"
+ROOT = Path(__file__).resolve().parents[1]
+
+FAST: dict[str, Any] = {
+    "record_max_buffered_time": 0.01,
+    "retry_backoff_initial": 0.001,
+    "retry_backoff_max": 0.01,
+    "close_timeout": 2.0,
+}
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def producer(backend: str, fake_kinesis: FakeKinesis) -> Iterator[SyncProducer]:
+    with SyncProducer(transport=fake_kinesis, backend=backend, **FAST) as producer:
+        yield producer
+
+
+def portal_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if "-portal-" in t.name]
+
+
+def stored(fake: FakeKinesis) -> Counter[bytes]:
+    return Counter(r.data for r in fake.user_records())
+
+
+# -- putting ------------------------------------------------------------------------------------
+
+
+def test_put_record_blocks_until_terminal(
+    producer: SyncProducer, fake_kinesis: FakeKinesis
+) -> None:
+    result = producer.put_record(STREAM, b"hello", partition_key="k")
+    assert isinstance(result, RecordResult)
+    assert result.success
+    assert result.shard_id is not None
+    assert result.sequence_number is not None
+    assert result.attempts[-1].success
+    assert stored(fake_kinesis) == Counter({b"hello": 1})
+
+
+def test_submit_returns_a_future_done_after_flush(
+    producer: SyncProducer, fake_kinesis: FakeKinesis
+) -> None:
+    futures = [producer.submit(STREAM, b"%d" % i, partition_key=f"k{i}") for i in range(300)]
+    assert all(isinstance(f, Future) for f in futures)
+    producer.flush()
+    assert all(f.done() for f in futures)
+    assert all(f.result().success for f in futures)
+    assert stored(fake_kinesis) == Counter(b"%d" % i for i in range(300))
+
+
+def test_futures_complete_without_a_flush(producer: SyncProducer) -> None:
+    futures = [producer.submit(STREAM, b"x", partition_key=f"k{i}") for i in range(50)]
+    assert all(f.result(timeout=5).success for f in futures)
+
+
+def test_many_threads_put_and_submit(producer: SyncProducer, fake_kinesis: FakeKinesis) -> None:
+    threads, per_thread = 12, 150
+    results: list[RecordResult] = []
+    futures: list[Future[RecordResult]] = []
+    failures: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            for i in range(per_thread):
+                data = b"%d-%d" % (t, i)
+                if i % 10 == 0:
+                    results.append(producer.put_record(STREAM, data, partition_key=f"{t}-{i}"))
+                else:
+                    futures.append(producer.submit(STREAM, data, partition_key=f"{t}-{i}"))
+        except BaseException as exc:  # pragma: no cover - reported below
+            failures.append(exc)
+
+    workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not failures
+    producer.flush()
+    assert len(results) + len(futures) == threads * per_thread
+    assert all(r.success for r in results)
+    assert all(f.result().success for f in futures)
+    expected = Counter(b"%d-%d" % (t, i) for t in range(threads) for i in range(per_thread))
+    assert stored(fake_kinesis) == expected
+
+
+def test_a_failed_record_raises_from_put_record_and_from_the_future(
+    producer: SyncProducer, fake_kinesis: FakeKinesis
+) -> None:
+    fake_kinesis.entry_error = lambda shard, index: ("KMSAccessDeniedException", "no key")
+    with pytest.raises(errors.RecordFailedError) as raised:
+        producer.put_record(STREAM, b"x", partition_key="k")
+    assert raised.value.error_code == "KMSAccessDeniedException"
+    future = producer.submit(STREAM, b"y", partition_key="k")
+    producer.flush()
+    exc = future.exception()
+    assert isinstance(exc, errors.RecordFailedError)
+    assert exc.result.attempts[-1].error_code == "KMSAccessDeniedException"
+
+
+def test_bad_input_raises_at_the_call(producer: SyncProducer, fake_kinesis: FakeKinesis) -> None:
+    with pytest.raises(errors.RecordTypeError):
+        producer.submit(STREAM, "text", partition_key="k")  # type: ignore[arg-type]
+    with pytest.raises(errors.InvalidRecordError):
+        producer.put_record("bad stream name!", b"x", partition_key="k")
+    with pytest.raises(errors.InvalidRecordError):
+        producer.submit(STREAM, b"x", partition_key="")
+    producer.flush()
+    assert producer.statistics().outstanding_records == 0
+    assert fake_kinesis.requests == []
+
+
+def test_the_future_cannot_be_cancelled(producer: SyncProducer, fake_kinesis: FakeKinesis) -> None:
+    fake_kinesis.delay = 0.1
+    future = producer.submit(STREAM, b"x", partition_key="k")
+    assert not future.cancel()
+    assert future.result(timeout=5).success
+
+
+def test_a_retrying_record_does_not_hold_back_later_futures(
+    producer: SyncProducer, fake_kinesis: FakeKinesis
+) -> None:
+    first_shard = fake_kinesis.shards[0].shard_id
+
+    def throttle_first_shard(shard: str, index: int) -> tuple[str, str] | None:
+        return (errors.THROTTLED, "slow down") if shard == first_shard else None
+
+    fake_kinesis.entry_error = throttle_first_shard
+    slow = producer.submit(STREAM, b"slow", partition_key="k", explicit_hash_key=0)
+    fast = [
+        producer.submit(STREAM, b"%d" % i, partition_key="k", explicit_hash_key=MAX_HASH)
+        for i in range(20)
+    ]
+    assert all(f.result(timeout=5).success for f in fast)
+    assert not slow.done()
+    fake_kinesis.entry_error = None
+    assert slow.result(timeout=5).success
+
+
+# -- timeouts -----------------------------------------------------------------------------------
+
+
+def test_put_record_timeout_leaves_the_record_in_flight(
+    producer: SyncProducer, fake_kinesis: FakeKinesis
+) -> None:
+    fake_kinesis.delay = 0.3
+    with pytest.raises(PutTimeout) as raised:
+        producer.put_record(STREAM, b"late", partition_key="k", timeout=0.05)
+    assert isinstance(raised.value, TimeoutError)
+    assert isinstance(raised.value, errors.AnyKplError)
+    assert not raised.value.retriable
+    assert raised.value.future.result(timeout=5).success
+    assert stored(fake_kinesis) == Counter({b"late": 1})
+
+
+def test_admission_timeout_enqueues_nothing(backend: str, fake_kinesis: FakeKinesis) -> None:
+    with SyncProducer(
+        transport=fake_kinesis, backend=backend, max_outstanding_records=1, **FAST
+    ) as producer:
+        fake_kinesis.delay = 0.5
+        first = producer.submit(STREAM, b"first", partition_key="k")
+        started = time.monotonic()
+        with pytest.raises(errors.BackpressureTimeout):
+            producer.put_record(STREAM, b"second", partition_key="k", timeout=0.05)
+        with pytest.raises(errors.BackpressureTimeout):
+            producer.submit(STREAM, b"third", partition_key="k", timeout=0.05)
+        assert time.monotonic() - started < 1.0
+        assert first.result(timeout=5).success
+        producer.flush()
+    assert stored(fake_kinesis) == Counter({b"first": 1})
+
+
+def test_flush_timeout(producer: SyncProducer, fake_kinesis: FakeKinesis) -> None:
+    fake_kinesis.delay = 0.5
+    future = producer.submit(STREAM, b"x", partition_key="k")
+    with pytest.raises(errors.FlushTimeout):
+        producer.flush(timeout=0.05)
+    producer.flush()
+    assert future.result().success
+
+
+# -- closing ------------------------------------------------------------------------------------
+
+
+def test_close_flushes_and_joins_the_thread(backend: str, fake_kinesis: FakeKinesis) -> None:
+    before = set(portal_threads())
+    producer = SyncProducer(transport=fake_kinesis, backend=backend, **FAST)
+    assert len(set(portal_threads()) - before) == 1
+    futures = [producer.submit(STREAM, b"%d" % i, partition_key=f"{i}") for i in range(100)]
+    producer.close()
+    assert producer.closed
+    assert set(portal_threads()) <= before
+    assert all(f.result(timeout=0).success for f in futures)
+    assert stored(fake_kinesis) == Counter(b"%d" % i for i in range(100))
+
+
+def test_use_after_close(backend: str, fake_kinesis: FakeKinesis) -> None:
+    producer = SyncProducer(transport=fake_kinesis, backend=backend, **FAST)
+    producer.put_record(STREAM, b"x", partition_key="k")
+    producer.close()
+    producer.close()  # idempotent
+    with pytest.raises(errors.ProducerClosedError):
+        producer.put_record(STREAM, b"x", partition_key="k")
+    with pytest.raises(errors.ProducerClosedError):
+        producer.submit(STREAM, b"x", partition_key="k")
+    producer.flush()  # nothing outstanding: returns at once
+    statistics = producer.statistics()
+    assert statistics.outstanding_records == 0
+    assert statistics.streams[STREAM].user_records_received == 1
+
+
+def test_context_manager(backend: str, fake_kinesis: FakeKinesis) -> None:
+    with SyncProducer(transport=fake_kinesis, backend=backend, **FAST) as producer:
+        future = producer.submit(STREAM, b"x", partition_key="k")
+        assert not producer.closed
+    assert producer.closed
+    assert future.result(timeout=0).success
+    with pytest.raises(errors.ProducerClosedError):
+        producer.submit(STREAM, b"x", partition_key="k")
+
+
+def test_close_with_a_hanging_transport_is_bounded(backend: str, fake_kinesis: FakeKinesis) -> None:
+    producer = SyncProducer(transport=fake_kinesis, backend=backend, **FAST)
+    producer.put_record(STREAM, b"warm-up", partition_key="k")
+    fake_kinesis.hang = True
+    futures = [producer.submit(STREAM, b"%d" % i, partition_key=f"{i}") for i in range(20)]
+    started = time.monotonic()
+    producer.close(timeout=0.2)
+    assert time.monotonic() - started < 2.0
+    for future in futures:
+        exc = future.exception(timeout=0)
+        assert isinstance(exc, errors.RecordFailedError)
+        assert exc.error_code == errors.PRODUCER_CLOSED
+
+
+def test_close_from_several_threads(backend: str, fake_kinesis: FakeKinesis) -> None:
+    producer = SyncProducer(transport=fake_kinesis, backend=backend, **FAST)
+    futures = [producer.submit(STREAM, b"%d" % i, partition_key=f"{i}") for i in range(50)]
+    closers = [threading.Thread(target=producer.close) for _ in range(4)]
+    for closer in closers:
+        closer.start()
+    for closer in closers:
+        closer.join()
+    assert all(f.result(timeout=0).success for f in futures)
+    assert not any(t.is_alive() for t in portal_threads() if t.name.endswith(f"{id(producer)}"))
+
+
+def test_a_crashing_stage_fails_records_and_close_raises(
+    backend: str, fake_kinesis: FakeKinesis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken_put(self: Collector, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(Collector, "put", broken_put)
+    producer = SyncProducer(transport=fake_kinesis, backend=backend, **FAST)
+    with pytest.raises(errors.RecordFailedError) as raised:
+        producer.put_record(STREAM, b"x", partition_key="k")
+    assert raised.value.error_code == errors.PIPELINE_FAILED
+    deadline = time.monotonic() + 5
+    while not producer.closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(errors.ProducerClosedError, match="RuntimeError"):
+        producer.submit(STREAM, b"y", partition_key="k")
+    with pytest.raises(RuntimeError, match="boom"):
+        producer.close()
+    producer.close()  # raised once
+
+
+# -- configuration and threads -----------------------------------------------------------------
+
+
+def test_configuration(fake_kinesis: FakeKinesis) -> None:
+    before = set(portal_threads())
+    with pytest.raises(errors.ConfigError):
+        SyncProducer(transport=fake_kinesis, close_timeout=-1.0)
+    assert set(portal_threads()) <= before  # no thread started for a bad configuration
+    config = ProducerConfig(record_ttl=5.0)
+    with SyncProducer(config, transport=fake_kinesis, record_ttl=7.0) as producer:
+        assert producer.config.record_ttl == 7.0
+        assert producer.backend == "asyncio"
+        assert "SyncProducer open" in repr(producer)
+
+
+def test_calling_from_the_loop_thread_raises(
+    producer: SyncProducer, fake_kinesis: FakeKinesis
+) -> None:
+    seen: list[BaseException] = []
+
+    def callback(future: Future[RecordResult]) -> None:
+        try:
+            producer.put_record(STREAM, b"nested", partition_key="k")
+        except BaseException as exc:
+            seen.append(exc)
+
+    future = producer.submit(STREAM, b"x", partition_key="k")
+    future.add_done_callback(callback)
+    producer.flush()
+    assert len(seen) == 1
+    assert isinstance(seen[0], RuntimeError)
+    assert "deadlock" in str(seen[0])
+    assert stored(fake_kinesis) == Counter({b"x": 1})
+
+
+def test_statistics(producer: SyncProducer) -> None:
+    producer.put_record(STREAM, b"x", partition_key="k")
+    statistics = producer.statistics()
+    assert statistics.outstanding_records == 0
+    assert statistics.streams[STREAM].user_records_received == 1
+
+
+def test_a_forked_child_cannot_use_the_parents_producer(
+    backend: str, fake_kinesis: FakeKinesis
+) -> None:
+    producer = SyncProducer(transport=fake_kinesis, backend=backend, **FAST)
+    try:
+        producer._forked()  # what os.register_at_fork runs in a child
+        with pytest.raises(errors.ProducerClosedError, match="fork"):
+            producer.submit(STREAM, b"x", partition_key="k")
+        producer.close()  # returns at once: there is nothing to close in a child
+    finally:
+        producer._shut_down()  # this is the parent really: stop the loop and join its thread
+
+
+# -- interpreter exit ---------------------------------------------------------------------------
+
+
+def test_the_atexit_hook_closes(backend: str, fake_kinesis: FakeKinesis) -> None:
+    producer = SyncProducer(transport=fake_kinesis, backend=backend, **FAST)
+    future = producer.submit(STREAM, b"x", partition_key="k")
+    producer._close_at_exit()
+    assert producer.closed
+    assert future.result(timeout=0).success
+
+
+@pytest.mark.parametrize("backend_name", ["asyncio", "trio"])
+def test_an_unclosed_producer_is_flushed_at_interpreter_exit(backend_name: str) -> None:
+    script = textwrap.dedent(
+        f"""
+        import atexit
+        from tests.fakes import FakeKinesis
+        from anykpl._sync import SyncProducer
+
+        fake = FakeKinesis()
+        # registered first, so it runs after the SyncProducer's own hook (atexit is LIFO)
+        atexit.register(lambda: print("stored", len(fake.user_records()), flush=True))
+        producer = SyncProducer(
+            transport=fake, backend={backend_name!r}, record_max_buffered_time=5.0
+        )
+        for i in range(100):
+            producer.submit("stream", b"%d" % i, partition_key=str(i))
+        print("leaving", flush=True)
+        """
+    )
+    started = time.monotonic()
+    completed = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.split() == ["leaving", "stored", "100"]
+    assert completed.stderr == ""
+    assert time.monotonic() - started < 15
