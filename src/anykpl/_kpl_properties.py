@@ -63,14 +63,14 @@ _IGNORED_PROPERTIES: Final[Mapping[str, tuple[str, str, str]]] = {
     "CloudwatchEndpoint": (
         "str",
         "",
-        "the CloudWatch endpoint comes from botocore's configuration "
-        "(for example AWS_ENDPOINT_URL_CLOUDWATCH)",
+        "metrics go to CloudWatch only through Producer(metrics_sinks=[CloudWatchSink("
+        "endpoint_url=...)]), whose endpoint defaults to botocore's configuration",
     ),
     "CloudwatchPort": (
         "int",
         "443",
-        "the CloudWatch endpoint comes from botocore's configuration "
-        "(for example AWS_ENDPOINT_URL_CLOUDWATCH)",
+        "metrics go to CloudWatch only through Producer(metrics_sinks=[CloudWatchSink("
+        "endpoint_url=...)]), whose endpoint defaults to botocore's configuration",
     ),
     "ThreadingModel": (
         "str",

@@ -145,14 +145,16 @@ class ProducerConfig:
         max_user_record_size: Largest data size, in bytes, accepted for one user record; raise
             it only for streams configured with a larger maximum record size. Default 1048576,
             64..10485760. KPL: ``MaxUserRecordSize``.
-        metrics_level: Which metrics are collected: ``"none"``, ``"summary"`` or
-            ``"detailed"``. Default ``"detailed"``. KPL: ``MetricsLevel``.
-        metrics_granularity: Deepest dimension metrics are kept at: ``"global"``,
+        metrics_level: Which metrics are uploaded to the metrics sinks: ``"none"``,
+            ``"summary"`` or ``"detailed"``. Default ``"detailed"``. ``producer.metrics()`` and
+            ``statistics()`` always see every metric. KPL: ``MetricsLevel``.
+        metrics_granularity: Deepest dimension uploaded to the metrics sinks: ``"global"``,
             ``"stream"`` or ``"shard"``. Default ``"shard"``. KPL: ``MetricsGranularity``.
         metrics_namespace: CloudWatch namespace for the metrics. Default
             ``"KinesisProducerLibrary"``, 1..255 characters, must not start with ``"AWS/"``.
             KPL: ``MetricsNamespace``.
-        metrics_upload_delay: Seconds between metrics uploads. Default 60.0, 0.001..60.
+        metrics_upload_delay: Seconds between uploads to the metrics sinks (there are none
+            unless ``Producer(metrics_sinks=[...])`` names them). Default 60.0, 0.001..60.
             KPL: ``MetricsUploadDelay`` (milliseconds).
         min_connections: Accepted for compatibility and unused, as in the KPL, which sends it to
             its native code but never reads it. Default 1, 1..16. KPL: ``MinConnections``.
