@@ -216,8 +216,12 @@ class Producer(anyio.AsyncContextManagerMixin):
         except anyio.get_cancelled_exc_class():
             raise
         except BaseException as exc:
-            if self._state in ("closing", "closed") and _only_closed_streams(exc):
-                # a neighbouring stage was cancelled first while the producer shut down
+            if _only_closed_streams(exc) and (
+                self._state in ("closing", "closed")
+                or anyio.current_effective_deadline() == -math.inf
+            ):
+                # a neighbouring stage was cancelled first while the producer shut down, or
+                # while a scope around the producer was cancelled: not a crash
                 return
             self._failure = exc
             self._state = "closing"
