@@ -4,6 +4,7 @@ in-process transport that answers every PutRecords at once. Best of ``--repeat``
 figure is steady enough to compare two versions of the hot path on a busy machine.
 
     python benchmarks/hot_path.py --records 300000 --backend asyncio
+    python benchmarks/hot_path.py --no-aggregation   # one Kinesis record per user record
 """
 
 from __future__ import annotations
@@ -49,10 +50,12 @@ class _InstantKinesis:
         }
 
 
-async def run(records: int) -> float:
+async def run(records: int, aggregation: bool = True) -> float:
     data = b"x" * 100
     keys = [f"device-{i}" for i in range(2000)]
-    async with Producer(transport=_InstantKinesis(), rate_limit=1e9) as producer:
+    async with Producer(
+        transport=_InstantKinesis(), rate_limit=1e9, aggregation_enabled=aggregation
+    ) as producer:
         await producer.put_record("bench", data, partition_key="warm-up")
         cpu0 = time.process_time()
         window: deque[PendingRecord] = deque()
@@ -73,10 +76,20 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=300_000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
+    parser.add_argument(
+        "--no-aggregation",
+        dest="aggregation",
+        action="store_false",
+        help="aggregation_enabled=False: one Kinesis record per user record",
+    )
     args = parser.parse_args()
-    best = min(anyio.run(run, args.records, backend=args.backend) for _ in range(args.repeat))
+    best = min(
+        anyio.run(run, args.records, args.aggregation, backend=args.backend)
+        for _ in range(args.repeat)
+    )
+    mode = "aggregation on" if args.aggregation else "aggregation off"
     print(
-        f"{args.backend}: {best * 1e6:.2f} µs CPU per record "
+        f"{args.backend}, {mode}: {best * 1e6:.2f} µs CPU per record "
         f"(≈ {1 / best:,.0f} records/s per core, no network)"
     )
 

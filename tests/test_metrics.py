@@ -10,10 +10,15 @@ from typing import Any
 
 import anyio
 import pytest
+from trio.testing import MockClock
 
 from anykpl import Producer, ProducerConfig
 from anykpl._metrics import METRICS, MetricKey, Metrics, leaves, to_values, with_ancestors
+from anykpl.errors import RecordFailedError
 from anykpl.metrics import (
+    CLOSE_GRACE,
+    CLOUDWATCH_MAX_PAYLOAD,
+    FINAL_REPORT_WHEN_CANCELLED,
     CloudWatchSink,
     MetricsReport,
     MetricsSink,
@@ -370,3 +375,389 @@ async def test_prometheus_and_otel_sinks_map_names() -> None:
     names = {m.name for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
     assert {"kpl.user_records_put", "kpl.request_time"} <= names
     provider.shutdown()
+
+
+# -- sinks that hang, closes that are cancelled (review findings 1 and 2) -------------------
+
+
+class HangingSink(RecordingSink):
+    """A sink whose ``publish`` (and, with ``hang_on_close``, closing) never returns."""
+
+    def __init__(self, *, hang_on_close: bool = False) -> None:
+        super().__init__()
+        self.hang_on_close = hang_on_close
+        self.calls = 0
+
+    @asynccontextmanager
+    async def _open(self) -> Any:
+        self.opened += 1
+        try:
+            yield
+        finally:
+            self.closed += 1
+            if self.hang_on_close:
+                await anyio.sleep_forever()
+
+    async def publish(self, report: MetricsReport) -> None:
+        self.calls += 1
+        await anyio.sleep_forever()
+
+
+@pytest.mark.anyio
+async def test_a_hanging_sink_does_not_stall_the_others() -> None:
+    hanging, good = HangingSink(), RecordingSink()
+    async with Producer(
+        transport=FakeKinesis(), metrics_sinks=[hanging, good], close_timeout=0.5, **FAST
+    ) as producer:
+        await _put_some(producer)
+        await anyio.sleep(0.3)
+        assert len(good.reports) >= 2  # every 0.05 s, the hanging sink notwithstanding
+        uploader = producer._uploader
+        assert uploader is not None
+        closing = anyio.current_time()
+    elapsed = anyio.current_time() - closing
+    assert good.reports[-1].final
+    assert hanging.calls >= 3
+    assert uploader.failures[0] >= 2  # timed out, counted
+    assert uploader.failures[1] == 0
+    assert elapsed < 0.5 + CLOSE_GRACE
+    put = [v for r in good.reports for v in r.values if v.name == "UserRecordsPut"]
+    assert sum(v.sum for v in put if v.granularity == "global") == 10
+
+
+@pytest.mark.anyio
+async def test_a_failed_close_still_sends_the_final_report(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The block is left by cancellation (as SyncProducer.close(timeout=...) leaves it) while
+    # records hang: they fail with ProducerClosed, and the last report must say so.
+    fake = FakeKinesis()
+    sink = RecordingSink()
+    with anyio.move_on_after(0.3):
+        async with Producer(
+            transport=fake, metrics_sinks=[sink], close_timeout=5.0, **FAST
+        ) as producer:
+            await _put_some(producer, 3)
+            fake.hang = True
+            for i in range(5):
+                await producer.submit("stream", b"late", partition_key=f"late{i}")
+            await anyio.sleep_forever()
+    assert sink.reports[-1].final
+    failed = [
+        v
+        for v in sink.reports[-1].values
+        if v.name == "UserRecordsFailed" and v.granularity == "global"
+    ]
+    assert [(v.error_code, v.sum) for v in failed] == [("ProducerClosed", 5)]
+    assert sink.closed == 1
+
+
+@pytest.mark.anyio
+class TestCloseOnMockClock:
+    @pytest.fixture
+    def anyio_backend(self) -> Any:
+        return ("trio", {"clock": MockClock(autojump_threshold=0)})
+
+    async def test_close_takes_at_most_close_timeout_plus_a_constant(self) -> None:
+        # Everything hangs: PutRecords (the flush uses all of close_timeout), one sink's
+        # publish and its close. The other sink still gets the final report.
+        fake = FakeKinesis()
+        hanging, good = HangingSink(hang_on_close=True), RecordingSink()
+        async with Producer(
+            transport=fake,
+            metrics_sinks=[good, hanging],
+            close_timeout=1.0,
+            record_max_buffered_time=0.01,
+            metrics_upload_delay=60.0,
+        ) as producer:
+            fake.hang = True
+            await _put_some_nowait(producer, 5)
+            await anyio.sleep(0.1)
+            closing = anyio.current_time()
+        elapsed = anyio.current_time() - closing
+        assert 1.0 <= elapsed <= 1.0 + CLOSE_GRACE
+        assert good.reports[-1].final
+        assert good.closed == hanging.closed == 1
+        failed = [v for v in good.reports[-1].values if v.name == "UserRecordsFailed"]
+        assert failed
+
+    async def test_a_cancelled_close_sends_the_final_report_briefly(self) -> None:
+        fake = FakeKinesis()
+        hanging, good = HangingSink(), RecordingSink()
+        with anyio.CancelScope() as scope:
+            async with Producer(
+                transport=fake, metrics_sinks=[hanging, good], close_timeout=30.0, **FAST
+            ) as producer:
+                fake.hang = True
+                await _put_some_nowait(producer, 5)
+                await anyio.sleep(0.1)
+                scope.cancel()
+                closing = anyio.current_time()
+                await anyio.sleep_forever()
+        elapsed = anyio.current_time() - closing
+        assert elapsed <= FINAL_REPORT_WHEN_CANCELLED + CLOSE_GRACE
+        assert good.reports[-1].final
+
+    async def test_received_records_are_dated_by_their_second(self) -> None:
+        async with Producer(transport=FakeKinesis(), **FAST) as producer:
+            await _put_some(producer, 100)
+
+            def received(window: float | None) -> float:
+                values = producer.metrics("UserRecordsReceived", window=window)
+                return sum(v.sum for v in values if v.granularity == "global")
+
+            assert received(1) == 100
+            await anyio.sleep(3)
+            assert received(1) == 0
+            assert received(5) == 100
+            assert received(None) == 100
+            await _put_some(producer, 7)
+            assert received(1) == 7
+            await anyio.sleep(2.5)  # one-second buckets: past the bucket the 7 fell in
+            assert received(1) == 0
+            assert received(4) == 7
+            assert received(None) == 107
+
+
+async def _put_some_nowait(producer: Producer, count: int) -> None:
+    for i in range(count):
+        await producer.submit("stream", b"data", partition_key=f"k{i}")
+
+
+def test_metrics_and_statistics_after_trio_run_returns() -> None:
+    import trio
+
+    producer = Producer(transport=FakeKinesis(), **FAST)
+
+    async def main() -> None:
+        async with producer:
+            await _put_some(producer, 4)
+
+    trio.run(main)
+    put = [v for v in producer.metrics("UserRecordsPut") if v.granularity == "global"]
+    assert [v.sum for v in put] == [4]
+    assert producer.metrics("UserRecordsPut", window=60)
+    assert producer.statistics().metrics[MetricKey("UserRecordsPut")] == 4
+
+
+# -- the KPL's zero samples and shard granularity (finding 6) -------------------------------
+
+
+@pytest.mark.anyio
+async def test_failures_are_zero_samples_per_shard_like_the_kpl() -> None:
+    fake = FakeKinesis()
+    # every record of shard 0 fails for good
+    fake.entry_error = lambda shard, _: ("AccessDeniedException", "no") if shard == S0 else None
+    async with Producer(transport=fake, **FAST) as producer:
+        pendings = [
+            await producer.submit("stream", b"data", partition_key=f"k{i}") for i in range(40)
+        ]
+        await producer.flush()
+    failed = 0
+    for pending in pendings:
+        try:
+            await pending
+        except RecordFailedError:
+            failed += 1
+    assert 0 < failed < 40
+    values = producer.metrics()
+
+    def one(name: str, shard: str | None = None) -> Any:
+        (value,) = [
+            v for v in values if v.name == name and v.shard == shard and (shard or v.stream is None)
+        ]
+        return value
+
+    put = one("UserRecordsPut")
+    assert (put.count, put.sum, put.min, put.max) == (40, 40 - failed, 0, 1)
+    assert one("UserRecordsPut", S0).sum == 0
+    assert one("UserRecordsPut", S0).count == failed
+    kinesis = one("KinesisRecordsPut", S0)  # per predicted shard now
+    assert (kinesis.sum, kinesis.max) == (0, 0)
+    errors = one("AllErrors")
+    assert errors.min == 0
+    assert errors.max == 1
+    assert errors.sum == one("AllErrors", S0).count  # shard 0: only errors
+    assert one("AllErrors", S1).sum == 0
+    for name in ("KinesisRecordsDataPut", "BufferingTime", "UserRecordsPerKinesisRecord"):
+        assert any(v.name == name and v.shard == S1 for v in values), name
+    assert one("UserRecordsFailed", S0).sum == failed
+
+
+# -- OpenTelemetry yields while it records (finding 3) --------------------------------------
+
+
+class _TickingInstrument:
+    def __init__(self, ticks: list[int]) -> None:
+        self.ticks = ticks
+        self.seen: list[int] = []
+
+    def add(self, value: float, attributes: Any) -> None:
+        pass
+
+    def record(self, value: float, attributes: Any) -> None:
+        self.seen.append(self.ticks[0])
+
+
+class _Meter:
+    def __init__(self, ticks: list[int]) -> None:
+        self.histogram = _TickingInstrument(ticks)
+
+    def create_counter(self, *args: Any, **kwargs: Any) -> Any:
+        return _TickingInstrument([0])
+
+    def create_histogram(self, *args: Any, **kwargs: Any) -> Any:
+        return self.histogram
+
+
+@pytest.mark.anyio
+async def test_opentelemetry_sink_lets_the_event_loop_run() -> None:
+    pytest.importorskip("opentelemetry")
+    from anykpl.metrics import OpenTelemetrySink
+
+    ticks = [0]
+    meter = _Meter(ticks)
+
+    class Provider:
+        def get_meter(self, name: str) -> Any:
+            return meter
+
+    sink = OpenTelemetrySink(Provider())
+    m = Metrics()
+    m.observe("RequestTime", "s", None, None, 5000, 50000.0, 1.0, 20.0)
+    stats = m.cumulative()
+    report = MetricsReport(
+        datetime.now(timezone.utc), 1.0, (), to_values(leaves(stats, "shard"), 1.0)
+    )
+    done = False
+
+    async def tick() -> None:
+        while not done:
+            ticks[0] += 1
+            await anyio.lowlevel.checkpoint()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(tick)
+        await anyio.lowlevel.checkpoint()
+        await sink.publish(report)
+        done = True
+    assert len(meter.histogram.seen) == 5000
+    # a checkpoint every 1000 records (trio does not run the ticker at every one)
+    assert len(set(meter.histogram.seen)) >= 3
+
+
+# -- Prometheus: duplicates, unregister, shared sinks (finding 7) ---------------------------
+
+
+def _report(*values: tuple[str, str, float, float], duration: float = 1.0) -> MetricsReport:
+    m = Metrics()
+    for name, stream, low, high in values:
+        m.observe(name, stream, None, None, 2, low + high, low, high)
+    out = to_values(leaves(m.cumulative(), "shard"), duration)
+    return MetricsReport(datetime.now(timezone.utc), duration, out, out)
+
+
+@pytest.mark.anyio
+async def test_prometheus_sink_refuses_a_duplicate_and_unregisters() -> None:
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from anykpl.metrics import PrometheusSink
+
+    registry = prometheus_client.CollectorRegistry()
+    first = PrometheusSink(registry)
+    with pytest.raises(ValueError, match="already registered"):
+        PrometheusSink(registry)
+    other = PrometheusSink(registry, prefix="other")  # another prefix is fine
+    first.unregister()
+    first.unregister()  # idempotent
+    second = PrometheusSink(registry)  # a notebook cell run again
+    # two producers sharing a sink, on different streams: both keep their extremes
+    await second.publish(_report(("RequestTime", "a", 10.0, 30.0)))
+    await second.publish(_report(("RequestTime", "b", 1.0, 2.0)))
+    await other.publish(_report(("UserRecordsPut", "a", 1.0, 1.0)))
+    text = prometheus_client.generate_latest(registry).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}  # parses: no dupes
+    maxima = {s.labels["stream"]: s.value for s in families["kpl_request_time_max_seconds"].samples}
+    assert maxima == {"a": 0.03, "b": 0.002}
+    assert text.count("# TYPE kpl_request_time_seconds histogram") == 1
+
+
+# -- CloudWatch: payload size and connection failures (finding 8) ---------------------------
+
+
+def _query_body_size(namespace: str, batch: list[Any]) -> int:
+    from urllib.parse import urlencode
+
+    import botocore.serialize
+    import botocore.session
+
+    model = botocore.session.get_session().get_service_model("cloudwatch")
+    operation = model.operation_model("PutMetricData")
+    request = botocore.serialize.create_serializer("query").serialize_to_request(
+        {"Namespace": namespace, "MetricData": batch}, operation
+    )
+    return len(urlencode(request["body"]))
+
+
+def test_cloudwatch_size_estimate_matches_botocore_query_serializer() -> None:
+    m = Metrics()
+    for i in range(200):
+        m.observe(
+            "UserRecordsPerPutRecordsRequest",
+            "my-stream",
+            f"shardId-{i:012d}",
+            None,
+            7,
+            1234.5678,
+            0.001234,
+            99999.123,
+        )
+        m.add("ErrorsByCode", 3, "strange stream/ü", f"shardId-{i:012d}", "Throttled: x&y")
+    values = to_values(with_ancestors(m.cumulative()), 1.0)
+    data = [cloudwatch_datum(v, datetime.now(timezone.utc)) for v in values]
+    namespace = "My/Name space"
+    for max_datums in (20, 1000):
+        batches = cloudwatch_batches(data, max_datums, namespace=namespace)
+        assert sum(len(b) for b in batches) == len(data)
+        for batch in batches:
+            actual = _query_body_size(namespace, batch)
+            assert actual <= CLOUDWATCH_MAX_PAYLOAD
+            # exact but for the timestamps, counted at their longest
+            assert actual <= _estimate(batch, namespace) <= actual + 10 * len(batch)
+    assert len(cloudwatch_batches(data, 1000, namespace=namespace)) > 1  # the 38 KiB cap
+
+
+def _estimate(batch: list[Any], namespace: str) -> int:
+    from anykpl.metrics import _estimated_size, _request_size
+
+    return _request_size(namespace) + sum(
+        _estimated_size(datum, index) for index, datum in enumerate(batch, 1)
+    )
+
+
+@pytest.mark.anyio
+async def test_cloudwatch_stops_an_upload_after_a_connection_failure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from botocore.exceptions import EndpointConnectionError
+
+    class Unreachable:
+        calls = 0
+
+        async def put_metric_data(self, **kwargs: Any) -> None:
+            self.calls += 1
+            raise EndpointConnectionError(endpoint_url="http://127.0.0.1:9")
+
+    m = Metrics()
+    for i in range(59):
+        m.add("UserRecordsPut", 1, "s", f"shardId-{i:012d}", None)
+    values = to_values(with_ancestors(m.cumulative()), 1.0)  # 61 data: 4 calls of 20
+    sink = CloudWatchSink()
+    client = sink._client = Unreachable()
+    with caplog.at_level(logging.WARNING, logger="anykpl.metrics"):
+        await sink.publish(MetricsReport(datetime.now(timezone.utc), 1.0, values, values))
+    assert client.calls == 1
+    assert (sink.failures, sink.data_dropped, sink.calls) == (1, 61, 0)
+    assert len(caplog.records) == 1
+    assert "61 metric data" in caplog.text

@@ -6,22 +6,26 @@ every test joins that thread (``close``) before it ends, so none leaks.
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import textwrap
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
-from anykpl import ProducerConfig, RecordResult, SyncProducer, errors
+from anykpl import ProducerConfig, RecordResult, SyncProducer, _sync, errors
 from anykpl._collector import Collector
 from anykpl.errors import PutTimeout
+from anykpl.metrics import MetricsReport
 
 from .fakes import MAX_HASH, FakeKinesis
 
@@ -170,6 +174,30 @@ def test_a_retrying_record_does_not_hold_back_later_futures(
     assert slow.result(timeout=5).success
 
 
+def test_a_retrying_record_does_not_slow_down_other_puts(
+    backend: str, fake_kinesis: FakeKinesis
+) -> None:
+    # A future is completed where its record is resolved, not by polling: a put_record on one
+    # shard takes as long while another shard's record is being retried as it does without.
+    # (Polling every 50 ms held each put here for about 50 ms: 0.5 s for the ten.)
+    first_shard = fake_kinesis.shards[0].shard_id
+    options = {**FAST, "record_max_buffered_time": 0.001}
+    with SyncProducer(transport=fake_kinesis, backend=backend, **options) as producer:
+        producer.put_record(STREAM, b"warm-up", partition_key="k", explicit_hash_key=MAX_HASH)
+        fake_kinesis.entry_error = lambda shard, index: (
+            (errors.THROTTLED, "slow down") if shard == first_shard else None
+        )
+        slow = producer.submit(STREAM, b"slow", partition_key="k", explicit_hash_key=0)
+        started = time.monotonic()
+        for i in range(10):
+            producer.put_record(STREAM, b"%d" % i, partition_key="k", explicit_hash_key=MAX_HASH)
+        elapsed = time.monotonic() - started
+        assert not slow.done()
+        fake_kinesis.entry_error = None
+        assert slow.result(timeout=5).success
+    assert elapsed < 0.25, f"ten put_record calls took {elapsed:.3f} s"
+
+
 # -- timeouts -----------------------------------------------------------------------------------
 
 
@@ -266,6 +294,150 @@ def test_close_with_a_hanging_transport_is_bounded(backend: str, fake_kinesis: F
         assert exc.error_code == errors.PRODUCER_CLOSED
 
 
+class HangingFinalReportSink:
+    """A metrics sink whose last report never goes out (until cancelled)."""
+
+    @asynccontextmanager
+    async def _open(self) -> AsyncIterator[None]:
+        yield
+
+    def open(self, config: ProducerConfig) -> AbstractAsyncContextManager[object]:
+        return self._open()
+
+    async def publish(self, report: MetricsReport) -> None:
+        if report.final:
+            await anyio.sleep_forever()
+
+
+def test_close_timeout_bounds_the_producers_own_closing_steps(
+    backend: str, fake_kinesis: FakeKinesis, caplog: pytest.LogCaptureFixture
+) -> None:
+    # close(timeout=0.2) hands what is left of its bound to the Producer's close, which bounds
+    # the last metrics report by it: not by close_timeout (3 s here).
+    producer = SyncProducer(
+        transport=fake_kinesis,
+        backend=backend,
+        metrics_sinks=[HangingFinalReportSink()],
+        **{**FAST, "close_timeout": 3.0, "metrics_upload_delay": 10.0},
+    )
+    futures = [producer.submit(STREAM, b"%d" % i, partition_key=f"{i}") for i in range(20)]
+    producer.flush()
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="anykpl.sync"):
+        producer.close(timeout=0.2)
+    assert time.monotonic() - started < 1.5
+    assert all(f.result(timeout=0).success for f in futures)
+    assert not [r for r in caplog.records if r.name == "anykpl.sync"]
+    assert producer.config.close_timeout == 3.0  # the caller's configuration is unchanged
+
+
+def _wedge_the_loop_with_a_callback(
+    producer: SyncProducer, release: threading.Event
+) -> Future[RecordResult]:
+    """A future whose done callback blocks the event loop until ``release`` is set."""
+    wedged = threading.Event()
+
+    def block(future: Future[RecordResult]) -> None:
+        wedged.set()
+        release.wait(10)
+
+    future = producer.submit(STREAM, b"wedge", partition_key="k", explicit_hash_key=MAX_HASH)
+    future.add_done_callback(block)
+    assert wedged.wait(5)
+    return future
+
+
+def _clean_up_abandoned(producer: SyncProducer, release: threading.Event) -> None:
+    """Unwedge the loop, let its close finish, and join the thread close() abandoned."""
+    release.set()
+    producer._run_future.exception(timeout=5)
+    _sync._abandoned_portals.remove(producer._portal_cm)
+    producer._portal_cm.__exit__(None, None, None)
+
+
+def test_an_abandoned_close_says_what_is_lost_and_later_calls_fail_at_once(
+    backend: str,
+    fake_kinesis: FakeKinesis,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(_sync, "_CLOSE_GRACE", 0.2)
+    first_shard = fake_kinesis.shards[0].shard_id
+    fake_kinesis.entry_error = lambda shard, index: (
+        (errors.THROTTLED, "slow down") if shard == first_shard else None
+    )
+    producer = SyncProducer(transport=fake_kinesis, backend=backend, **FAST)
+    release = threading.Event()
+    try:
+        retrying = producer.submit(STREAM, b"retrying", partition_key="k", explicit_hash_key=0)
+        _wedge_the_loop_with_a_callback(producer, release)
+        queued: list[BaseException] = []
+
+        def submit_while_wedged() -> None:
+            try:
+                producer.submit(STREAM, b"queued", partition_key="k")
+            except BaseException as exc:
+                queued.append(exc)
+
+        submitter = threading.Thread(target=submit_while_wedged)
+        submitter.start()
+        with caplog.at_level(logging.WARNING, logger="anykpl.sync"):
+            started = time.monotonic()
+            producer.close(timeout=0.1)
+            assert time.monotonic() - started < 2.0
+        submitter.join(5)
+        # the admission that never ran is refused, not left hanging
+        assert len(queued) == 1
+        assert isinstance(queued[0], errors.ProducerClosedError)
+        [record] = [r for r in caplog.records if r.name == "anykpl.sync"]
+        assert record.levelno == logging.ERROR
+        assert "1 record(s) not yet terminal: they are lost" in record.getMessage()
+        assert producer.closed
+        assert not retrying.done()
+        started = time.monotonic()
+        calls: list[Any] = [
+            producer.flush,
+            producer.statistics,
+            producer.metrics,
+            lambda: producer.submit(STREAM, b"x", partition_key="k"),
+            lambda: producer.put_record(STREAM, b"x", partition_key="k"),
+        ]
+        for call in calls:
+            with pytest.raises(errors.ProducerClosedError, match="abandoned"):
+                call()
+        producer.close()  # returns at once too
+        assert time.monotonic() - started < 0.5
+    finally:
+        _clean_up_abandoned(producer, release)
+    # once the loop recovered, its close failed what was left
+    exc = retrying.exception(timeout=0)
+    assert isinstance(exc, errors.RecordFailedError)
+    assert exc.error_code == errors.PRODUCER_CLOSED
+    assert stored(fake_kinesis) == Counter({b"wedge": 1})  # "queued" was never admitted
+
+
+def test_an_abandoned_close_with_nothing_outstanding_only_warns(
+    backend: str,
+    fake_kinesis: FakeKinesis,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(_sync, "_CLOSE_GRACE", 0.2)
+    producer = SyncProducer(transport=fake_kinesis, backend=backend, **FAST)
+    release = threading.Event()
+    try:
+        future = _wedge_the_loop_with_a_callback(producer, release)
+        with caplog.at_level(logging.WARNING, logger="anykpl.sync"):
+            producer.close(timeout=0.1)
+        [record] = [r for r in caplog.records if r.name == "anykpl.sync"]
+        assert record.levelno == logging.WARNING
+        assert "every admitted record was already terminal" in record.getMessage()
+        assert "lost" not in record.getMessage()
+        assert future.result(timeout=0).success
+    finally:
+        _clean_up_abandoned(producer, release)
+
+
 def test_close_from_several_threads(backend: str, fake_kinesis: FakeKinesis) -> None:
     producer = SyncProducer(transport=fake_kinesis, backend=backend, **FAST)
     futures = [producer.submit(STREAM, b"%d" % i, partition_key=f"{i}") for i in range(50)]
@@ -341,6 +513,28 @@ def test_statistics(producer: SyncProducer) -> None:
     assert statistics.streams[STREAM].user_records_received == 1
 
 
+def test_metrics(backend: str, fake_kinesis: FakeKinesis) -> None:
+    producer = SyncProducer(transport=fake_kinesis, backend=backend, **FAST)
+    try:
+        for i in range(3):
+            producer.put_record(STREAM, b"x", partition_key=f"k{i}")
+        values = producer.metrics()
+        assert {"UserRecordsPut", "UserRecordsReceived"} <= {v.name for v in values}
+        [put] = [v for v in producer.metrics("UserRecordsPut") if v.stream is None]
+        assert put.sum == 3
+        assert all(v.name == "UserRecordsPut" for v in producer.metrics("UserRecordsPut", 60))
+        with pytest.raises(ValueError, match="window"):
+            producer.metrics(window=0)
+    finally:
+        producer.close()
+    # after close: the cumulative metrics taken as the producer closed
+    [put] = [v for v in producer.metrics("UserRecordsPut") if v.stream is None]
+    assert put.sum == 3
+    assert {v.name for v in producer.metrics()} >= {"UserRecordsPut", "UserRecordsReceived"}
+    with pytest.raises(errors.ProducerClosedError, match="window=None"):
+        producer.metrics(window=10)
+
+
 def test_a_forked_child_cannot_use_the_parents_producer(
     backend: str, fake_kinesis: FakeKinesis
 ) -> None:
@@ -367,14 +561,22 @@ def test_the_atexit_hook_closes(backend: str, fake_kinesis: FakeKinesis) -> None
 
 @pytest.mark.parametrize("backend_name", ["asyncio", "trio"])
 def test_an_unclosed_producer_is_flushed_at_interpreter_exit(backend_name: str) -> None:
+    # The fake resolves a host name before each PutRecords, as a new connection does: on
+    # asyncio through the loop's default executor, which Python shuts down before running
+    # atexit hooks (the producer's exit hook must run before that).
     script = textwrap.dedent(
         f"""
         import atexit
+        import anyio
         from tests.fakes import FakeKinesis
         from anykpl._sync import SyncProducer
 
-        fake = FakeKinesis()
-        # registered first, so it runs after the SyncProducer's own hook (atexit is LIFO)
+        class ResolvingKinesis(FakeKinesis):
+            async def put_records(self, stream, records):
+                await anyio.getaddrinfo("localhost", 443)
+                return await super().put_records(stream, records)
+
+        fake = ResolvingKinesis()
         atexit.register(lambda: print("stored", len(fake.user_records()), flush=True))
         producer = SyncProducer(
             transport=fake, backend={backend_name!r}, record_max_buffered_time=5.0

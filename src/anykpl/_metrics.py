@@ -9,21 +9,40 @@ Mirrors ``aws/metrics/metrics_manager.{h,cc}``, ``accumulator.h`` and ``metrics_
 - values accumulate into statistic sets (count, sum, min, max) in one-second buckets, 60 of
   which are kept for local queries (:meth:`Metrics.query`, the KPL's ``getMetrics``);
 - an upload takes what accumulated since the last one, filtered by ``metrics_level`` and
-  ``metrics_granularity`` (``constants::filter``).
+  ``metrics_granularity`` (``constants::filter``);
+- the KPL's 0-valued samples are kept: a user record that fails for good is a 0 sample of
+  ``UserRecordsPut``, a failed Kinesis record a 0 of ``KinesisRecordsPut``, a delivered one a
+  0 of ``AllErrors`` — so ``Sum / SampleCount`` is a success (or error) rate, as in the KPL.
 
-Where we differ, and why:
+Where we differ, and why (every difference we know of):
 
-- **Counting per batch.** The KPL puts one data point per user record; we record what a batch
-  (a PutRecords outcome, a Kinesis record) adds up to — count, sum, min and max — in one call,
-  because the hot path is measured. ``UserRecordsReceived`` is folded in from the pipelines'
-  admission counters when the metrics are read, never once per ``put``.
-- **Granularity of a few detailed metrics.** ``BufferingTime``, ``UserRecordsPerKinesisRecord``
-  and ``KinesisRecordsDataPut`` are recorded per stream (one sample per Kinesis record), not per
-  shard; ``UserRecordsPending`` is not recorded (``Producer.statistics()`` has the queue depths).
+- **Counting per batch.** The KPL puts one data point per user record; we merge what one
+  PutRecords outcome adds up to per shard — count, sum, min and max — in one call per metric,
+  because the hot path is measured. The statistic sets are the KPL's; only the number of calls
+  differs. ``UserRecordsReceived`` is not counted per ``put``: the pipelines' admission
+  counters are folded in when a one-second bucket closes (and when the metrics are read). A
+  bucket closes at the first sample after its second, which comes within about
+  ``record_max_buffered_time`` of a ``put``, so a received record can be dated up to that much
+  late or early, never more unless the stream stops sending.
+- **``BufferingTime``** has one sample per Kinesis record per attempt (its oldest user
+  record's wait), not one per user record, so its ``SampleCount`` counts Kinesis records; it
+  is per predicted shard, as in the KPL.
+- **``RetriesPerRecord``** is one sample of 1 per user record sent back for a retry, at the
+  predicted shard, when the retry is decided; the KPL samples ``attempts - 1`` once per user
+  record when it finishes (so there ``Maximum`` is the most retries of one record; here
+  ``Sum`` is the same and ``Maximum`` is 1). Recording it at the finish would cost a look at
+  every user record's attempts on the hot path.
+- **Failures at close.** Records failed when the producer closes or a stage crashes
+  (``ProducerClosed``, ``PipelineFailed``) count as 0 samples of ``UserRecordsPut`` and in
+  ``UserRecordsFailed`` at the stream level: no shard is known for them.
+- ``ErrorsByCode`` and ``AllErrors`` of a failed request (no response) are at the stream level,
+  as in the KPL; the per-record ones at the predicted shard.
+- ``UserRecordsPending`` is not recorded (``Producer.statistics()`` has the queue depths).
 - **Uploads are exact intervals.** The KPL uploads ``[last checkpoint, now - 1 s]`` from its
   buckets; we close the current bucket at each upload, so every sample is uploaded exactly once
   and nothing waits a second longer.
-- ``UserRecordsFailed`` (records that ended in failure, by ``ErrorCode``) is ours.
+- ``UserRecordsFailed`` (user records that ended in failure, by ``ErrorCode``, at the
+  predicted shard) is ours.
 """
 
 from __future__ import annotations
@@ -223,6 +242,9 @@ class Metrics:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
+        #: called when a bucket closes and before the metrics are read, to fold counters kept
+        #: elsewhere into the current bucket (with :meth:`add_to_bucket`)
+        self.collect: Callable[[], None] | None = None
         self._bucket: dict[_Key, _Stats] = {}
         self._bucket_start = -math.inf
         self._bucket_end = -math.inf
@@ -276,11 +298,28 @@ class Metrics:
             if high > stats[3]:
                 stats[3] = high
 
+    def add_to_bucket(
+        self, name: str, value: float, stream: str | None, shard: str | None, code: str | None
+    ) -> None:
+        """Like :meth:`add`, into the current bucket without reading the clock (for
+        :attr:`collect`)."""
+        if not value:
+            return
+        key = (name, stream, shard, code)
+        stats = self._bucket.get(key)
+        if stats is None:
+            self._bucket[key] = [value, value, 1.0, 1.0]
+        else:
+            stats[0] += value
+            stats[1] += value
+
     def _roll(self, now: float) -> None:
         """Close the current bucket and start the one ``now`` falls in."""
         if self._started is None:
             self._started = now
             self._unsent_since = now
+        elif self.collect is not None:
+            self.collect()  # what was counted elsewhere during the bucket's second
         bucket = self._bucket
         if bucket:
             _merge_into(self._total, bucket)
@@ -296,6 +335,16 @@ class Metrics:
         self._bucket_end = math.floor(now) + 1.0
 
     # -- reading --------------------------------------------------------------------------
+
+    def _refresh(self) -> float:
+        """Before a read: close the current bucket if its second is over, and fold in the
+        counters kept elsewhere. Returns the time."""
+        now = self.clock()
+        if now >= self._bucket_end:
+            self._roll(now)
+        if self.collect is not None:
+            self.collect()
+        return now
 
     def enable_uploads(self) -> None:
         """Start keeping the statistics not yet taken by :meth:`take_unsent`."""
@@ -316,13 +365,14 @@ class Metrics:
 
     def cumulative(self) -> dict[_Key, _Stats]:
         """Every statistic since the first sample (data points at their own level)."""
+        self._refresh()
         out = {key: list(stats) for key, stats in self._total.items()}
         _merge_into(out, self._bucket)
         return out
 
     def window(self, seconds: float) -> dict[_Key, _Stats]:
         """The statistics of the last ``seconds`` (at one-second resolution, up to 60)."""
-        horizon = self.clock() - seconds
+        horizon = self._refresh() - seconds
         out: dict[_Key, _Stats] = {}
         for start, bucket in self._history:
             if start + 1.0 > horizon:
@@ -333,7 +383,7 @@ class Metrics:
     def query(self, name: str | None = None, window: float | None = None) -> list[MetricValue]:
         """The KPL's ``getMetrics``: every metric at every level, cumulative or over the last
         ``window`` seconds."""
-        now = self.clock()
+        now = self._refresh()
         if window is None:
             stats = self.cumulative()
             duration = now - self._started if self._started is not None else 0.0
@@ -349,6 +399,7 @@ class Metrics:
         }
 
     def by_error_code(self) -> dict[str, int]:
+        self._refresh()
         out: dict[str, int] = {}
         for items in (self._total.items(), self._bucket.items()):
             for (name, _, _, code), stats in items:

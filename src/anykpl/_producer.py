@@ -6,6 +6,9 @@ Each stream's pipeline starts its stage tasks in that group the first time the s
 Leaving the block flushes, bounded by ``close_timeout``, fails whatever is still outstanding
 with ``ProducerClosed``, and cancels the stages. If the block is left by cancellation, the
 flush is skipped: cancellation ends the producer promptly, and the outstanding records fail.
+With metrics sinks, the last report goes out after that, within the same ``close_timeout``
+(at most :data:`anykpl.metrics.CLOSE_GRACE` more), or within
+:data:`anykpl.metrics.FINAL_REPORT_WHEN_CANCELLED` when the block was left by cancellation.
 
 Safety net. Every admitted record sits in ``_outstanding`` until it is terminal, so whatever
 happens to a stage — a crash, cancellation, close — :meth:`Producer._fail_outstanding` can
@@ -30,7 +33,7 @@ from ._pipeline import Pipeline
 from ._records import PendingRecord, RecordResult, _AttemptRecord, partition_key_hash
 from ._sender import Transport, _running_trio, open_transport
 from .config import ProducerConfig
-from .metrics import MetricsSink, Uploader
+from .metrics import FINAL_REPORT_WHEN_CANCELLED, MetricsSink, Uploader
 
 logger = logging.getLogger("anykpl.producer")
 
@@ -122,6 +125,8 @@ class Producer(anyio.AsyncContextManagerMixin):
         elif overrides:
             config = config.replace(**overrides)
         self.config = config
+        # set by SyncProducer.close(timeout=...): a shorter bound for this close than the config's
+        self._close_timeout: float | None = None
         for sink in metrics_sinks:
             if not isinstance(sink, MetricsSink):
                 raise TypeError(
@@ -139,6 +144,7 @@ class Producer(anyio.AsyncContextManagerMixin):
         self._task_group: anyio.abc.TaskGroup | None = None
         self._state = "new"  # new → open → closing → closed
         self._metrics = Metrics()
+        self._metrics.collect = self._count_received
         self._ttl = config.record_ttl  # already clamped to ten years by ProducerConfig
         # partition key -> (hash key, UTF-8 length): IoT-style workloads reuse keys, and an MD5
         # costs more than the dictionary lookup
@@ -170,9 +176,7 @@ class Producer(anyio.AsyncContextManagerMixin):
                 self._clock = _backend_clock()
                 self._metrics.clock = self._clock
                 if self._metrics_sinks and self.config.metrics_level != "none":
-                    self._uploader = Uploader(
-                        self._metrics, self._metrics_sinks, self.config, self._count_received
-                    )
+                    self._uploader = Uploader(self._metrics, self._metrics_sinks, self.config)
                     tg.start_soon(self._uploader.run)
                 self._state = "open"
                 cancelled = False
@@ -183,15 +187,12 @@ class Producer(anyio.AsyncContextManagerMixin):
                     raise
                 finally:
                     self._state = "closing"
-                    if not cancelled and self._failure is None:
-                        with anyio.move_on_after(self.config.close_timeout, shield=True):
-                            await self.flush()
-                    self._fail_closed()
-                    if self._uploader is not None and not cancelled:
-                        # the last report, bounded like the flush
-                        with anyio.move_on_after(self.config.close_timeout, shield=True):
-                            await self._uploader.close()
-                    tg.cancel_scope.cancel()
+                    try:
+                        await self._close(cancelled)
+                    finally:
+                        if self._uploader is not None:
+                            self._uploader.abort()
+                        tg.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             # unwrap a lone stage failure so the caller sees the real error
             if len(group.exceptions) == 1:
@@ -200,6 +201,40 @@ class Producer(anyio.AsyncContextManagerMixin):
         finally:
             self._state = "closed"
             self._fail_closed()  # the safety net, also when opening the transport failed
+            self._freeze_clock()
+
+    async def _close(self, cancelled: bool) -> None:
+        """Flush, fail what is left, send the last metrics report: all within one deadline,
+        ``close_timeout`` from now (the last report gets at most ``CLOSE_GRACE`` more)."""
+        close_timeout = self.config.close_timeout
+        if self._close_timeout is not None:
+            close_timeout = min(close_timeout, self._close_timeout)
+        deadline = self._clock() + close_timeout
+        if not cancelled and self._failure is None:
+            with anyio.CancelScope(deadline=deadline, shield=True):
+                await self.flush()
+        self._fail_closed()
+        if self._uploader is not None:
+            if cancelled:
+                # Left by cancellation (a timed-out close, a crashed stage): the last interval
+                # holds the failures, so the report still goes out, briefly, before the
+                # cancellation carries on.
+                bound = min(close_timeout, FINAL_REPORT_WHEN_CANCELLED)
+                deadline = self._clock() + bound
+            await self._uploader.close(deadline)  # shielded inside
+
+    def _freeze_clock(self) -> None:
+        """After close, read the metrics at the time the producer closed: the backend's clock
+        is gone once its event loop has ended (trio raises outside ``trio.run``)."""
+        try:
+            closed_at = self._clock()
+        except RuntimeError:  # pragma: no cover - closed outside the event loop
+            closed_at = self._metrics.clock()
+
+        def clock() -> float:
+            return closed_at
+
+        self._clock = self._metrics.clock = clock
 
     @asynccontextmanager
     async def _open_transport(self) -> AsyncGenerator[Transport, None]:
@@ -415,13 +450,18 @@ class Producer(anyio.AsyncContextManagerMixin):
         now = anyio.current_time() if self._task_group is not None else 0.0
         attempt = _AttemptRecord(now, now, False, code, message)
         records = list(self._outstanding)
+        per_stream: dict[str, int] = {}
         for record in records:
             record._add_attempt(attempt)
+            per_stream[record.stream] = per_stream.get(record.stream, 0) + 1
         for pipeline in self._pipelines.values():
             pipeline.aggregator.take_all_records()
             pipeline.limiter.take_all()
             pipeline.retrier.take_all()
-        self._metrics.add("UserRecordsFailed", len(records), None, None, code)
+        metrics = self._metrics
+        for stream, failed in per_stream.items():
+            metrics.add("UserRecordsFailed", failed, stream, None, code)
+            metrics.observe("UserRecordsPut", stream, None, None, failed, 0, 0, 0)  # KPL's zeros
         self._finish(records, False)
 
     # -- flushing -------------------------------------------------------------------------
@@ -460,7 +500,7 @@ class Producer(anyio.AsyncContextManagerMixin):
     def statistics(self) -> ProducerStatistics:
         """A frozen snapshot of the producer's state and counters."""
         running = self._state in ("open", "closing")
-        now = anyio.current_time() if running else 0.0
+        now = self._clock() if running else 0.0
         streams = {}
         for name, p in self._pipelines.items():
             levels = p.limiter.token_levels(now) if running else {}
@@ -475,7 +515,6 @@ class Producer(anyio.AsyncContextManagerMixin):
                 retry_backoff_records=p.retrier.delayed_records,
                 user_records_received=p.received,
             )
-        self._count_received()
         return ProducerStatistics(
             outstanding_records=len(self._outstanding),
             outstanding_bytes=self._outstanding_bytes,
@@ -498,14 +537,15 @@ class Producer(anyio.AsyncContextManagerMixin):
         """
         if window is not None and not (isinstance(window, (int, float)) and 0 < window <= 60):
             raise ValueError(f"window must be None or in (0, 60] seconds, got {window!r}")
-        self._count_received()
         return self._metrics.query(name, window)
 
     def _count_received(self) -> None:
-        # counted when the metrics are read rather than once per put (the hot path)
+        """``Metrics.collect``: the admissions since the last call, into the current bucket.
+        Called when a one-second bucket closes and before a read, never once per put (the hot
+        path): see anykpl/_metrics.py for how close to their second this dates them."""
         for name, p in self._pipelines.items():
             if p.received != p.received_counted:
-                self._metrics.add(
+                self._metrics.add_to_bucket(
                     "UserRecordsReceived", p.received - p.received_counted, name, None, None
                 )
                 p.received_counted = p.received

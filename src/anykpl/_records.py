@@ -16,7 +16,8 @@ per try, shared by every user record in the aggregate — and turned into public
 
 from __future__ import annotations
 
-from collections.abc import Generator
+import logging
+from collections.abc import Callable, Generator
 from hashlib import md5
 from typing import Any, NamedTuple
 
@@ -25,6 +26,8 @@ import anyio
 from . import errors
 
 __all__ = ("Attempt", "KinesisRecord", "PendingRecord", "RecordResult")
+
+logger = logging.getLogger("anykpl.records")
 
 
 class Attempt(NamedTuple):
@@ -104,6 +107,7 @@ class PendingRecord:
         "_earlier_attempts",
         "_event",
         "_last_attempt",
+        "_on_done",
         "_state",
         "arrival",
         "data",
@@ -152,6 +156,9 @@ class PendingRecord:
         self._earlier_attempts: tuple[_AttemptRecord, ...] = ()
         self._state = _PENDING
         self._event: anyio.Event | None = None
+        # Called once, with the record, when it becomes terminal (SyncProducer completes its
+        # futures with it). Private: one slot and one check per record, no callback list.
+        self._on_done: Callable[[PendingRecord], object] | None = None
 
     def __repr__(self) -> str:
         state = ("pending", "succeeded", "failed")[self._state]
@@ -262,6 +269,15 @@ class PendingRecord:
         event = self._event
         if event is not None:
             event.set()
+        on_done = self._on_done
+        if on_done is not None:
+            self._on_done = None
+            try:
+                on_done(self)
+            except Exception:
+                # it runs inside the stage that resolves a whole batch: the other records of
+                # the batch must still be resolved
+                logger.exception("the completion hook of %r failed", self)
 
 
 class KinesisRecord:

@@ -73,7 +73,7 @@ class Retrier:
         self.shard_map = shard_map
         self.finish = finish
         self.count = count
-        self.observe = observe
+        self.observe = observe if observe is not None else _sums_only(count)
         self.request_refresh = request_refresh
         self.retry_delay = record_max_buffered_time / 2
         self.fail_if_throttled = fail_if_throttled
@@ -125,8 +125,7 @@ class Retrier:
     def _handle(self, outcome: Outcome, now: float) -> None:
         self._advanced.clear()
         records: Sequence[KinesisRecord] = outcome.records
-        if self.observe is not None:
-            self._observe_request(outcome)
+        self._observe_request(outcome)
         if outcome.response is None:
             code = outcome.error_code or "UnknownError"
             message = outcome.error_message or ""
@@ -146,41 +145,56 @@ class Retrier:
                 f"sent {len(records)} records, the response has {len(entries)}",
             )
             for kr in records:
-                self._fail(kr.records, attempt)
+                self._fail(kr.records, attempt, kr.predicted_shard)
             return
-        succeeded = failed = 0
-        put_bytes, smallest, largest = 0, math.inf, 0
+        # Per shard, one statistic set per metric for the whole response (see
+        # anykpl/_metrics.py): Kinesis records at their predicted shard — [delivered, failed,
+        # bytes delivered, smallest, largest] — and user records at their actual shard.
+        kinesis: dict[str | None, list[float]] = {}
+        users: dict[str, list[float]] = {}
         for kr, entry in zip(records, entries, strict=True):
+            predicted = kr.predicted_shard
+            stats = kinesis.get(predicted)
+            if stats is None:
+                stats = kinesis[predicted] = [0, 0, 0, math.inf, 0]
             sequence_number = entry.get("SequenceNumber")
             if sequence_number is None:
-                failed += 1
+                stats[1] += 1
                 code = entry.get("ErrorCode") or "UnknownError"
-                self.count("ErrorsByCode", 1, kr.predicted_shard, code)
+                self.count("ErrorsByCode", 1, predicted, code)
                 attempt = _AttemptRecord(
                     outcome.start, outcome.end, False, code, entry.get("ErrorMessage") or ""
                 )
                 self._fail_or_retry(kr, attempt, now)
             else:
-                succeeded += 1
+                stats[0] += 1
                 size = kr.size
-                put_bytes += size
-                if size < smallest:
-                    smallest = size
-                if size > largest:
-                    largest = size
-                self._succeed_if_correct_shard(kr, entry["ShardId"], sequence_number, outcome, now)
-        self.count("KinesisRecordsPut", succeeded, None, None)
-        if succeeded and self.observe is not None:
-            self.observe(
-                "KinesisRecordsDataPut", None, None, succeeded, put_bytes, smallest, largest
-            )
-        if failed:
-            self.count("AllErrors", failed, None, None)
+                stats[2] += size
+                if size < stats[3]:
+                    stats[3] = size
+                if size > stats[4]:
+                    stats[4] = size
+                self._succeed_if_correct_shard(
+                    kr, entry["ShardId"], sequence_number, outcome, now, users
+                )
+        observe = self.observe
+        for shard, (put, failed, put_bytes, smallest, largest) in kinesis.items():
+            # the KPL's 1 per delivered Kinesis record and 0 per failed one (and the reverse
+            # for AllErrors): the zeros count as samples only
+            count = put + failed
+            low, high = (0.0 if failed else 1.0), (1.0 if put else 0.0)
+            observe("KinesisRecordsPut", shard, None, count, put, low, high)
+            observe("AllErrors", shard, None, count, failed, 1.0 - high, 1.0 - low)
+            if put:
+                observe("KinesisRecordsDataPut", shard, None, put, put_bytes, smallest, largest)
+        for shard, (delivered, data_bytes, smallest, largest) in users.items():
+            observe("UserRecordsPut", shard, None, delivered, delivered, 1, 1)
+            observe("UserRecordsDataPut", shard, None, delivered, data_bytes, smallest, largest)
 
     def _observe_request(self, outcome: Outcome) -> None:
-        """The per-request metrics, one statistic set each (see anykpl/_metrics.py)."""
+        """The per-request metrics: one statistic set each, per predicted shard for the
+        per-Kinesis-record ones (see anykpl/_metrics.py)."""
         observe = self.observe
-        assert observe is not None
         records: Sequence[KinesisRecord] = outcome.records
         start = outcome.start
         milliseconds = (outcome.end - start) * 1000
@@ -190,28 +204,36 @@ class Retrier:
         count = len(records)
         observe("KinesisRecordsPerPutRecordsRequest", None, None, 1, count, count, count)
         users = 0
-        fewest = most = len(records[0].records)
-        longest, shortest, waited = 0.0, math.inf, 0.0
+        # predicted shard -> [Kinesis records, user records, fewest, most, waited, shortest,
+        # longest]
+        by_shard: dict[str | None, list[float]] = {}
         for kr in records:
             n = len(kr.records)
             users += n
-            if n < fewest:
-                fewest = n
-            elif n > most:
-                most = n
             # BufferingTime, per Kinesis record: how long its oldest user record waited since
             # it arrived or its previous attempt ended (the KPL samples every user record)
             oldest = kr.records[0]
             last = oldest._last_attempt
             wait = (start - (oldest.arrival if last is None else last.end)) * 1000
-            waited += wait
-            if wait > longest:
-                longest = wait
-            if wait < shortest:
-                shortest = wait
+            stats = by_shard.get(kr.predicted_shard)
+            if stats is None:
+                by_shard[kr.predicted_shard] = [1, n, n, n, wait, wait, wait]
+                continue
+            stats[0] += 1
+            stats[1] += n
+            if n < stats[2]:
+                stats[2] = n
+            elif n > stats[3]:
+                stats[3] = n
+            stats[4] += wait
+            if wait < stats[5]:
+                stats[5] = wait
+            elif wait > stats[6]:
+                stats[6] = wait
         observe("UserRecordsPerPutRecordsRequest", None, None, 1, users, users, users)
-        observe("UserRecordsPerKinesisRecord", None, None, count, users, fewest, most)
-        observe("BufferingTime", None, None, count, waited, shortest, longest)
+        for shard, (krs, in_krs, fewest, most, waited, shortest, longest) in by_shard.items():
+            observe("UserRecordsPerKinesisRecord", shard, None, krs, in_krs, fewest, most)
+            observe("BufferingTime", shard, None, krs, waited, shortest, longest)
 
     def _succeed_if_correct_shard(
         self,
@@ -220,6 +242,7 @@ class Retrier:
         sequence_number: str,
         outcome: Outcome,
         now: float,
+        users: dict[str, list[float]],
     ) -> None:
         predicted = kr.predicted_shard
         if predicted is not None and predicted != actual:
@@ -244,7 +267,9 @@ class Retrier:
                     f"record did not end up in expected shard {predicted} (landed in {actual})",
                 )
                 self.count("ErrorsByCode", 1, predicted, errors.WRONG_SHARD)
-                self._retry(kr.records, attempt, now, backoff_key=None, backoff=False)
+                self._retry(
+                    kr.records, attempt, now, shard=predicted, backoff_key=None, backoff=False
+                )
                 return
             # landed in a child shard: the map is stale, help it converge
             if shard_number(predicted) < shard_number(actual) and self.shard_map.invalidate(
@@ -252,36 +277,47 @@ class Retrier:
             ):
                 self.request_refresh()
         attempt = _AttemptRecord(outcome.start, outcome.end, True, None, None)
+        # [user records, data bytes, smallest, largest] at the actual shard, for the response
+        stats = users.get(actual)
+        if stats is None:
+            stats = users[actual] = [0, 0, math.inf, 0]
+        stats[0] += len(kr.records)
         for index, record in enumerate(kr.records):
             record._add_attempt(attempt)
             record.shard_id = actual
             record.sequence_number = sequence_number
             record.sub_sequence_number = index
+            size = len(record.data)
+            stats[1] += size
+            if size < stats[2]:
+                stats[2] = size
+            if size > stats[3]:
+                stats[3] = size
         self._streaks.pop(predicted, None)
-        self.count("UserRecordsPut", len(kr.records), actual, None)
-        if self.observe is not None:
-            sizes = [len(record.data) for record in kr.records]
-            self.observe(
-                "UserRecordsDataPut", actual, None, len(sizes), sum(sizes), min(sizes), max(sizes)
-            )
         self.finish(kr.records, True)
 
     def _fail_or_retry(self, kr: KinesisRecord, attempt: _AttemptRecord, now: float) -> None:
         code = attempt.code or ""
+        shard = kr.predicted_shard
         if not errors.is_retriable(code) or (self.fail_if_throttled and code == errors.THROTTLED):
-            self._fail(kr.records, attempt)
+            self._fail(kr.records, attempt, shard)
         else:
-            self._retry(kr.records, attempt, now, backoff_key=kr.predicted_shard, backoff=True)
+            self._retry(kr.records, attempt, now, shard=shard, backoff_key=shard, backoff=True)
 
-    def _fail(self, records: Sequence[PendingRecord], attempt: _AttemptRecord) -> None:
+    def _fail(
+        self, records: Sequence[PendingRecord], attempt: _AttemptRecord, shard: str | None
+    ) -> None:
+        """Fail user records for good (``shard``: their predicted shard, for the metrics)."""
         for record in records:
             record._add_attempt(attempt)
         code = attempt.code or "UnknownError"
         seen = self._failed.get(code)
         self._failed[code] = ((seen[0] if seen else 0) + len(records), attempt.message or "")
+        failed = len(records)
         if attempt.code == errors.EXPIRED:
-            self.count("UserRecordExpired", len(records), None, None)
-        self.count("UserRecordsFailed", len(records), None, attempt.code)
+            self.count("UserRecordExpired", failed, shard, None)
+        self.count("UserRecordsFailed", failed, shard, attempt.code)
+        self.observe("UserRecordsPut", shard, None, failed, 0, 0, 0)  # the KPL's 0 samples
         self.finish(records, False)
 
     def expire(self, records: Sequence[KinesisRecord], now: float) -> None:
@@ -290,7 +326,7 @@ class Retrier:
             now, now, False, errors.EXPIRED, "Expiration reached while waiting in limiter"
         )
         for kr in records:
-            self._fail(kr.records, attempt)
+            self._fail(kr.records, attempt, kr.predicted_shard)
         self._log_failures()
 
     def _retry(
@@ -299,6 +335,7 @@ class Retrier:
         attempt: _AttemptRecord,
         now: float,
         *,
+        shard: str | None,
         backoff_key: str | None,
         backoff: bool,
     ) -> None:
@@ -315,10 +352,10 @@ class Retrier:
             expired_attempt = _AttemptRecord(
                 now, now, False, errors.EXPIRED, "Record has reached expiration"
             )
-            self._fail(expired, expired_attempt)
+            self._fail(expired, expired_attempt, shard)
         if not retry:
             return
-        self.count("RetriesPerRecord", len(retry), backoff_key, None)
+        self.count("RetriesPerRecord", len(retry), shard, None)
         delay = 0.0
         if backoff:
             streak = self._streaks.get(backoff_key, 0)
@@ -356,3 +393,22 @@ class Retrier:
         self._delayed.clear()
         self.delayed_records = 0
         return records
+
+
+def _sums_only(count: Count) -> Observe:
+    """An ``observe`` that passes each statistic set's sum to ``count`` (when a caller only
+    counts events, as the Retrier's tests do)."""
+
+    def observe(
+        name: str,
+        shard: str | None,
+        code: str | None,
+        samples: float,
+        total: float,
+        low: float,
+        high: float,
+    ) -> None:
+        if total:
+            count(name, int(total), shard, code)
+
+    return observe

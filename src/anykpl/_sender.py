@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Protocol
 
 import anyio
@@ -118,10 +118,19 @@ class _BotocoreTransport:
         return response
 
 
-@asynccontextmanager
-async def open_transport(config: ProducerConfig) -> AsyncIterator[Transport]:
-    """Open an aiobotocore Kinesis client for ``config`` (credentials, region and profile from
-    the config or botocore's usual chain)."""
+def create_client(
+    config: ProducerConfig,
+    service: str,
+    *,
+    max_pool_connections: int,
+    max_attempts: int,
+    region: str | None = None,
+    endpoint_url: str | None = None,
+) -> AbstractAsyncContextManager[Any]:
+    """An aiobotocore client for ``service`` with the producer's settings: credentials,
+    profile, region, certificate check, timeouts and HTTP backend (aiohttp under asyncio,
+    httpx under trio, unless ``http_backend`` says otherwise). The Kinesis transport and the
+    CloudWatch metrics sink both use it."""
     from aiobotocore.config import AioConfig
     from aiobotocore.session import AioSession
 
@@ -129,25 +138,38 @@ async def open_transport(config: ProducerConfig) -> AsyncIterator[Transport]:
     if backend == "auto":
         backend = "httpx" if _running_trio() else "aiohttp"
     options: dict[str, Any] = {
-        "max_pool_connections": config.max_connections,
+        "max_pool_connections": max_pool_connections,
         "connect_timeout": config.connect_timeout,
         "read_timeout": config.request_timeout,
-        "retries": {"max_attempts": 1, "mode": "standard"},
+        "retries": {"max_attempts": max_attempts, "mode": "standard"},
     }
     if backend == "httpx":
         from aiobotocore.httpxsession import HttpxSession
 
         options["http_session_cls"] = HttpxSession
-    session = AioSession(profile=config.profile)
-    client_context = session.create_client(
-        "kinesis",
-        region_name=config.region,
-        endpoint_url=config.endpoint_url,
+    client: AbstractAsyncContextManager[Any] = AioSession(profile=config.profile).create_client(
+        service,
+        region_name=region or config.region,
+        endpoint_url=endpoint_url,
         aws_access_key_id=config.aws_access_key_id,
         aws_secret_access_key=config.aws_secret_access_key,
         aws_session_token=config.aws_session_token,
         verify=config.verify_certificate,
         config=AioConfig(**options),
+    )
+    return client
+
+
+@asynccontextmanager
+async def open_transport(config: ProducerConfig) -> AsyncIterator[Transport]:
+    """Open an aiobotocore Kinesis client for ``config`` (credentials, region and profile from
+    the config or botocore's usual chain). SDK retries are off: the Retrier owns retrying."""
+    client_context = create_client(
+        config,
+        "kinesis",
+        max_pool_connections=config.max_connections,
+        max_attempts=1,
+        endpoint_url=config.endpoint_url,
     )
     async with client_context as client:
         yield _BotocoreTransport(client)

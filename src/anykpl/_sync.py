@@ -9,8 +9,8 @@ it. The caller's threads never run async code; they hand records over and wait o
 Running our own loop (rather than borrowing a running one) is what makes it work unchanged in
 Jupyter, whose kernel already runs an asyncio loop in the main thread.
 
-What blocks where. Three long-lived tasks run in the loop thread: ``_run`` (holds the Producer
-open, then closes it), the *admitter* and the *watcher*.
+What blocks where. Two long-lived tasks run in the loop thread: ``_run`` (holds the Producer
+open, then closes it) and the *admitter*.
 
 - ``submit`` appends the record to a thread-safe admission queue, wakes the admitter if it is
   idle (one thread-safe callback, no task), and blocks the calling thread until the admitter
@@ -19,33 +19,43 @@ open, then closes it), the *admitter* and the *watcher*.
   async producer, and admission is FIFO across threads. One admitter serves every thread: a
   burst from many threads is admitted in one pass, without a task or a loop round trip per
   record (``BlockingPortal.call`` costs both; see docs/sync.md for the numbers).
-- The record's :class:`concurrent.futures.Future` is completed by the watcher. A
-  :class:`PendingRecord` has no completion callback, so the watcher waits on the oldest
-  record it holds and, when it is done, completes the whole run of done records behind it.
-  A record that finishes while an older one is still retrying is picked up by a sweep,
-  ``_SWEEP_INTERVAL`` later at most unless the interval grew with the sweep's cost (it does, so
-  that sweeping stays under 5 % of the loop, when a very large number of futures is pending).
-  ``flush`` sweeps before it returns, so every future of a flushed record is done when
-  ``flush`` returns. (A done-callback hook on PendingRecord, called where the
-  record is resolved, would replace the watcher and its sweeps.)
+- The record's :class:`concurrent.futures.Future` is completed where the record is resolved:
+  on admission the admitter sets the :class:`PendingRecord`'s completion hook
+  (``PendingRecord._on_done``, one slot), and the stage that resolves the record calls it. No
+  task, no polling: a record that finishes while an older one is still retrying completes its
+  future at once, and every future of a flushed record is done when ``Producer.flush`` returns.
 - ``put_record`` is ``submit`` followed by ``future.result(timeout)``.
-- ``flush`` and ``statistics`` go through ``BlockingPortal.call``: rare calls, a task each.
+- ``flush``, ``statistics`` and ``metrics`` go through ``BlockingPortal.call``: rare calls, a
+  task each.
 
 Futures are completed in the loop thread, so a future's done callbacks run there: they must be
 quick and must not call the SyncProducer (that raises ``RuntimeError`` instead of deadlocking).
 
-Shutdown order (``close``, leaving a ``with`` block, or the ``atexit`` hook). (1) The state
+Shutdown order (``close``, leaving a ``with`` block, or the exit hook). (1) The state
 becomes ``closing`` under the lock, so new calls raise ``ProducerClosedError``; records already
 in the admission queue were accepted and are still admitted. (2) In the loop, bounded by the
 close timeout (``config.close_timeout`` unless ``close(timeout=...)`` says otherwise): the
 admitter drains the queue and stops, then ``Producer.flush()``. (3) The Producer's block is
-left — normally if the flush finished, by cancellation if the bound ran out, which fails what
-is left with ``ProducerClosed`` at once instead of flushing for another ``close_timeout``.
+left — normally if the flush finished, with what is left of the bound as the Producer's own
+``close_timeout`` (its closing steps, such as the last metrics report, are bounded by it), by
+cancellation if the bound ran out, which fails what is left with ``ProducerClosed`` at once
+instead of flushing for another ``close_timeout``.
 (4) Every future still held is completed (every record is terminal once the Producer is
 closed); queued admissions that never ran fail with ``ProducerClosedError``. (5) The portal is
 stopped and its thread joined. The closing thread waits at most the bound plus
 ``_CLOSE_GRACE`` for steps 2-4; if the loop is wedged (a future callback that blocks, say) it
-logs an error and abandons the daemon thread rather than hang the interpreter.
+abandons the daemon thread rather than hang the interpreter: it logs how many records are
+lost (a warning only if none is), fails the admissions still queued, and every later call
+raises ``ProducerClosedError`` at once instead of waiting on the wedged loop.
+
+The exit hook. A SyncProducer still open when the interpreter exits is closed by a hook that
+``threading._register_atexit`` runs when the main thread ends, before Python waits for the
+other non-daemon threads — not by ``atexit``, whose hooks run after
+``concurrent.futures`` has shut its thread pools down: by then asyncio's default executor
+refuses work, so a new connection's DNS lookup (``loop.getaddrinfo``) fails and every record
+still waiting for one would fail with ``ProducerClosed``. ``concurrent.futures.thread`` is
+imported before our hook is registered, so that its own hook (registered at its import) runs
+after ours: the hooks run last registered, first.
 
 If a pipeline stage crashes, the Producer fails every record and its block raises; the
 SyncProducer then behaves as closed and its next ``close`` re-raises that error.
@@ -54,13 +64,13 @@ SyncProducer then behaves as closed and its next ``close`` re-raises that error.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401 (registers its exit hook before ours: see above)
 import logging
 import math
 import os
 import sys
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError as FutureCancelledError
@@ -76,6 +86,7 @@ from anyio.abc import TaskStatus
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from . import errors
+from ._metrics import MetricValue
 from ._producer import Producer, ProducerStatistics
 from ._records import PendingRecord, RecordResult
 from ._sender import Transport, _running_trio
@@ -91,8 +102,6 @@ __all__ = ("SyncProducer",)
 
 logger = logging.getLogger("anykpl.sync")
 
-_SWEEP_INTERVAL = 0.05  # seconds; the longest a future waits behind an older, slower record
-_SWEEP_MAX_SHARE = 20  # the sweep interval is at least this many times the sweep's own cost
 _CLOSE_GRACE = 5.0  # seconds a closing thread waits beyond the close bound before giving up
 
 # admission states, changed only under SyncProducer._lock
@@ -122,9 +131,20 @@ class _Admission:
         self.signal.acquire()
 
 
-# Every open SyncProducer, so that a forked child (gunicorn --preload, multiprocessing with
-# fork) finds them unusable at once instead of waiting on a loop thread the child lacks.
-_live: weakref.WeakSet[SyncProducer] = weakref.WeakSet()
+# Every open SyncProducer, in creation order (a dict as an ordered set): closed by the exit
+# hook, and made unusable at once in a forked child (gunicorn --preload, multiprocessing with
+# fork) instead of waiting on a loop thread the child lacks.
+_live: dict[SyncProducer, None] = {}
+
+# The portals of loop threads that close() abandoned, never collected: collecting one would stop
+# its portal and join its thread from whichever thread collects it (hanging there, or failing
+# with "cannot join current thread" in the loop thread itself).
+_abandoned_portals: list[AbstractContextManager[BlockingPortal]] = []
+
+
+def _close_all_at_exit() -> None:
+    for producer in reversed(list(_live)):
+        producer._close_at_exit()
 
 
 def _after_fork_in_child() -> None:
@@ -132,6 +152,19 @@ def _after_fork_in_child() -> None:
         producer._forked()
 
 
+def _register_exit_hook(hook: Callable[[], None]) -> None:
+    """Run ``hook`` when the main thread ends, while thread pools still work (module doc)."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        try:
+            register(hook)
+            return
+        except RuntimeError:  # pragma: no cover - imported while the interpreter shuts down
+            pass
+    atexit.register(hook)  # pragma: no cover - CPython has threading._register_atexit
+
+
+_register_exit_hook(_close_all_at_exit)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
@@ -142,7 +175,7 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
     ``SyncProducer(config)`` or ``SyncProducer(**overrides)`` (``ProducerConfig`` field names),
     or both, as for :class:`~anykpl.Producer`. It starts at once — an event loop in a daemon
     thread, running a Producer — and must be closed: ``with SyncProducer(...) as producer:``,
-    or :meth:`close`; one that is still open at interpreter exit is closed by an ``atexit``
+    or :meth:`close`; one that is still open when the main thread ends is closed by an exit
     hook (flushing, bounded by ``config.close_timeout``)::
 
         with SyncProducer(region="us-east-1") as producer:
@@ -178,8 +211,8 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         self._queue: deque[_Admission] = deque()
         self._admitter_idle = False
         self._admitter_wakeup: anyio.Event | None = None
-        self._watched: deque[tuple[PendingRecord, Future[RecordResult]]] = deque()
-        self._watcher_wakeup: anyio.Event | None = None
+        # admitted records whose future is not done yet; only the loop thread changes it
+        self._futures: dict[PendingRecord, Future[RecordResult]] = {}
         self._close_requested: anyio.Event | None = None
         self._close_bound = self.config.close_timeout
         self._closer: threading.Thread | None = None
@@ -189,6 +222,8 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         self._run_error: Exception | None = None  # raised once, by close()
         self._closed_reason = ""  # for ProducerClosedError messages
         self._final_statistics: ProducerStatistics | None = None  # taken as the loop ends
+        self._final_metrics: list[MetricValue] | None = None  # likewise
+        self._abandoned = False  # close gave up on a wedged loop thread
 
         self._portal_cm: AbstractContextManager[BlockingPortal] = start_blocking_portal(
             backend, backend_options
@@ -200,8 +235,7 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
             self._state = "closed"
             self._portal_cm.__exit__(*sys.exc_info())
             raise
-        atexit.register(self._close_at_exit)
-        _live.add(self)
+        _live[self] = None
 
     def __repr__(self) -> str:
         return f"<SyncProducer {self._state} backend={self.backend} {self._producer!r}>"
@@ -328,12 +362,16 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
 
         :raises ~anykpl.errors.FlushTimeout: if ``timeout`` seconds pass first (nothing is
             failed; the records carry on).
+        :raises ~anykpl.errors.ProducerClosedError: :meth:`close` gave up on a wedged event
+            loop, so the records it held are not terminal and never will be.
         """
         self._check_thread()
+        if self._abandoned:
+            raise self._closed_error("its records are lost")
         if self._state == "closed":
             return
         try:
-            self._portal.call(self._flush, timeout)
+            self._portal.call(self._producer.flush, timeout)
         except RuntimeError:
             if self._state == "closed":
                 return  # the portal stopped meanwhile: everything is terminal
@@ -375,7 +413,37 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
                 return self._portal.call(self._producer.statistics)
         if self._final_statistics is not None:
             return self._final_statistics
+        if self._abandoned:
+            raise self._closed_error("its statistics are out of reach")
         return self._producer.statistics()
+
+    def metrics(self, name: str | None = None, window: float | None = None) -> list[MetricValue]:
+        """The KPL metrics kept in process (see :meth:`Producer.metrics
+        <anykpl.Producer.metrics>`): every metric at every level, cumulative since the producer
+        started, or over the last ``window`` seconds; only ``name`` if given.
+
+        After close, the cumulative metrics taken as the producer closed (so they count every
+        record), filtered by ``name``.
+
+        :raises ValueError: ``window`` is not in (0, 60].
+        :raises ~anykpl.errors.ProducerClosedError: a ``window`` was asked for after close (a
+            closed producer has no "last seconds"), or close gave up on a wedged event loop
+            before the metrics could be taken.
+        """
+        self._check_thread()
+        if window is not None and not (isinstance(window, (int, float)) and 0 < window <= 60):
+            raise ValueError(f"window must be None or in (0, 60] seconds, got {window!r}")
+        if self._state != "closed":
+            with suppress(RuntimeError):  # the portal stopped meanwhile
+                return self._portal.call(self._producer.metrics, name, window)
+        final = self._final_metrics
+        if final is None or window is not None:
+            raise self._closed_error(
+                "its metrics are out of reach"
+                if final is None
+                else "ask for window=None to get the metrics taken as it closed"
+            )
+        return [value for value in final if name is None or value.name == name]
 
     @property
     def closed(self) -> bool:
@@ -383,8 +451,7 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         return self._state != "open"
 
     def _shut_down(self) -> None:
-        atexit.unregister(self._close_at_exit)
-        _live.discard(self)
+        _live.pop(self, None)
         bound = self._close_bound
         self._call_soon(self._request_close)
         try:
@@ -392,13 +459,38 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         except FutureCancelledError:
             pass
         except FutureTimeoutError:
-            logger.error(
-                "SyncProducer: the event loop did not close within %.1f s; abandoning its "
-                "thread (records still outstanding are lost)",
-                bound + _CLOSE_GRACE,
-            )
+            self._abandon(bound + _CLOSE_GRACE)
             return
         self._portal_cm.__exit__(None, None, None)
+
+    def _abandon(self, waited: float) -> None:
+        """The loop thread is wedged: leave it, and make every later call fail at once."""
+        _abandoned_portals.append(self._portal_cm)
+        with self._lock:
+            self._abandoned = True
+            self._state = "closed"
+            self._closed_reason = (
+                f" (its event loop did not stop within {waited:.1f} s and was abandoned)"
+            )
+            # taken from the queue, so that a loop that recovers does not admit them after all
+            queued = self._take_queued()
+        self._refuse(queued)
+        # read from this thread while the loop thread may still change it: a count for the log
+        outstanding = len(self._futures)
+        if outstanding:
+            logger.error(
+                "SyncProducer: the event loop did not close within %.1f s; abandoning its "
+                "thread with %d record(s) not yet terminal: they are lost",
+                waited,
+                outstanding,
+                extra={"records": outstanding},
+            )
+        else:
+            logger.warning(
+                "SyncProducer: the event loop did not close within %.1f s; abandoning its "
+                "thread (every admitted record was already terminal)",
+                waited,
+            )
 
     def _close_at_exit(self) -> None:
         try:
@@ -415,7 +507,7 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         self._closer = threading.current_thread()
         self._closed.set()
         self._lock = threading.Lock()  # it may have been held by a thread that is gone
-        atexit.unregister(self._close_at_exit)
+        _live.pop(self, None)
 
     # -- thread-side helpers ---------------------------------------------------------------
 
@@ -426,9 +518,11 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
                 "event-loop thread (a future's done callback runs there): it would deadlock"
             )
 
-    def _closed_error(self) -> errors.ProducerClosedError:
+    def _closed_error(
+        self, consequence: str = "nothing was enqueued"
+    ) -> errors.ProducerClosedError:
         return errors.ProducerClosedError(
-            f"the SyncProducer is {self._state}{self._closed_reason}; nothing was enqueued"
+            f"the SyncProducer is {self._state}{self._closed_reason}; {consequence}"
         )
 
     def _call_soon(self, callback: Callable[[], object]) -> None:
@@ -451,15 +545,21 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
                 async with self._producer as producer:
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(self._admit_forever, producer, admitted_all)
-                        tg.start_soon(self._watch_forever)
                         task_status.started()
                         await self._close_requested.wait()
+                        deadline = anyio.current_time() + self._close_bound
                         with anyio.move_on_after(self._close_bound):
                             await admitted_all.wait()
                             await producer.flush()
                             flushed = True
                         tg.cancel_scope.cancel()
-                    if not flushed:
+                    if flushed:
+                        # The Producer bounds each of its closing steps (its own flush, the
+                        # last metrics report) by its close timeout: hand it what is left of
+                        # our bound, so that close(timeout=0.2) is not held for the default
+                        # 30 s by a slow metrics sink.
+                        producer._close_timeout = max(0.0, deadline - anyio.current_time())
+                    else:
                         # Leave the Producer's block by cancellation: it then fails what is
                         # left at once, instead of flushing for another close_timeout.
                         without_flush.cancel()
@@ -486,6 +586,8 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         """Pass queued records to ``Producer.submit``, one at a time, in arrival order."""
         lock = self._lock
         queue = self._queue
+        futures = self._futures
+        on_done = self._record_done
         while True:
             with lock:
                 item = queue.popleft() if queue else None
@@ -522,81 +624,56 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
                 )
                 raise
             else:
-                self._watched.append((pending, item.future))
-                watcher = self._watcher_wakeup
-                if watcher is not None:
-                    self._watcher_wakeup = None
-                    watcher.set()
+                if pending.done():  # pragma: no cover - resolved within submit (a crash, say)
+                    _complete(pending, item.future)
+                else:
+                    futures[pending] = item.future
+                    pending._on_done = on_done
             finally:
                 item.signal.release()
 
-    async def _watch_forever(self) -> None:
-        """Complete each record's future once the record is terminal (see the module doc)."""
-        watched = self._watched
-        interval = _SWEEP_INTERVAL
-        while True:
-            if not watched:
-                wakeup = self._watcher_wakeup = anyio.Event()
-                await wakeup.wait()
-                continue
-            head = watched[0][0]
-            if not head.done():
-                with anyio.move_on_after(interval), suppress(errors.RecordFailedError):
-                    await head.wait()
-                if not head.done():
-                    # an old record is still retrying: complete what finished behind it
-                    started = time.perf_counter()
-                    self._sweep()
-                    cost = time.perf_counter() - started
-                    interval = max(_SWEEP_INTERVAL, _SWEEP_MAX_SHARE * cost)
-                    continue
-            while watched and watched[0][0].done():
-                _complete(*watched.popleft())
-            await anyio.lowlevel.checkpoint()
+    def _record_done(self, pending: PendingRecord) -> None:
+        """The completion hook of every admitted record (runs where the record is resolved)."""
+        _complete(pending, self._futures.pop(pending))
 
-    def _sweep(self) -> None:
-        """Complete the future of every done record, keeping the others in order."""
-        watched = self._watched
-        remaining = [entry for entry in watched if not entry[0].done()]
-        if len(remaining) == len(watched):
-            return
-        for entry in watched:
-            if entry[0].done():
-                _complete(*entry)
-        watched.clear()
-        watched.extend(remaining)
+    def _take_queued(self) -> list[_Admission]:
+        """Empty the admission queue (under the lock); returns the records never admitted."""
+        queued = [item for item in self._queue if item.state == _QUEUED]
+        for item in queued:
+            item.state = _TAKEN
+        self._queue.clear()
+        return queued
 
-    async def _flush(self, timeout: float | None) -> None:  # noqa: ASYNC109 (Producer.flush's)
-        try:
-            await self._producer.flush(timeout)
-        finally:
-            self._sweep()
+    @staticmethod
+    def _refuse(queued: list[_Admission]) -> None:
+        for item in queued:
+            item.error = errors.ProducerClosedError(
+                "the producer closed before the record was admitted; nothing was enqueued"
+            )
+            item.signal.release()
 
     def _finish_run(self) -> None:
         """The Producer is closed, so every record is terminal: complete every future, and
         fail the admissions that never ran."""
         with self._lock:
             self._state = "closed"
-            queued = [item for item in self._queue if item.state == _QUEUED]
-            for item in queued:
-                item.state = _TAKEN
-            self._queue.clear()
-        for item in queued:
-            item.error = errors.ProducerClosedError(
-                "the producer closed before the record was admitted; nothing was enqueued"
-            )
-            item.signal.release()
+            queued = self._take_queued()
+        self._refuse(queued)
         try:
-            # taken here, in the loop: the Producer's snapshot may need the loop's clock
+            # taken here, in the loop: the Producer's snapshots may need the loop's clock
             self._final_statistics = self._producer.statistics()
+            self._final_metrics = self._producer.metrics()
         except Exception:  # pragma: no cover - statistics() then tries again in the caller
             logger.exception("SyncProducer: could not take the final statistics")
-        watched = self._watched
-        while watched:
-            pending, future = watched.popleft()
+        # The Producer resolved every record as it closed, and each hook completed its future;
+        # this is the safety net.
+        futures = self._futures
+        while futures:  # pragma: no cover
+            pending, future = futures.popitem()
+            pending._on_done = None
             if pending.done():
                 _complete(pending, future)
-            else:  # pragma: no cover - the Producer resolves every record when it closes
+            else:
                 future.set_exception(
                     errors.ProducerClosedError("the producer closed without resolving the record")
                 )

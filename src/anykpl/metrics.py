@@ -4,9 +4,12 @@ A producer given sinks (``Producer(..., metrics_sinks=[...])``) runs one upload 
 task group. Every ``metrics_upload_delay`` seconds the task takes the statistics accumulated
 since the previous upload (count, sum, min and max per metric and dimensions), filters them by
 ``metrics_level`` and ``metrics_granularity`` as the KPL does, and hands one
-:class:`MetricsReport` to each sink. A last report goes out when the producer closes (bounded
-by ``close_timeout``). A sink that fails is logged on the ``anykpl.metrics`` logger and
-counted; it never reaches the pipeline. Without sinks no task runs and nothing extra is done.
+:class:`MetricsReport` to each sink — to all at once, each ``publish`` bounded by
+:data:`PUBLISH_TIMEOUT` and ``metrics_upload_delay``. A sink that fails or hangs is logged on
+the ``anykpl.metrics`` logger and counted; it never holds up the other sinks or reaches the
+pipeline. A last report goes out when the producer closes, also when its block is left by
+cancellation; closing, the last report and closing the sinks included, takes at most
+``close_timeout`` + :data:`CLOSE_GRACE`. Without sinks no task runs and nothing extra is done.
 
 Sinks:
 
@@ -24,11 +27,13 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
+from urllib.parse import quote_plus
 
 import anyio
 
@@ -38,6 +43,9 @@ if TYPE_CHECKING:
     from .config import ProducerConfig
 
 __all__ = (
+    "CLOSE_GRACE",
+    "FINAL_REPORT_WHEN_CANCELLED",
+    "PUBLISH_TIMEOUT",
     "CloudWatchSink",
     "MetricValue",
     "MetricsReport",
@@ -95,7 +103,8 @@ class MetricsSink(Protocol):
     - ``open(config)`` returns an async context manager, entered in the producer's upload task
       when the producer opens and exited when it closes (open and close clients there);
     - ``publish(report)`` receives each :class:`MetricsReport`. It may raise: the error is
-      logged and counted, and the next report comes as usual.
+      logged and counted, and the next report comes as usual. It is cancelled if it takes
+      longer than ``min(metrics_upload_delay, PUBLISH_TIMEOUT)`` (or than the close allows).
     """
 
     def open(self, config: ProducerConfig) -> AbstractAsyncContextManager[object]: ...
@@ -115,63 +124,100 @@ def snake_case(name: str) -> str:
 
 # --- the upload task ------------------------------------------------------------------------
 
+#: The longest one sink's ``publish`` (or ``open``) may take; it is also bounded by
+#: ``metrics_upload_delay``, so a slow sink never holds up the next report.
+PUBLISH_TIMEOUT: Final = 30.0
+#: What closing may add to ``close_timeout``: when the flush used all of it, the last report
+#: still gets FINAL_REPORT_MIN seconds and closing the sinks SINK_CLOSE_MIN.
+FINAL_REPORT_MIN: Final = 0.25
+SINK_CLOSE_MIN: Final = 0.25
+CLOSE_GRACE: Final = FINAL_REPORT_MIN + SINK_CLOSE_MIN
+#: The bound of the last report when the producer's block is left by cancellation (or
+#: ``close_timeout`` if smaller).
+FINAL_REPORT_WHEN_CANCELLED: Final = 2.0
+
 
 class Uploader:
-    """The producer's upload task: one per producer, only when sinks are configured."""
+    """The producer's upload task: one per producer, only when sinks are configured.
+
+    Each report goes to every sink at once, each ``publish`` in its own task and bounded by
+    :data:`PUBLISH_TIMEOUT` and ``metrics_upload_delay``: a sink that hangs or fails is logged
+    and counted, and the others get their reports all the same. The task is shielded from
+    cancellation around the producer, so that the last report goes out even then; the
+    producer ends it with :meth:`close` (one deadline for the last report and closing the
+    sinks) and :meth:`abort`.
+    """
 
     def __init__(
-        self,
-        metrics: Metrics,
-        sinks: Sequence[MetricsSink],
-        config: ProducerConfig,
-        before_take: Callable[[], None],
+        self, metrics: Metrics, sinks: Sequence[MetricsSink], config: ProducerConfig
     ) -> None:
         self.metrics = metrics
         self.sinks = tuple(sinks)
         self.config = config
-        self.before_take = before_take
+        self.publish_timeout = min(config.metrics_upload_delay, PUBLISH_TIMEOUT)
         self.uploads = 0
-        #: failed ``publish`` (or ``open``) calls, per sink index
+        #: failed or timed-out ``publish`` (or ``open``) calls, per sink index
         self.failures = [0] * len(self.sinks)
         self._stop = anyio.Event()
         self._done = anyio.Event()
+        self._close_deadline = -math.inf  # set by close(); closing without it is brief
+        self._scope = anyio.CancelScope(shield=True)
+        #: scopes of the open/publish calls running now: close() brings their deadlines in
+        self._bounded_scopes: set[anyio.CancelScope] = set()
         metrics.enable_uploads()
 
     async def run(self) -> None:
-        opened: list[MetricsSink] = []
-        try:
-            async with AsyncExitStack() as stack:
-                try:
-                    for index, sink in enumerate(self.sinks):
-                        try:
-                            await stack.enter_async_context(sink.open(self.config))
-                        except anyio.get_cancelled_exc_class():
-                            raise
-                        except Exception:
-                            self.failures[index] += 1
-                            logger.exception("metrics sink %r failed to open", sink)
-                        else:
-                            opened.append(sink)
-                    final = False
-                    while not final:
-                        with anyio.move_on_after(self.config.metrics_upload_delay):
-                            await self._stop.wait()
-                        final = self._stop.is_set()
-                        await self._publish(opened, final=final)
-                finally:
-                    # close the sinks' clients even when cancelled, briefly
-                    with anyio.move_on_after(5, shield=True):
-                        await stack.aclose()
-        finally:
-            self._done.set()
+        with self._scope:
+            try:
+                async with AsyncExitStack() as stack:
+                    try:
+                        await self._run(stack)
+                    finally:
+                        # close the sinks' clients even when cancelled, within the deadline
+                        now = anyio.current_time()
+                        bound = max(self._close_deadline, now + SINK_CLOSE_MIN)
+                        bound = min(bound, now + self.publish_timeout)
+                        with anyio.CancelScope(deadline=bound, shield=True):
+                            await stack.aclose()
+            finally:
+                self._done.set()
 
-    async def close(self) -> None:
-        """Send the final report and close the sinks (the producer bounds this)."""
+    async def _run(self, stack: AsyncExitStack) -> None:
+        opened: list[tuple[int, MetricsSink]] = []
+        for index, sink in enumerate(self.sinks):
+            deadline = anyio.current_time() + self.publish_timeout
+            context = sink.open(self.config)
+            if await self._bounded(index, "open", stack.enter_async_context, context, deadline):
+                opened.append((index, sink))
+        delay = self.config.metrics_upload_delay
+        next_upload = anyio.current_time() + delay
+        while True:
+            with anyio.CancelScope(deadline=next_upload):
+                await self._stop.wait()
+            if self._stop.is_set():
+                break
+            now = anyio.current_time()
+            next_upload = now + delay
+            await self._publish(opened, final=False, deadline=now + self.publish_timeout)
+        now = anyio.current_time()
+        deadline = max(self._close_deadline, now + FINAL_REPORT_MIN)
+        await self._publish(opened, final=True, deadline=min(deadline, now + self.publish_timeout))
+
+    async def close(self, deadline: float) -> None:
+        """Send the final report and close the sinks, by ``deadline`` (plus at most
+        :data:`CLOSE_GRACE`). Shielded: it runs even in a cancelled scope."""
+        self._close_deadline = deadline
+        for scope in self._bounded_scopes:
+            scope.deadline = min(scope.deadline, deadline)
         self._stop.set()
-        await self._done.wait()
+        with anyio.CancelScope(deadline=deadline + CLOSE_GRACE, shield=True):
+            await self._done.wait()
+
+    def abort(self) -> None:
+        """End the task now (after :meth:`close`, or if it was never called)."""
+        self._scope.cancel()
 
     def report(self, *, final: bool) -> MetricsReport:
-        self.before_take()
         stats, start, end = self.metrics.take_unsent()
         config = self.config
         level, granularity = config.metrics_level, config.metrics_granularity
@@ -186,17 +232,42 @@ class Uploader:
             final=final,
         )
 
-    async def _publish(self, sinks: Sequence[MetricsSink], *, final: bool) -> None:
+    async def _publish(
+        self, sinks: Sequence[tuple[int, MetricsSink]], *, final: bool, deadline: float
+    ) -> None:
         report = self.report(final=final)
         self.uploads += 1
-        for sink in sinks:
+        async with anyio.create_task_group() as tg:
+            for index, sink in sinks:
+                tg.start_soon(self._bounded, index, "publish", sink.publish, report, deadline)
+
+    async def _bounded(
+        self,
+        index: int,
+        what: str,
+        call: Callable[[Any], Awaitable[object]],
+        arg: Any,
+        deadline: float,
+    ) -> bool:
+        """``await call(arg)`` by ``deadline`` (brought in by :meth:`close`); ``False`` if it
+        raised or ran out of time (logged, and counted in :attr:`failures`)."""
+        sink = self.sinks[index]
+        with anyio.CancelScope(deadline=deadline) as scope:
+            self._bounded_scopes.add(scope)
             try:
-                await sink.publish(report)
-            except anyio.get_cancelled_exc_class():
-                raise
+                await call(arg)
             except Exception:
-                self.failures[self.sinks.index(sink)] += 1
-                logger.exception("metrics sink %r failed to publish", sink)
+                self.failures[index] += 1
+                logger.exception("metrics sink %r failed to %s", sink, what)
+                return False
+            finally:
+                self._bounded_scopes.discard(scope)
+            return True
+        self.failures[index] += 1
+        logger.warning(
+            "metrics sink %r did not %s in time (report dropped for this sink)", sink, what
+        )
+        return False
 
 
 # --- CloudWatch -----------------------------------------------------------------------------
@@ -208,12 +279,45 @@ CLOUDWATCH_MAX_DATUMS: Final = 20
 CLOUDWATCH_MAX_PAYLOAD: Final = 38 * 1024
 
 
-def _estimated_size(datum: Mapping[str, Any]) -> int:
-    """A generous estimate of a datum's encoded size (the query protocol's form encoding, the
-    largest of CloudWatch's encodings)."""
-    size = 200 + 3 * len(datum["MetricName"])
-    for dimension in datum.get("Dimensions", ()):
-        size += 80 + 3 * (len(dimension["Name"]) + len(dimension["Value"]))
+#: A query-encoded timestamp, the longest form: ``2026-11-21T10%3A00%3A00.123456Z``.
+_TIMESTAMP_SIZE: Final = 32
+
+
+def _pair_size(key: str, value: object) -> int:
+    """``&key=value``, form-encoded."""
+    return 2 + len(key) + len(quote_plus(str(value)))
+
+
+def _request_size(namespace: str) -> int:
+    """``Action=PutMetricData&Version=2010-08-01&Namespace=...``."""
+    return (
+        _pair_size("Action", "PutMetricData")
+        + _pair_size("Version", "2010-08-01")
+        + _pair_size("Namespace", namespace)
+        - 1
+    )
+
+
+def _estimated_size(datum: Mapping[str, Any], index: int = 1000) -> int:
+    """A datum's size in the query protocol's form encoding (the largest of CloudWatch's
+    encodings; botocore now sends CBOR, about 30 % smaller), as the ``index``-th datum of a
+    request. Exact but for the timestamp, counted at its longest."""
+    prefix = f"MetricData.member.{index}."
+    size = _pair_size(prefix + "MetricName", datum["MetricName"])
+    if "Dimensions" in datum and not datum["Dimensions"]:
+        size += _pair_size(prefix + "Dimensions", "")  # an empty list is still sent
+    for number, dimension in enumerate(datum.get("Dimensions", ()), 1):
+        stem = f"{prefix}Dimensions.member.{number}."
+        size += _pair_size(stem + "Name", dimension["Name"])
+        size += _pair_size(stem + "Value", dimension["Value"])
+    if "Timestamp" in datum:
+        size += 2 + len(prefix) + len("Timestamp") + _TIMESTAMP_SIZE
+    for name, value in datum.get("StatisticValues", {}).items():
+        size += _pair_size(f"{prefix}StatisticValues.{name}", value)
+    if "Value" in datum:
+        size += _pair_size(prefix + "Value", datum["Value"])
+    if "Unit" in datum:
+        size += _pair_size(prefix + "Unit", datum["Unit"])
     return size
 
 
@@ -221,16 +325,19 @@ def cloudwatch_batches(
     data: Sequence[Mapping[str, Any]],
     max_datums: int = CLOUDWATCH_MAX_DATUMS,
     max_payload: int = CLOUDWATCH_MAX_PAYLOAD,
+    namespace: str = "KinesisProducerLibrary",
 ) -> list[list[Mapping[str, Any]]]:
-    """Split metric data into PutMetricData calls of ≤ ``max_datums`` and ≤ ``max_payload``."""
+    """Split metric data into PutMetricData calls of ≤ ``max_datums`` data and ≤
+    ``max_payload`` bytes of query-encoded body (``namespace`` included)."""
     batches: list[list[Mapping[str, Any]]] = []
     batch: list[Mapping[str, Any]] = []
-    size = 0
+    empty = size = _request_size(namespace)
     for datum in data:
-        datum_size = _estimated_size(datum)
+        datum_size = _estimated_size(datum, len(batch) + 1)
         if batch and (len(batch) >= max_datums or size + datum_size > max_payload):
             batches.append(batch)
-            batch, size = [], 0
+            batch, size = [], empty
+            datum_size = _estimated_size(datum, 1)
         batch.append(datum)
         size += datum_size
     if batch:
@@ -266,10 +373,14 @@ class CloudWatchSink:
     ``endpoint_url``. Failed calls are logged on ``anykpl.metrics`` and counted in
     :attr:`failures`; the data of a failed call is dropped, as the KPL drops it.
 
+    After a connection-level failure (the endpoint unreachable, a timeout) the rest of that
+    upload is dropped with one log line rather than tried call after call.
+
     Attributes:
         calls: successful PutMetricData calls.
         failures: failed PutMetricData calls.
         data_sent: metric data uploaded.
+        data_dropped: metric data dropped (failed calls and the rest of their upload).
     """
 
     def __init__(
@@ -293,6 +404,7 @@ class CloudWatchSink:
         self.calls = 0
         self.failures = 0
         self.data_sent = 0
+        self.data_dropped = 0
         self._client: Any = None
         self._namespace = namespace or "KinesisProducerLibrary"
 
@@ -301,35 +413,16 @@ class CloudWatchSink:
 
     @asynccontextmanager
     async def open(self, config: ProducerConfig) -> AsyncIterator[None]:
-        from aiobotocore.config import AioConfig
-        from aiobotocore.session import AioSession
-
-        from ._sender import _running_trio
+        from ._sender import create_client
 
         self._namespace = self.namespace or config.metrics_namespace
-        backend = config.http_backend
-        if backend == "auto":
-            backend = "httpx" if _running_trio() else "aiohttp"
-        options: dict[str, Any] = {
-            "max_pool_connections": 2,
-            "connect_timeout": config.connect_timeout,
-            "read_timeout": config.request_timeout,
-            "retries": {"max_attempts": 3, "mode": "standard"},
-        }
-        if backend == "httpx":
-            from aiobotocore.httpxsession import HttpxSession
-
-            options["http_session_cls"] = HttpxSession
-        session = AioSession(profile=config.profile)
-        async with session.create_client(
+        async with create_client(
+            config,
             "cloudwatch",
-            region_name=self.region or config.region,
+            max_pool_connections=2,
+            max_attempts=3,
+            region=self.region,
             endpoint_url=self.endpoint_url,
-            aws_access_key_id=config.aws_access_key_id,
-            aws_secret_access_key=config.aws_secret_access_key,
-            aws_session_token=config.aws_session_token,
-            verify=config.verify_certificate,
-            config=AioConfig(**options),
         ) as client:
             self._client = client
             try:
@@ -340,14 +433,31 @@ class CloudWatchSink:
     async def publish(self, report: MetricsReport) -> None:
         if self._client is None or not report.values:
             return
+        from botocore.exceptions import ConnectionError, HTTPClientError
+
         data = [cloudwatch_datum(value, report.timestamp) for value in report.values]
-        for batch in cloudwatch_batches(data, self.max_datums, self.max_payload):
+        batches = cloudwatch_batches(data, self.max_datums, self.max_payload, self._namespace)
+        for number, batch in enumerate(batches):
             try:
                 await self._client.put_metric_data(Namespace=self._namespace, MetricData=batch)
-            except anyio.get_cancelled_exc_class():
-                raise
+            except (ConnectionError, HTTPClientError) as exc:
+                # the endpoint is unreachable (botocore has retried already): the rest of this
+                # upload would only fail the same way, one log line each
+                dropped = sum(len(rest) for rest in batches[number:])
+                self.failures += 1
+                self.data_dropped += dropped
+                logger.warning(
+                    "PutMetricData failed, %d metric data of this upload dropped (%d call(s) "
+                    "not attempted): %s: %s",
+                    dropped,
+                    len(batches) - number - 1,
+                    type(exc).__name__,
+                    exc,
+                )
+                return
             except Exception as exc:
                 self.failures += 1
+                self.data_dropped += len(batch)
                 logger.warning(
                     "PutMetricData failed (%d metric data dropped): %s: %s",
                     len(batch),
@@ -406,9 +516,15 @@ class PrometheusSink:
 
     ``registry`` defaults to ``prometheus_client.REGISTRY``, the one that
     ``start_http_server`` and ``make_wsgi_app`` serve unless told otherwise; the collector is
-    registered when the sink is created. Several producers may share one sink (their values
-    add up); two sinks on one registry clash, as any duplicate collector does. Values update
-    every ``metrics_upload_delay``.
+    registered when the sink is created and :meth:`unregister` removes it (for a notebook
+    cell run again). A second sink with the same ``prefix`` on one registry is refused with a
+    ``ValueError``. Values update every ``metrics_upload_delay``.
+
+    Several producers may share one sink: counters and histograms add up. The min/max gauges
+    hold, per label set, the extremes of the last report that had data for it, kept for two
+    report intervals: producers writing different streams keep theirs apart, but for a label
+    set two producers share, the last to report wins. Give such producers their own sink
+    (each on its own registry, or with its own ``prefix``) to see their extremes apart.
     """
 
     def __init__(self, registry: Any = None, *, prefix: str = "kpl") -> None:
@@ -420,8 +536,23 @@ class PrometheusSink:
         self.registry = prometheus_client.REGISTRY if registry is None else registry
         self._counters: dict[tuple[str, tuple[str, str, str]], float] = {}
         self._histograms: dict[tuple[str, tuple[str, str, str]], _Histogram] = {}
-        self._extremes: dict[tuple[str, tuple[str, str, str]], tuple[float, float]] = {}
-        self.registry.register(self)
+        #: label set -> (min, max, time of the report, how long it is shown)
+        self._extremes: dict[tuple[str, tuple[str, str, str]], tuple[float, float, float, float]]
+        self._extremes = {}
+        try:
+            self.registry.register(self)
+        except ValueError as exc:
+            raise ValueError(
+                f"a collector with the metric names of PrometheusSink(prefix={prefix!r}) is "
+                f"already registered on this registry ({exc}): share one sink between "
+                "producers, unregister the old one (sink.unregister()), or use another prefix"
+            ) from None
+
+    def unregister(self) -> None:
+        """Remove the sink's metrics from its registry (again: no-op). The sink can still be
+        published to; nothing is exposed until it is registered again."""
+        with suppress(KeyError):
+            self.registry.unregister(self)
 
     def __repr__(self) -> str:
         return f"<PrometheusSink prefix={self.prefix!r}>"
@@ -430,7 +561,12 @@ class PrometheusSink:
         return _nothing_to_open()
 
     async def publish(self, report: MetricsReport) -> None:
-        extremes: dict[tuple[str, tuple[str, str, str]], tuple[float, float]] = {}
+        now = time.monotonic()
+        extremes = self._extremes
+        keep = 2 * max(report.duration, 1.0)
+        for key, (_, _, updated, shown) in list(extremes.items()):
+            if now - updated > shown:
+                del extremes[key]  # no data for two intervals
         for value in report.leaves:
             labels = (value.stream or "", value.shard or "", value.error_code or "")
             key = (value.name, labels)
@@ -448,8 +584,7 @@ class PrometheusSink:
                 histogram.buckets[index] += weight
             histogram.count += value.count
             histogram.sum += value.sum * scale
-            extremes[key] = (value.min * scale, value.max * scale)
-        self._extremes = extremes
+            extremes[key] = (value.min * scale, value.max * scale, now, keep)
 
     def _family_name(self, metric: str) -> str:
         unit, _ = METRICS.get(metric, ("Count", "detailed"))
@@ -461,7 +596,26 @@ class PrometheusSink:
         return name
 
     def describe(self) -> list[Any]:
-        return []  # families appear with their first sample
+        """Every family the sink may expose (with no samples), so that the registry refuses a
+        second collector with the same names."""
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        families: list[Any] = []
+        for metric in METRICS:
+            name = self._family_name(metric)
+            if metric in _COUNTERS:
+                families.append(CounterMetricFamily(name, f"KPL metric {metric}"))
+                continue
+            families.append(HistogramMetricFamily(name, f"KPL metric {metric}"))
+            suffix = "_seconds" if name.endswith("_seconds") else ""
+            stem = name.removesuffix("_seconds")
+            for kind in ("min", "max"):
+                families.append(GaugeMetricFamily(f"{stem}_{kind}{suffix}", metric))
+        return families
 
     def collect(self) -> list[Any]:
         from prometheus_client.core import (
@@ -493,7 +647,7 @@ class PrometheusSink:
                 cumulative += count
                 buckets.append(("+Inf" if bound == math.inf else repr(float(bound)), cumulative))
             family.add_metric(list(labels), buckets, histogram.sum)
-        for (metric, labels), (low, high) in sorted(self._extremes.items()):
+        for (metric, labels), (low, high, _, _) in sorted(self._extremes.items()):
             base = self._family_name(metric)
             suffix = "_seconds" if base.endswith("_seconds") else ""
             stem = base.removesuffix("_seconds")
@@ -513,6 +667,8 @@ class PrometheusSink:
 # --- OpenTelemetry --------------------------------------------------------------------------
 
 _OTEL_UNITS: Final = {"Count": "1", "Bytes": "By", "Milliseconds": "ms"}
+#: ``Histogram.record`` calls between two checkpoints (about a millisecond of work).
+_OTEL_RECORDS_PER_CHECKPOINT: Final = 1000
 
 
 class OpenTelemetrySink:
@@ -554,6 +710,7 @@ class OpenTelemetrySink:
         return instrument
 
     async def publish(self, report: MetricsReport) -> None:
+        recorded = 0
         for value in report.leaves:
             instrument = self._instrument(value)
             attributes = {
@@ -568,7 +725,13 @@ class OpenTelemetrySink:
             if value.name in _COUNTERS:
                 instrument.add(value.sum, attributes)
                 continue
+            # one record() per sample (the API has no weighted record): let the event loop
+            # run every _OTEL_RECORDS_PER_CHECKPOINT of them, or a busy interval stalls it
             for sample, weight in _spread(value, 1.0):
                 for _ in range(int(weight)):
                     instrument.record(sample, attributes)
-            await anyio.lowlevel.checkpoint()
+                    recorded += 1
+                    if recorded >= _OTEL_RECORDS_PER_CHECKPOINT:
+                        recorded = 0
+                        await anyio.lowlevel.checkpoint()
+        await anyio.lowlevel.checkpoint()

@@ -86,7 +86,11 @@ async def test_cloudwatch_failures_are_counted_not_raised(
     async with Producer(metrics_sinks=[sink], **options) as producer:
         result = await producer.put_record(stream, b"x", partition_key="k")
         assert result.success
-    assert sink.failures >= 1
+        uploader = producer._uploader
+        assert uploader is not None
+    # botocore's own retries may outlast the publish bound (metrics_upload_delay, 0.2 s here):
+    # then the upload task counts the failure rather than the sink
+    assert sink.failures + uploader.failures[0] >= 1
     assert sink.calls == 0
 
 

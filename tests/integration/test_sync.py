@@ -9,8 +9,12 @@ asyncio or trio underneath; the test itself is plain threads.
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+import textwrap
 import threading
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,6 +33,7 @@ from .test_end_to_end import (
 
 THREADS = 12
 PER_THREAD = 250
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
@@ -98,3 +103,46 @@ def test_many_threads_every_record_arrives_once(
     duplicated = {uid: n for uid, n in arrived.items() if n > 1}
     assert not missing, f"{len(missing)} records lost, e.g. {sorted(missing)[:10]}"
     assert not duplicated, f"{len(duplicated)} records duplicated, e.g. {duplicated}"
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@pytest.mark.timeout(60)
+def test_a_script_that_forgets_close_loses_nothing(
+    backend: str, make_stream: Any, kinesis_client: Any, moto_endpoint: str
+) -> None:
+    # The emulator by host name, not by address: the producer's first connection then resolves
+    # it (on asyncio through the loop's default executor) while the interpreter exits, since
+    # the script ends before the shard map or any batch has gone out.
+    endpoint = moto_endpoint.replace("127.0.0.1", "localhost")
+    stream = make_stream(2)
+    sent = {uid: make_sent(uid, f"key-{uid}") for uid in range(50)}
+    records = [(record.data, record.partition_key) for record in sent.values()]
+    script = textwrap.dedent(
+        f"""
+        from anykpl import SyncProducer
+
+        producer = SyncProducer(
+            backend={backend!r},
+            region="us-east-1",
+            endpoint_url={endpoint!r},
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            close_timeout=20.0,
+        )
+        for data, partition_key in {records!r}:
+            producer.submit({stream!r}, data, partition_key=partition_key)
+        """
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=45,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr
+    arrived = check_read_back(read_stream(kinesis_client, stream), sent)
+    missing = set(sent) - set(arrived)
+    assert not missing, f"{len(missing)} records lost; the script said: {completed.stderr}"
+    assert all(n == 1 for n in arrived.values()), arrived
