@@ -35,9 +35,12 @@ async def test_cloudwatch_statistic_sets_read_back(
     stream = make_stream(2)
     namespace = f"anykpl-test-{uuid.uuid4().hex[:8]}"
     sink = CloudWatchSink(namespace=namespace, endpoint_url=moto_endpoint)
-    async with Producer(metrics_sinks=[sink], **producer_options, **FAST) as producer:
+    # an upload delay a CloudWatch publish (several PutMetricData calls) fits in even on a busy
+    # machine: a publish longer than the delay is cut off, and its report lost for this sink
+    options = {**FAST, "metrics_upload_delay": 1.0}
+    async with Producer(metrics_sinks=[sink], **producer_options, **options) as producer:
         await _put(producer, stream, 20)
-        await anyio.sleep(0.5)  # at least one periodic upload
+        await anyio.sleep(1.5)  # at least one periodic upload
         periodic_calls = sink.calls
         await _put(producer, stream, 5)
     assert periodic_calls >= 1
