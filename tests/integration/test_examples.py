@@ -18,7 +18,7 @@ import pytest
 
 from anykpl.emulator import Emulator
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 #: example -> arguments that keep it short (what they import is in the ``test`` extra)
 CASES: dict[str, list[str]] = {
