@@ -103,23 +103,15 @@ class Retrier:
         """One log line per error code for the records that just failed for good: never one
         per record, and nothing for records that will be retried."""
         for code, (count, message) in self._failed.items():
-            if code == errors.EXPIRED:
-                logger.warning(
-                    "%d user record(s) of stream %s expired (record_ttl): %s",
-                    count,
-                    self.stream,
-                    message,
-                    extra={"stream": self.stream, "error_code": code, "records": count},
-                )
-            else:
-                logger.warning(
-                    "%d user record(s) of stream %s failed: %s: %s",
-                    count,
-                    self.stream,
-                    code,
-                    message,
-                    extra={"stream": self.stream, "error_code": code, "records": count},
-                )
+            what = "expired (record_ttl)" if code == errors.EXPIRED else f"failed: {code}"
+            logger.warning(
+                "%d user record(s) of stream %s %s: %s",
+                count,
+                self.stream,
+                what,
+                message,
+                extra={"stream": self.stream, "error_code": code, "records": count},
+            )
         self._failed.clear()
 
     def _handle(self, outcome: Outcome, now: float) -> None:
@@ -310,10 +302,10 @@ class Retrier:
         """Fail user records for good (``shard``: their predicted shard, for the metrics)."""
         for record in records:
             record._add_attempt(attempt)
-        code = attempt.code or "UnknownError"
-        seen = self._failed.get(code)
-        self._failed[code] = ((seen[0] if seen else 0) + len(records), attempt.message or "")
         failed = len(records)
+        code = attempt.code or "UnknownError"
+        earlier, _ = self._failed.get(code, (0, ""))
+        self._failed[code] = (earlier + failed, attempt.message or "")
         if attempt.code == errors.EXPIRED:
             self.count("UserRecordExpired", failed, shard, None)
         self.count("UserRecordsFailed", failed, shard, attempt.code)
