@@ -29,7 +29,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from ._options import Faults, Limits, Reshard, Storm, from_json, to_json
-from ._write_path import KinesisError, WritePath
+from ._write_path import RECORD_COUNTERS, KinesisError, WritePath
 
 __all__ = ("EmulatorServer",)
 
@@ -301,7 +301,7 @@ class EmulatorServer:
                 shards.append(self._shard_document(stream_name, shard_id, None, now))
         return {
             "uptime": now - write_path.started,
-            "totals": dict(write_path.totals),
+            "totals": write_path.totals,
             "limits": to_json(write_path.limits),
             "faults": to_json(write_path.faults),
             "storms": [
@@ -318,18 +318,13 @@ class EmulatorServer:
     ) -> dict[str, Any]:
         stats = self.write_path.shard_stats(stream, shard_id)
         limits = self.write_path.shard_limits(stream, shard_id, now)
-        totals = stats.totals
         return {
             "stream": stream,
             "shard_id": shard_id,
             "open": is_open,
             "limit_records": None if limits is None else limits[0],
             "limit_bytes": None if limits is None else limits[1],
-            "accepted_records": totals[0],
-            "accepted_bytes": totals[1],
-            "throttled_records": totals[2],
-            "throttled_bytes": totals[3],
-            "failed_records": totals[4],
+            **dict(zip(RECORD_COUNTERS, stats.totals, strict=True)),
             "per_second": [[second, *row[:4]] for second, row in sorted(stats.per_second.items())],
         }
 
@@ -454,7 +449,7 @@ class EmulatorServer:
         write_path = self.write_path
         faults = write_path.faults
         dice = write_path.random.random
-        write_path.totals["requests"] += 1
+        write_path.requests["requests"] += 1
         fault = None
         if faults.error_rate or faults.reset_rate:
             roll = dice()
@@ -470,14 +465,14 @@ class EmulatorServer:
         try:
             response = self._put(request, operation)
         except KinesisError as exc:
-            write_path.totals["request_errors"] += 1
+            write_path.requests["request_errors"] += 1
             return _json_response(exc.status, exc.body(), "application/x-amz-json-1.1")
         if fault is not None:
             return self._fault(fault)
         return _json_response(200, response, "application/x-amz-json-1.1")
 
     def _fault(self, fault: str) -> _Response:
-        totals = self.write_path.totals
+        totals = self.write_path.requests
         if fault == "reset":
             totals["resets"] += 1
             raise _Reset

@@ -30,10 +30,19 @@ from .._limits import (
 )
 from ._options import Faults, Limits, Storm
 
-__all__ = ("KinesisError", "ShardStats", "WritePath")
+__all__ = ("RECORD_COUNTERS", "KinesisError", "ShardStats", "WritePath")
 
 #: How many seconds of per-second statistics each shard keeps.
 STATS_HISTORY_SECONDS = 300
+
+#: what ``ShardStats.totals`` counts, in order
+RECORD_COUNTERS = (
+    "accepted_records",
+    "accepted_bytes",
+    "throttled_records",
+    "throttled_bytes",
+    "failed_records",
+)
 
 _INTERNAL_FAILURE = {"ErrorCode": "InternalFailure", "ErrorMessage": "Internal service failure."}
 
@@ -120,16 +129,8 @@ class WritePath:
         self.started = now
         self.storms: list[tuple[float, float, Storm]] = []
         self.stats: dict[tuple[str, str], ShardStats] = {}
-        self.totals = {
-            "requests": 0,
-            "request_errors": 0,
-            "resets": 0,
-            "accepted_records": 0,
-            "accepted_bytes": 0,
-            "throttled_records": 0,
-            "throttled_bytes": 0,
-            "failed_records": 0,
-        }
+        #: request-level counters; the record counters are summed from ``stats`` (``totals``)
+        self.requests = {"requests": 0, "request_errors": 0, "resets": 0}
         self._buckets: dict[tuple[str, str], _Bucket] = {}
 
     # -- control -----------------------------------------------------------------------------
@@ -148,8 +149,17 @@ class WritePath:
 
     def reset_stats(self) -> None:
         self.stats.clear()
-        for key in self.totals:
-            self.totals[key] = 0
+        for key in self.requests:
+            self.requests[key] = 0
+
+    @property
+    def totals(self) -> dict[str, int]:
+        """Every counter: the request-level ones and the shards' record counters summed."""
+        sums = [0, 0, 0, 0, 0]
+        for shard in self.stats.values():
+            for index, value in enumerate(shard.totals):
+                sums[index] += value
+        return {**self.requests, **dict(zip(RECORD_COUNTERS, sums, strict=True))}
 
     def limit_factor(self, stream: str, shard_id: str, now: float) -> float:
         """The storm factor in force for a shard now (1.0 outside storms)."""
@@ -270,7 +280,6 @@ class WritePath:
         second = int(now - self.started)
         arrival = datetime.now(timezone.utc).replace(tzinfo=None)
         arrival_seconds = arrival.replace(tzinfo=timezone.utc).timestamp()
-        totals = self.totals
         # per shard in this request: (bucket, rates, stats, row, next sequence number)
         per_shard: dict[str, list[Any]] = {}
         results: list[dict[str, str]] = []
@@ -300,7 +309,6 @@ class WritePath:
             if faults.record_failure_rate and dice() < faults.record_failure_rate:
                 stats.totals[4] += 1
                 row[4] += 1
-                totals["failed_records"] += 1
                 results.append(_INTERNAL_FAILURE)
                 continue
             if bucket is not None and not bucket.try_take(size, rates[0], rates[1], now):
@@ -308,8 +316,6 @@ class WritePath:
                 stats.totals[3] += size
                 row[2] += 1
                 row[3] += size
-                totals["throttled_records"] += 1
-                totals["throttled_bytes"] += size
                 results.append(
                     {
                         "ErrorCode": "ProvisionedThroughputExceededException",
@@ -332,7 +338,5 @@ class WritePath:
             stats.totals[1] += size
             row[0] += 1
             row[1] += size
-            totals["accepted_records"] += 1
-            totals["accepted_bytes"] += size
             results.append({"SequenceNumber": str(sequence), "ShardId": shard_id})
         return results
