@@ -481,7 +481,7 @@ def test_values_at_the_bounds_are_accepted(name: str, value: object) -> None:
 
 # --- Types --------------------------------------------------------------------------------
 
-BOOL_FIELDS = ["verify_certificate", "aggregation_enabled", "fail_if_throttled"]
+BOOL_FIELDS = ["verify_certificate", "aggregation_enabled", "fail_if_throttled", "adaptive"]
 INT_FIELDS = [
     "max_connections",
     "aggregation_max_count",
@@ -504,7 +504,15 @@ FLOAT_FIELDS = [
     "close_timeout",
     "retry_backoff_initial",
     "retry_backoff_max",
+    "adaptive_increase",
+    "adaptive_floor",
+    "adaptive_window",
+    "retry_budget",
 ]
+#: float fields no integer fits (tested with floats only)
+FRACTION_FIELDS = ["adaptive_decrease"]
+#: fields holding objects (FleetConfig, TenantQuota), tested in tests/test_config.py's own section
+OBJECT_FIELDS = ["fleet", "tenant_quotas", "default_tenant_quota"]
 STR_FIELDS = [
     "region",
     "endpoint_url",
@@ -514,13 +522,16 @@ STR_FIELDS = [
     "metrics_granularity",
     "metrics_namespace",
     "container_partition_key",
+    "tenant_overflow",
 ]
 
 
 def test_type_lists_cover_every_field() -> None:
     names = {f.name for f in dataclasses.fields(ProducerConfig)}
     secrets = {"aws_access_key_id", "aws_secret_access_key", "aws_session_token"}
-    assert set(BOOL_FIELDS + INT_FIELDS + FLOAT_FIELDS + STR_FIELDS) | secrets == names
+    typed = set(BOOL_FIELDS + INT_FIELDS + FLOAT_FIELDS + FRACTION_FIELDS + STR_FIELDS)
+    typed |= set(OBJECT_FIELDS)
+    assert typed | secrets == names
 
 
 @pytest.mark.parametrize("name", BOOL_FIELDS)
@@ -554,9 +565,10 @@ def test_float_fields_reject_bools_nan_and_non_numbers(name: str, value: object)
 
 @pytest.mark.parametrize("name", FLOAT_FIELDS)
 def test_float_fields_accept_ints_and_store_floats(name: str) -> None:
-    stored = getattr(ProducerConfig(**{name: 5}), name)
+    value = 1 if name == "adaptive_floor" else 5
+    stored = getattr(ProducerConfig(**{name: value}), name)
     assert type(stored) is float
-    assert stored == 5.0
+    assert stored == float(value)
 
 
 @pytest.mark.parametrize("name", STR_FIELDS)
@@ -1146,4 +1158,4 @@ def test_docs_page_documents_every_field_and_ignored_property() -> None:
 
 
 def test_module_all() -> None:
-    assert config_module.__all__ == ("ProducerConfig",)
+    assert config_module.__all__ == ("FleetConfig", "ProducerConfig", "TenantQuota")

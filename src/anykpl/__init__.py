@@ -34,12 +34,15 @@ from ._records import Attempt as Attempt
 from ._records import PendingRecord as PendingRecord
 from ._records import RecordResult as RecordResult
 from ._sync import SyncProducer as SyncProducer
+from .config import FleetConfig as FleetConfig
 from .config import ProducerConfig as ProducerConfig
+from .config import TenantQuota as TenantQuota
 
 __version__ = "0.1.0.dev0"
 
 __all__ = (
     "Attempt",
+    "FleetConfig",
     "MetricKey",
     "MetricValue",
     "PendingRecord",
@@ -49,6 +52,7 @@ __all__ = (
     "RecordResult",
     "StreamStatistics",
     "SyncProducer",
+    "TenantQuota",
     "errors",
 )
 

@@ -32,6 +32,7 @@ import dataclasses
 import math
 import os
 import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal, NoReturn, get_args
@@ -48,9 +49,10 @@ from ._limits import (
 )
 from .errors import ConfigError
 
-__all__ = ("ProducerConfig",)
+__all__ = ("FleetConfig", "ProducerConfig", "TenantQuota")
 
 HttpBackend = Literal["auto", "aiohttp", "httpx"]
+TenantOverflow = Literal["wait", "reject"]
 MetricsLevel = Literal["none", "summary", "detailed"]
 MetricsGranularity = Literal["global", "stream", "shard"]
 
@@ -64,6 +66,93 @@ _RECORD_TTL_CLAMP: Final = 10 * 365.25 * 24 * 3600.0
 _REGION_PATTERN: Final = re.compile(r"[a-z]+-([a-z]+-)?[a-z]+-[0-9]")
 #: Fields whose values never appear in a repr or an error message.
 _SECRET_FIELDS: Final = frozenset({"aws_secret_access_key", "aws_session_token"})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TenantQuota:
+    """One tenant's share of the producer: a token bucket in records and bytes per second.
+
+    A dimension left at ``None`` is not limited. ``burst`` is how many seconds of the rate the
+    bucket holds (a tenant that was idle may send that much at once). Validated when built;
+    an invalid value raises :class:`~anykpl.errors.ConfigError`.
+
+    Attributes:
+        records_per_second: user records per second, > 0, or ``None`` (unlimited).
+        bytes_per_second: bytes (data + partition key) per second, > 0, or ``None``.
+        burst: seconds of the rate the bucket holds, 0.001..3600. Default 1.0.
+    """
+
+    records_per_second: float | None = None
+    bytes_per_second: float | None = None
+    burst: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("records_per_second", "bytes_per_second"):
+            if getattr(self, name) is not None:
+                _check_number(self, name, 0.0, None, unit="per second", open_low=True)
+        _check_number(self, "burst", 0.001, 3600.0)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FleetConfig:
+    """A fleet-wide cap shared by every producer that names the same ``bucket`` and
+    ``prefix``, coordinated through S3 (see ``docs/fleet.md``).
+
+    Attributes:
+        bucket: the S3 bucket holding the coordination objects (it must exist).
+        prefix: key prefix of the coordination objects. Default ``"anykpl-fleet"``.
+        records_per_second: the fleet's cap in user records per second, or ``None``.
+        bytes_per_second: the fleet's cap in bytes per second, or ``None``. At least one of
+            the two caps must be given.
+        sync_interval: seconds between a worker's demand reports (with ±10 % jitter), and
+            between the allocator's grants. Default 5.0, 0.05..300.
+        worker_id: this producer's name in the fleet. Default ``None``: a random one.
+        lease: seconds an allocator's lease and its grants last. Default ``None``: three
+            sync intervals.
+        endpoint_url: the S3 endpoint, such as the emulator's URL. Default ``None``: S3's
+            endpoint for the producer's region.
+        elect: whether this producer may take the allocator's role. Default ``True``; set
+            ``False`` when ``anykpl fleet-allocator`` runs the allocator.
+        safe_fraction: with no valid grant (S3 unreachable, no allocator), a worker sends
+            at most the cap × this fraction ÷ the fleet size it last knew. Default 1.0,
+            0..1 (open at 0).
+        bootstrap_fraction: a worker that has no grant yet starts at the cap × this
+            fraction ÷ the fleet size it knows (1 when it knows none). Default 0.1, 0..1.
+    """
+
+    bucket: str
+    prefix: str = "anykpl-fleet"
+    records_per_second: float | None = None
+    bytes_per_second: float | None = None
+    sync_interval: float = 5.0
+    worker_id: str | None = None
+    lease: float | None = None
+    endpoint_url: str | None = None
+    elect: bool = True
+    safe_fraction: float = 1.0
+    bootstrap_fraction: float = 0.1
+
+    def __post_init__(self) -> None:
+        _check_str(self, "bucket", 3, 63)
+        _check_str(self, "prefix", 1, 512)
+        for name in ("records_per_second", "bytes_per_second"):
+            if getattr(self, name) is not None:
+                _check_number(self, name, 0.0, None, unit="per second", open_low=True)
+        if self.records_per_second is None and self.bytes_per_second is None:
+            _fail("records_per_second", None, "a cap in records_per_second or bytes_per_second")
+        interval = _check_number(self, "sync_interval", 0.05, 300.0)
+        if self.worker_id is not None:
+            _check_str(self, "worker_id", 1, 128)
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.worker_id):
+                _fail("worker_id", self.worker_id, "None or 1..128 of A-Z a-z 0-9 _ . -")
+        if self.lease is None:
+            object.__setattr__(self, "lease", 3 * interval)
+        else:
+            _check_number(self, "lease", interval, 3600.0)
+        _check_endpoint_url(self)
+        _check_bool(self, "elect")
+        _check_number(self, "safe_fraction", 0.0, 1.0, unit="fraction", open_low=True)
+        _check_number(self, "bootstrap_fraction", 0.0, 1.0, unit="fraction", open_low=True)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -177,6 +266,34 @@ class ProducerConfig:
         container_partition_key: Partition key of aggregated Kinesis records; the shard is
             chosen by the explicit hash key, so the key only matters to consumers that read it.
             Default ``"a"``, 1..256 characters. No KPL property (the KPL hard-codes ``"a"``).
+        adaptive: Adaptive per-shard rate control: per-record throttles
+            (ProvisionedThroughputExceeded) for a shard cut that shard's rate, which recovers
+            toward the ``rate_limit`` ceiling while no throttles arrive (AIMD; see
+            ``docs/adaptive.md``). Several producers sharing a stream then settle on a fair
+            split instead of throttling each other. Default ``True``. No KPL property (the
+            KPL's limiter is static).
+        adaptive_decrease: The factor a congestion event multiplies the shard's rate by,
+            applied to the lower of the current rate and the rate actually sent. Default 0.8,
+            0.1..0.99.
+        adaptive_increase: How fast a cut shard's rate recovers, as a fraction of the ceiling
+            per second (additive increase). Default 0.05, 0.001..10.
+        adaptive_floor: The lowest rate a cut can reach, as a fraction of the ceiling; the
+            shard keeps probing at this rate. Default 0.05, 0.001..1.
+        adaptive_window: Seconds during which further throttles for a shard are the same
+            congestion event as the one that cut it (throttles for requests sent before the
+            cut never count again). Default 0.25, 0..60.
+        retry_budget: Retries allowed per stream as a fraction of its delivered Kinesis
+            records (plus 10 per second whatever the traffic): once spent, failed records wait
+            ``retry_backoff_max`` before they retry, so a storm cannot multiply the traffic.
+            Default 0.2, 0..100; ``None`` turns the budget off.
+        fleet: A fleet-wide cap shared with other producers through S3
+            (:class:`FleetConfig`). Default ``None`` (no cap).
+        tenant_quotas: Per-tenant quotas, tenant name → :class:`TenantQuota`, for records
+            put with ``tenant=``. Default: none.
+        default_tenant_quota: The quota of a tenant not in ``tenant_quotas``. Default
+            ``None`` (such tenants are not limited, but still queue fairly).
+        tenant_overflow: What a put over its tenant's quota does: ``"wait"`` for tokens (the
+            default) or ``"reject"`` at once with :class:`~anykpl.errors.TenantQuotaExceeded`.
     """
 
     # Connection / AWS
@@ -217,6 +334,18 @@ class ProducerConfig:
     retry_backoff_initial: float = 0.05
     retry_backoff_max: float = 5.0
     container_partition_key: str = "a"
+
+    # Rate control beyond the KPL
+    adaptive: bool = True
+    adaptive_decrease: float = 0.8
+    adaptive_increase: float = 0.05
+    adaptive_floor: float = 0.05
+    adaptive_window: float = 0.25
+    retry_budget: float | None = 0.2
+    fleet: FleetConfig | None = None
+    tenant_quotas: Mapping[str, TenantQuota] = field(default_factory=dict)
+    default_tenant_quota: TenantQuota | None = None
+    tenant_overflow: TenantOverflow = "wait"
 
     def __post_init__(self) -> None:
         # Connection / AWS
@@ -270,6 +399,23 @@ class ProducerConfig:
                 f"a finite number of seconds >= retry_backoff_initial ({initial!r})",
             )
         _check_str(self, "container_partition_key", 1, MAX_PARTITION_KEY_LENGTH)
+
+        # Rate control beyond the KPL
+        _check_bool(self, "adaptive")
+        _check_number(self, "adaptive_decrease", 0.1, 0.99, unit="fraction")
+        _check_number(self, "adaptive_increase", 0.001, 10.0, unit="fraction")
+        _check_number(self, "adaptive_floor", 0.001, 1.0, unit="fraction")
+        _check_number(self, "adaptive_window", 0.0, 60.0)
+        if self.retry_budget is not None:
+            _check_number(self, "retry_budget", 0.0, 100.0, unit="fraction")
+        if self.fleet is not None and not isinstance(self.fleet, FleetConfig):
+            _fail("fleet", self.fleet, "None or a FleetConfig")
+        _check_tenant_quotas(self)
+        if self.default_tenant_quota is not None and not isinstance(
+            self.default_tenant_quota, TenantQuota
+        ):
+            _fail("default_tenant_quota", self.default_tenant_quota, "None or a TenantQuota")
+        _check_choice(self, "tenant_overflow", get_args(TenantOverflow))
 
     def replace(self, **changes: Any) -> ProducerConfig:
         """Return a copy with ``changes`` applied, validated like a new object.
@@ -342,13 +488,13 @@ def _describe(kind: str, low: float, high: float | None, *, open_low: bool = Fal
     return f"{kind} {'>' if open_low else '>='} {_format_bound(low)}"
 
 
-def _check_bool(config: ProducerConfig, name: str) -> None:
+def _check_bool(config: Any, name: str) -> None:
     value = getattr(config, name)
     if type(value) is not bool:
         _fail(name, value, "True or False")
 
 
-def _check_int(config: ProducerConfig, name: str, low: int, high: int | None) -> int:
+def _check_int(config: Any, name: str, low: int, high: int | None) -> int:
     value = getattr(config, name)
     allowed = _describe("an integer", low, high)
     if isinstance(value, bool):
@@ -368,7 +514,7 @@ def _check_int(config: ProducerConfig, name: str, low: int, high: int | None) ->
 
 
 def _check_number(
-    config: ProducerConfig,
+    config: Any,
     name: str,
     low: float,
     high: float | None,
@@ -378,7 +524,8 @@ def _check_number(
     open_low: bool = False,
 ) -> float:
     value = getattr(config, name)
-    kind = "a percentage" if unit == "percent" else f"a number of {unit}"
+    kinds = {"percent": "a percentage", "fraction": "a fraction", "per second": "a rate"}
+    kind = kinds.get(unit, f"a number of {unit}")
     if high is None and not allow_inf:
         kind = kind.replace("a ", "a finite ", 1)
     allowed = _describe(kind, low, high, open_low=open_low)
@@ -397,14 +544,14 @@ def _check_number(
     return number
 
 
-def _check_str(config: ProducerConfig, name: str, min_length: int, max_length: int) -> str:
+def _check_str(config: Any, name: str, min_length: int, max_length: int) -> str:
     value = getattr(config, name)
     if not isinstance(value, str) or not min_length <= len(value) <= max_length:
         _fail(name, value, f"a string of {min_length}..{max_length} characters")
     return value
 
 
-def _optional_str(config: ProducerConfig, name: str, *, allow_empty: bool = False) -> str | None:
+def _optional_str(config: Any, name: str, *, allow_empty: bool = False) -> str | None:
     value = getattr(config, name)
     if value is None:
         return None
@@ -413,13 +560,13 @@ def _optional_str(config: ProducerConfig, name: str, *, allow_empty: bool = Fals
     return value
 
 
-def _check_choice(config: ProducerConfig, name: str, choices: tuple[str, ...]) -> None:
+def _check_choice(config: Any, name: str, choices: tuple[str, ...]) -> None:
     value = getattr(config, name)
     if not isinstance(value, str) or value not in choices:
         _fail(name, value, "one of " + ", ".join(repr(choice) for choice in choices))
 
 
-def _check_endpoint_url(config: ProducerConfig) -> None:
+def _check_endpoint_url(config: Any) -> None:
     url = _optional_str(config, "endpoint_url")
     if url is None:
         return
@@ -433,6 +580,47 @@ def _check_endpoint_url(config: ProducerConfig) -> None:
         _fail("endpoint_url", url, allowed)
     if not parts.hostname:
         _fail("endpoint_url", url, allowed)
+
+
+def _check_tenant_quotas(config: ProducerConfig) -> None:
+    quotas = config.tenant_quotas
+    allowed = "a mapping of tenant names (1..256 characters) to TenantQuota objects"
+    if not isinstance(quotas, Mapping):
+        _fail("tenant_quotas", quotas, allowed)
+    for tenant, quota in quotas.items():
+        if (
+            not isinstance(tenant, str)
+            or not 0 < len(tenant) <= 256
+            or not isinstance(quota, TenantQuota)
+        ):
+            _fail("tenant_quotas", {tenant: quota}, allowed)
+    # a read-only, hashable copy: the config is frozen (and hashable), and a caller's dict must
+    # not change it later
+    object.__setattr__(config, "tenant_quotas", _FrozenMapping(quotas))
+
+
+class _FrozenMapping(Mapping[str, TenantQuota]):
+    """A read-only, hashable copy of a mapping."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping[str, TenantQuota]) -> None:
+        self._items = dict(items)
+
+    def __getitem__(self, key: str) -> TenantQuota:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._items.items()))
+
+    def __repr__(self) -> str:
+        return repr(self._items)
 
 
 def _check_credentials(config: ProducerConfig) -> None:
