@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections import deque
+from functools import partial
 from typing import Any
 
 import anyio
@@ -50,11 +51,11 @@ class _InstantKinesis:
         }
 
 
-async def run(records: int, aggregation: bool = True) -> float:
+async def run(records: int, aggregation: bool = True, **options: Any) -> float:
     data = b"x" * 100
     keys = [f"device-{i}" for i in range(2000)]
     async with Producer(
-        transport=_InstantKinesis(), rate_limit=1e9, aggregation_enabled=aggregation
+        transport=_InstantKinesis(), rate_limit=1e9, aggregation_enabled=aggregation, **options
     ) as producer:
         await producer.put_record("bench", data, partition_key="warm-up")
         cpu0 = time.process_time()
@@ -82,12 +83,22 @@ def main() -> None:
         action="store_false",
         help="aggregation_enabled=False: one Kinesis record per user record",
     )
+    parser.add_argument(
+        "--no-adaptive",
+        dest="adaptive",
+        action="store_false",
+        help="adaptive=False (with no throttles the controller never acts; this measures its "
+        "bookkeeping)",
+    )
     args = parser.parse_args()
+    options = {} if args.adaptive else {"adaptive": False}
     best = min(
-        anyio.run(run, args.records, args.aggregation, backend=args.backend)
+        anyio.run(partial(run, args.records, args.aggregation, **options), backend=args.backend)
         for _ in range(args.repeat)
     )
     mode = "aggregation on" if args.aggregation else "aggregation off"
+    if not args.adaptive:
+        mode += ", adaptive off"
     print(
         f"{args.backend}, {mode}: {best * 1e6:.2f} µs CPU per record "
         f"(≈ {1 / best:,.0f} records/s per core, no network)"

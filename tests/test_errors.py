@@ -16,6 +16,7 @@ from anykpl._records import Attempt
         (errors.RecordTypeError, (TypeError,)),
         (errors.ProducerClosedError, ()),
         (errors.BackpressureTimeout, (TimeoutError,)),
+        (errors.TenantQuotaExceeded, ()),
         (errors.FlushTimeout, (TimeoutError,)),
         (errors.AggregationFormatError, (ValueError,)),
         (errors.RecordFailedError, ()),
@@ -44,6 +45,7 @@ def test_every_exported_exception_is_an_anykpl_error() -> None:
         (errors.RecordTypeError, False),
         (errors.ProducerClosedError, False),
         (errors.BackpressureTimeout, True),
+        (errors.TenantQuotaExceeded, True),
         (errors.FlushTimeout, True),
         (errors.AggregationFormatError, False),
         (errors.RecordFailedError, False),
@@ -151,3 +153,16 @@ def test_record_failed_error_without_attempts() -> None:
     exc = errors.RecordFailedError(result)
     assert exc.error_code is None
     assert "no attempts" in str(exc)
+
+
+def test_tenant_quota_exceeded_names_the_tenant_and_its_quota() -> None:
+    from anykpl import TenantQuota
+
+    quota = TenantQuota(records_per_second=100, bytes_per_second=65536, burst=0.5)
+    exc = errors.TenantQuotaExceeded("acme", quota, 0.25)
+    assert (exc.tenant, exc.quota, exc.retry_after) == ("acme", quota, 0.25)
+    message = str(exc)
+    assert "'acme'" in message
+    assert "100 records/s, 65536 bytes/s, burst 0.5 s" in message
+    assert "0.250 s" in message
+    assert "nothing was enqueued" in message

@@ -230,3 +230,151 @@ def test_drain_at_the_returned_wake_time_makes_progress(start: float, percent: f
         released += len(out) + len(expired)
         now = wake
     assert released == len(records)
+
+
+# --- Adaptive control, the shared (fleet) bucket, fair queuing across tenants -------------
+
+from anykpl._limiter import FAIR_QUANTUM, AdaptiveSettings  # noqa: E402
+from anykpl._token_bucket import TokenBucket  # noqa: E402
+
+
+def adaptive_limiter(**overrides: float) -> Limiter:
+    settings = {"decrease": 0.5, "increase": 0.1, "floor": 0.05, "window": 0.25, **overrides}
+    return Limiter(rate_limit_percent=100, adaptive=AdaptiveSettings(**settings))
+
+
+def tenant_record(tenant: str | None, *, size: int = 1000, deadline: float = 0.0) -> KinesisRecord:
+    kr = make_kinesis_record(size=size, deadline=deadline)
+    kr.tenant = tenant
+    return kr
+
+
+def test_a_throttle_cuts_the_shard_rate_and_it_recovers() -> None:
+    limiter = adaptive_limiter()
+    limiter.put([make_kinesis_record()], 0.0, [])
+    _drain(limiter, 0.0)
+    limiter.throttled(SHARD, 5, 0.0, 1.0)
+    records, nbytes = limiter.rates()[SHARD]
+    assert records == pytest.approx(500)
+    assert nbytes == pytest.approx(_limits.SHARD_BYTES_PER_SECOND / 2)
+    # one congestion event per window
+    limiter.throttled(SHARD, 5, 0.9, 1.1)
+    assert limiter.rates()[SHARD][0] == pytest.approx(500)
+    # recovery is applied when the shard drains
+    limiter.put([make_kinesis_record()], 3.0, [])
+    _drain(limiter, 3.0)
+    assert limiter.rates()[SHARD][0] == pytest.approx(500 + 1000 * 0.1 * 2 * 1.2)
+    limiter.put([make_kinesis_record()], 10.0, [])
+    _drain(limiter, 10.0)
+    assert limiter.rates()[SHARD][0] == pytest.approx(1000)
+    counters, controller, queued = limiter.shard_state()[SHARD]
+    assert controller is not None
+    assert controller.cuts == 1
+    assert controller.throttled == 10
+    assert counters.records_sent == 3
+    assert queued == 0
+
+
+def test_a_cut_shard_wakes_to_raise_its_rate() -> None:
+    limiter = adaptive_limiter()
+    limiter.put([make_kinesis_record()], 0.0, [])
+    _drain(limiter, 0.0)
+    limiter.throttled(SHARD, 1, 0.0, 0.0)
+    limiter.put([make_kinesis_record(size=600_000, deadline=i) for i in range(3)], 0.0, [])
+    _, _, wake = _drain(limiter, 0.0)
+    assert wake <= 4 * MIN_REFILL_WAIT
+
+
+def test_throttles_without_adaptive_control_change_nothing() -> None:
+    limiter = Limiter(rate_limit_percent=100)
+    limiter.put([make_kinesis_record()], 0.0, [])
+    limiter.throttled(SHARD, 5, 0.0, 1.0)
+    limiter.throttled("unknown-shard", 5, 0.0, 1.0)
+    assert limiter.rates()[SHARD][0] == pytest.approx(1000)
+
+
+def test_the_shared_bucket_binds_every_shard_and_they_take_turns() -> None:
+    shared = TokenBucket(10, 1e9, 0.0, burst=1.0)  # 10 records/s for the whole producer
+    limiter = Limiter(rate_limit_percent=100, shared=shared)
+    a = [make_kinesis_record(shard=SHARD, deadline=i) for i in range(50)]
+    b = [make_kinesis_record(shard=OTHER, deadline=i) for i in range(50)]
+    limiter.put(a + b, 0.0, [])
+    released: list[KinesisRecord] = []
+    now = 0.0
+    while now < 10.0:
+        out, _, wake = _drain(limiter, now)
+        released.extend(out)
+        now = max(wake, now + MIN_REFILL_WAIT)
+    # the shared bucket's rate, not the shards' (1,000/s each), bounds the total
+    assert 95 <= len(released) <= 100 + 10
+    from_a = sum(1 for kr in released if kr.predicted_shard == SHARD)
+    from_b = len(released) - from_a
+    assert abs(from_a - from_b) <= 10  # neither shard starves
+    # a refused take gave the shard's tokens back
+    assert limiter.token_levels(now)[SHARD][0] == pytest.approx(500, abs=1)
+
+
+def test_a_quiet_tenant_does_not_wait_behind_a_noisy_one() -> None:
+    limiter = Limiter(rate_limit_percent=1)  # 10 records/s: the shard is the bottleneck
+    noisy = [tenant_record("noisy", deadline=0.0) for _ in range(100)]
+    limiter.put(noisy, 0.0, [])
+    quiet = tenant_record("quiet", deadline=5.0)  # a later deadline than all the noisy ones
+    limiter.put([quiet], 0.1, [])
+    released: list[KinesisRecord] = []
+    now = 0.1
+    while quiet not in released:
+        out, _, wake = _drain(limiter, now)
+        released.extend(out)
+        now = wake
+    # with one deadline queue it would wait for all 100 noisy records (about 10 s)
+    assert released.index(quiet) <= 6
+    assert now < 1.5
+
+
+def test_records_without_a_tenant_form_one_lane_among_the_tenants() -> None:
+    limiter = Limiter(rate_limit_percent=1)
+    plain = [tenant_record(None, deadline=0.0) for _ in range(50)]
+    limiter.put(plain, 0.0, [])
+    quiet = tenant_record("t1", deadline=9.0)
+    limiter.put([quiet], 0.0, [])
+    first, _, wake = _drain(limiter, 0.0)
+    second, _, _ = _drain(limiter, wake)  # the next refill goes to the other lane first
+    assert quiet not in first
+    assert second[0] is quiet
+    assert limiter.queue_depths() == {SHARD: 51 - len(first) - len(second)}
+
+
+def test_fair_lanes_share_by_bytes() -> None:
+    limiter = Limiter(rate_limit_percent=100)
+    big = [tenant_record("big", size=FAIR_QUANTUM // 2) for _ in range(20)]
+    small = [tenant_record("small", size=FAIR_QUANTUM // 8) for _ in range(80)]
+    limiter.put(big + small, 0.0, [])
+    out, _, _ = _drain(limiter, 0.0)
+    first = out[:20]
+    big_bytes = sum(kr.size for kr in first if kr.tenant == "big")
+    small_bytes = sum(kr.size for kr in first if kr.tenant == "small")
+    assert big_bytes == pytest.approx(small_bytes, rel=0.5)
+
+
+def test_expired_records_leave_the_fair_lanes() -> None:
+    limiter = Limiter(rate_limit_percent=1)
+    records = [tenant_record("t", deadline=0.0) for _ in range(20)]
+    for kr in records[10:]:
+        kr.expiration = 1.0
+    limiter.put(records, 0.0, [])
+    out, expired, _ = _drain(limiter, 2.0)
+    assert len(expired) == 10
+    assert limiter.queued == 20 - len(out) - 10
+    leftovers = limiter.take_all()
+    assert len(leftovers) == limiter.queued + len(leftovers)
+    assert limiter.queue_depths() == {}
+
+
+def test_time_waiting_for_tokens_is_counted_per_user_record() -> None:
+    limiter = Limiter(rate_limit_percent=1)  # 10 records/s, 5 at once
+    limiter.put([make_kinesis_record(deadline=i) for i in range(6)], 0.0, [])
+    _drain(limiter, 0.0)
+    _drain(limiter, 0.1)
+    counters = limiter.shard_state()[SHARD][0]
+    assert counters.records_sent == 6
+    assert counters.token_wait == pytest.approx(0.1)

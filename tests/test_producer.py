@@ -1002,3 +1002,49 @@ class TestOnMockClock:
         for gap, cap in zip(gaps, caps, strict=True):
             assert 0.0 <= gap <= cap + 0.01
         assert sum(a.delay for a in result.attempts[1:]) <= sum(caps) + 0.05
+
+
+# -- adaptive rate control through the public API ---------------------------------------------
+
+
+@pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "static"])
+async def test_statistics_show_each_shards_rate_cuts_throttles_and_waits(
+    fake_kinesis: FakeKinesis, adaptive: bool
+) -> None:
+    throttled_once: set[str] = set()
+
+    def throttle_shard_0_once(shard_id: str, index: int) -> tuple[str, str] | None:
+        if shard_id == "shardId-000000000000" and shard_id not in throttled_once:
+            throttled_once.add(shard_id)
+            return (THROTTLED, "Rate exceeded for shard")
+        return None
+
+    async with Producer(transport=fake_kinesis, adaptive=adaptive, **FAST) as producer:
+        await ready(producer)
+        fake_kinesis.entry_error = throttle_shard_0_once
+        pendings = [
+            await producer.submit(STREAM, b"x" * 100, partition_key=f"pk-{i}") for i in range(200)
+        ]
+        with anyio.fail_after(20):
+            results = [await p for p in pendings]
+        shards = producer.statistics().streams[STREAM].shards
+    assert all(r.success for r in results)
+    throttled = shards["shardId-000000000000"]
+    assert throttled.throttled_records == 1
+    assert throttled.ceiling == (1000.0, 1024 * 1024.0)
+    assert throttled.backoff > 0
+    assert throttled.records_sent >= 2
+    assert sum(s.bytes_sent for s in shards.values()) >= 200 * 100
+    if adaptive:
+        assert throttled.cuts == 1
+        assert throttled.rate[0] < throttled.ceiling[0]
+    else:
+        assert throttled.cuts == 0
+        assert throttled.rate == throttled.ceiling
+    for shard_id, shard in shards.items():
+        if shard_id != "shardId-000000000000":
+            assert shard.cuts == 0
+            assert shard.throttled_records == 0
+            assert shard.rate == shard.ceiling
+        assert shard.queued == 0
+        assert shard.token_wait >= 0.0

@@ -530,3 +530,64 @@ def test_expiry_in_the_limiter_is_logged_once(caplog: pytest.LogCaptureFixture) 
     h.retrier.expire(krs, 31.0)
     (line,) = caplog.records
     assert "5 user record(s) of stream stream expired (record_ttl)" in line.getMessage()
+
+
+# --- Adaptive control and the retry budget -----------------------------------------------
+
+from anykpl._retrier import RetryBudget  # noqa: E402
+
+
+def test_throttles_are_reported_once_per_shard_per_outcome() -> None:
+    h = Harness()
+    reports: list[tuple[str, int, float, float]] = []
+    h.retrier.on_throttled = lambda *report: reports.append(report)
+    krs = [make_kinesis_record([make_record()], SHARD_0) for _ in range(3)]
+    krs += [make_kinesis_record([make_record(HALF + 5)], SHARD_1)]
+    krs += [make_kinesis_record([make_record()], SHARD_0)]
+    entries = [err(THROTTLED), err(THROTTLED), ok(), err(THROTTLED, "x"), err("InternalFailure")]
+    h.retrier.handle(outcome(krs, entries, start=1.0, end=1.2), 2.0)
+    assert sorted(reports) == [(SHARD_0, 2, 1.0, 2.0), (SHARD_1, 1, 1.0, 2.0)]
+    assert h.retrier.throttled == {SHARD_0: 2, SHARD_1: 1}
+
+
+def test_a_whole_request_throttle_is_reported_too() -> None:
+    h = Harness()
+    reports: list[tuple[str, int, float, float]] = []
+    h.retrier.on_throttled = lambda *report: reports.append(report)
+    krs = [make_kinesis_record([make_record()], SHARD_0) for _ in range(4)]
+    h.retrier.handle(outcome(krs, None, code=THROTTLED), 2.0)
+    assert reports == [(SHARD_0, 4, 1.0, 2.0)]
+
+
+def test_backoff_time_is_counted_per_shard_in_user_record_seconds() -> None:
+    h = Harness(rng=_StubRandom(), backoff_initial=0.5, backoff_max=1.0)
+    krs = [make_kinesis_record([make_record(), make_record()], SHARD_0)]
+    h.retrier.handle(outcome(krs, [err("InternalFailure")]), 2.0)
+    assert h.retrier.backoff_time == {SHARD_0: pytest.approx(2 * 0.5)}
+
+
+def test_retry_budget_is_refilled_by_deliveries_and_time() -> None:
+    budget = RetryBudget(0.5, 0.0, minimum=10.0, capacity=5.0)
+    assert all(budget.try_spend(0.0) for _ in range(5))
+    assert not budget.try_spend(0.0)
+    assert budget.exhausted == 1
+    budget.deposit(2)  # two deliveries → one retry
+    assert budget.try_spend(0.0)
+    assert not budget.try_spend(0.0)
+    assert budget.try_spend(0.1)  # 10 per second whatever the traffic
+    budget.deposit(1000)
+    assert budget.balance == 5.0  # capped
+
+
+def test_a_spent_retry_budget_makes_retries_wait_the_longest_backoff() -> None:
+    rng = _StubRandom()
+    h = Harness(rng=rng, backoff_initial=0.05, backoff_max=2.0)
+    h.retrier.retry_budget = RetryBudget(0.0, 0.0, minimum=0.0, capacity=1.0)
+    first = make_kinesis_record([make_record()], SHARD_0)
+    h.retrier.handle(outcome([first], [err("InternalFailure")]), 2.0)
+    assert rng.bounds[-1] == (0.0, 0.05)  # the budget paid for it
+    second = make_kinesis_record([make_record(HALF + 9)], SHARD_1)
+    h.retrier.handle(outcome([second], [err("InternalFailure")]), 2.0)
+    assert rng.bounds[-1] == (1.0, 2.0)  # spent: the longest backoff, jittered
+    assert h.retrier.retry_budget.exhausted == 1
+    assert not any(success is False for _, success in h.finished)  # nothing failed for it

@@ -18,6 +18,12 @@ General layout (one private module per stage; follow a record top to bottom):
   that upload them (``MetricsSink``, ``CloudWatchSink``, ``PrometheusSink``,
   ``OpenTelemetrySink``).
 - ``_limits.py``: Kinesis service limits, the one source of each number.
+- ``_tenants.py``: tenant quotas (per-tenant token buckets with reservations), checked at
+  admission.
+- ``_fleet.py``: fleet-wide caps — the allocator's maths, the worker's state machine and the
+  S3 documents (pure); ``_coordinator.py``: the async shell that reads and writes them in S3
+  (:class:`FleetWorker`, one per producer with a ``FleetConfig``; :class:`FleetAllocator`,
+  run standalone by ``fleet_allocator.py``, the ``anykpl fleet-allocator`` command).
 
 Public modules: this package, :mod:`anykpl.errors`, :mod:`anykpl.config` and
 :mod:`anykpl.metrics`. Tools users run live apart (``emulator/``, ``demo/``, ``bench/``,
@@ -25,15 +31,18 @@ Public modules: this package, :mod:`anykpl.errors`, :mod:`anykpl.config` and
 """
 
 from . import errors as errors
+from ._fleet import FleetStatistics as FleetStatistics
 from ._metrics import MetricKey as MetricKey
 from ._metrics import MetricValue as MetricValue
 from ._producer import Producer as Producer
 from ._producer import ProducerStatistics as ProducerStatistics
+from ._producer import ShardStatistics as ShardStatistics
 from ._producer import StreamStatistics as StreamStatistics
 from ._records import Attempt as Attempt
 from ._records import PendingRecord as PendingRecord
 from ._records import RecordResult as RecordResult
 from ._sync import SyncProducer as SyncProducer
+from ._tenants import TenantStatistics as TenantStatistics
 from .config import FleetConfig as FleetConfig
 from .config import ProducerConfig as ProducerConfig
 from .config import TenantQuota as TenantQuota
@@ -43,6 +52,7 @@ __version__ = "0.1.0.dev0"
 __all__ = (
     "Attempt",
     "FleetConfig",
+    "FleetStatistics",
     "MetricKey",
     "MetricValue",
     "PendingRecord",
@@ -50,9 +60,11 @@ __all__ = (
     "ProducerConfig",
     "ProducerStatistics",
     "RecordResult",
+    "ShardStatistics",
     "StreamStatistics",
     "SyncProducer",
     "TenantQuota",
+    "TenantStatistics",
     "errors",
 )
 

@@ -44,10 +44,13 @@ SHARD_MAP_WAIT = 1.0
 
 
 class _OpenAggregate:
-    __slots__ = ("builder", "deadline", "expiration", "records", "shard")
+    __slots__ = ("builder", "deadline", "expiration", "key", "records", "shard")
 
-    def __init__(self, shard: str) -> None:
+    def __init__(self, shard: str, key: str | tuple[str, str]) -> None:
         self.shard = shard
+        # the shard, or (shard, tenant) for records put with a tenant: tenants never share an
+        # aggregate, so the Limiter can queue each tenant's Kinesis records fairly
+        self.key = key
         self.builder = AggregateBuilder()
         self.records: list[PendingRecord] = []
         self.deadline = math.inf
@@ -71,7 +74,7 @@ class Aggregator:
         self.max_count = max_count
         self.container_partition_key = container_partition_key
         self.predict = predict
-        self._open: dict[str, _OpenAggregate] = {}
+        self._open: dict[str | tuple[str, str], _OpenAggregate] = {}
         self._deadlines: list[tuple[float, int, _OpenAggregate]] = []
         self._counter = 0
         self.buffered_records = 0
@@ -88,7 +91,7 @@ class Aggregator:
         heap = self._deadlines
         while heap:
             deadline, _, agg = heap[0]
-            if self._open.get(agg.shard) is agg and agg.deadline == deadline:
+            if self._open.get(agg.key) is agg and agg.deadline == deadline:
                 return min(deadline, self._unmapped_until)
             heapq.heappop(heap)
         return self._unmapped_until
@@ -99,7 +102,10 @@ class Aggregator:
         return len(self._unmapped)
 
     def queue_depths(self) -> dict[str, int]:
-        return {shard: len(agg.records) for shard, agg in self._open.items()}
+        depths: dict[str, int] = {}
+        for agg in self._open.values():
+            depths[agg.shard] = depths.get(agg.shard, 0) + len(agg.records)
+        return depths
 
     def put(self, record: PendingRecord, out: list[KinesisRecord]) -> bool:
         """Add ``record``; append any sealed Kinesis records to ``out``.
@@ -119,10 +125,12 @@ class Aggregator:
             out.append(KinesisRecord.single(record))
             return False
         pk, ehk, data = record.partition_key, record.explicit_hash_key, record.data
-        agg = self._open.get(shard)
+        tenant = record.tenant
+        key: str | tuple[str, str] = shard if tenant is None else (shard, tenant)
+        agg = self._open.get(key)
         if agg is None or not agg.builder.add_within(pk, ehk, data, self.max_size):
             # no open aggregate, or the record would push it past the limit: start the next
-            fresh = _OpenAggregate(shard)
+            fresh = _OpenAggregate(shard, key)
             if not fresh.builder.add_within(pk, ehk, data, self.max_size):
                 # too big to share an aggregate even alone: out on its own, raw, after the open
                 # aggregate (sealed first so that records of one key keep their order)
@@ -132,7 +140,7 @@ class Aggregator:
                 return False
             if agg is not None:
                 out.append(self._seal(agg))
-            agg = self._open[shard] = fresh
+            agg = self._open[key] = fresh
         agg.records.append(record)
         self.buffered_records += 1
         if record.expiration < agg.expiration:
@@ -150,7 +158,7 @@ class Aggregator:
         return False
 
     def _seal(self, agg: _OpenAggregate) -> KinesisRecord:
-        del self._open[agg.shard]
+        del self._open[agg.key]
         records = agg.records
         self.buffered_records -= len(records)
         if len(records) == 1:
@@ -190,7 +198,7 @@ class Aggregator:
         heap = self._deadlines
         while heap and heap[0][0] <= now:
             deadline, _, agg = heapq.heappop(heap)
-            if self._open.get(agg.shard) is agg and agg.deadline == deadline:
+            if self._open.get(agg.key) is agg and agg.deadline == deadline:
                 out.append(self._seal(agg))
 
     def flush_all(self, out: list[KinesisRecord]) -> None:

@@ -17,46 +17,136 @@ PutRecords and 30 % of a shard's record limit for 100-byte records with aggregat
 refill releases 25 records per shard at a time, which the Collector batches. The rate is
 ``rate_limit`` percent of the shard's limits (default 100 %, see ``ProducerConfig.rate_limit``),
 and it also applies with aggregation off (KPL issue #127).
+
+Beyond the KPL (see docs/adaptive.md, docs/fleet.md and docs/tenants.md):
+
+- **Adaptive control**: a :class:`~anykpl._adaptive.RateController` per shard lowers the
+  shard's rate below that ceiling when its records are throttled, and lets it recover.
+- **A shared bucket**: with a fleet cap, every record released by any shard of any stream also
+  takes tokens from one producer-wide bucket whose rate is this producer's fleet grant. While
+  that bucket binds, the shards take turns starting the drain, so none of them starves.
+- **Fair queuing across tenants**: records put with a ``tenant`` wait in a lane of their own
+  within their shard, and the lanes are served by deficit round robin (bytes), so a tenant
+  with a backlog cannot hold back a quiet tenant's records on the same shard. Records without
+  a tenant share one lane; a shard that never sees a tenant keeps the plain deadline queue.
 """
 
 from __future__ import annotations
 
 import heapq
+import logging
 import math
+from collections import deque
 
 from . import _limits
+from ._adaptive import RateController
 from ._records import KinesisRecord
 from ._token_bucket import BURST_SECONDS, TokenBucket
 
-__all__ = ("Limiter",)
+__all__ = ("AdaptiveSettings", "Limiter", "ShardCounters")
 
+logger = logging.getLogger("anykpl.limiter")
 
 EXPIRY_SCAN_INTERVAL = 0.25
 
 #: The shortest wait for tokens of a saturated shard (the KPL's ``kDrainDelayMillis``).
 MIN_REFILL_WAIT = 0.025
 
+#: Bytes a tenant's lane may release per round of the fair queue (deficit round robin): about
+#: 16 ms of a shard's 1 MiB/s, so a quiet tenant's record waits at most that long per busy
+#: tenant ahead of it in the round. An aggregate bigger than this (up to
+#: ``aggregation_max_size``, 50 KiB by default) goes once its lane has saved up enough turns.
+FAIR_QUANTUM = 16 * 1024
+
+#: A change of the adaptive fraction smaller than this is not applied to the bucket yet.
+_RATE_STEP = 0.005
+
+#: (deadline, tie-breaker, record, time queued)
+_Item = tuple[float, int, KinesisRecord, float]
+
+
+class AdaptiveSettings:
+    """The adaptive controller's parameters (``ProducerConfig.adaptive_*``)."""
+
+    __slots__ = ("decrease", "floor", "increase", "window")
+
+    def __init__(self, *, decrease: float, increase: float, floor: float, window: float) -> None:
+        self.decrease = decrease
+        self.increase = increase
+        self.floor = floor
+        self.window = window
+
+
+class ShardCounters:
+    """What one shard's limiter has done (for ``statistics()``)."""
+
+    __slots__ = ("bytes_sent", "records_sent", "token_wait")
+
+    def __init__(self) -> None:
+        self.records_sent = 0  # Kinesis records released
+        self.bytes_sent = 0
+        self.token_wait = 0.0  # user-record seconds spent waiting for tokens
+
 
 class _ShardLimiter:
-    __slots__ = ("blocked_until", "bucket", "next_expiry_scan", "queue")
+    __slots__ = (
+        "blocked_until",
+        "bucket",
+        "controller",
+        "counters",
+        "deficits",
+        "fraction",
+        "lanes",
+        "next_expiry_scan",
+        "queue",
+        "turns",
+    )
 
-    def __init__(self, bucket: TokenBucket) -> None:
+    def __init__(self, bucket: TokenBucket, controller: RateController | None) -> None:
         self.bucket = bucket
-        self.queue: list[tuple[float, int, KinesisRecord]] = []
+        self.controller = controller
+        self.fraction = 1.0  # the adaptive fraction last applied to the bucket
+        self.counters = ShardCounters()
+        # the records without a tenant, in deadline order
+        self.queue: list[_Item] = []
+        # with tenants: one deadline queue per tenant (None: no tenant, the list above), the
+        # round robin's order and each lane's deficit
+        self.lanes: dict[str | None, list[_Item]] | None = None
+        self.turns: deque[str | None] = deque()
+        self.deficits: dict[str | None, float] = {}
         self.next_expiry_scan = -math.inf
         # a saturated shard is not drained again before this, whatever arrives meanwhile
         self.blocked_until = -math.inf
+
+    def queued(self) -> int:
+        if self.lanes is None:
+            return len(self.queue)
+        return sum(len(lane) for lane in self.lanes.values())
 
 
 class Limiter:
     """Per-stream limiter state. Pure: the caller passes times and moves the output."""
 
-    def __init__(self, *, rate_limit_percent: float, burst: float = BURST_SECONDS) -> None:
+    def __init__(
+        self,
+        *,
+        rate_limit_percent: float,
+        burst: float = BURST_SECONDS,
+        adaptive: AdaptiveSettings | None = None,
+        shared: TokenBucket | None = None,
+        stream: str = "",
+    ) -> None:
         self.burst = burst
         self.multiplier = rate_limit_percent / 100.0
+        self.records_ceiling = _limits.SHARD_RECORDS_PER_SECOND * self.multiplier
+        self.bytes_ceiling = _limits.SHARD_BYTES_PER_SECOND * self.multiplier
+        self.adaptive = adaptive
+        self.shared = shared
+        self.stream = stream
         self._shards: dict[str, _ShardLimiter] = {}
         self._waiting: set[str] = set()
         self._counter = 0
+        self._turn = 0  # which waiting shard drains first while the shared bucket binds
         self.queued = 0
 
     def __repr__(self) -> str:
@@ -65,13 +155,20 @@ class Limiter:
     def _shard(self, shard: str, now: float) -> _ShardLimiter:
         limiter = self._shards.get(shard)
         if limiter is None:
-            limiter = self._shards[shard] = _ShardLimiter(
-                TokenBucket(
-                    _limits.SHARD_RECORDS_PER_SECOND * self.multiplier,
-                    _limits.SHARD_BYTES_PER_SECOND * self.multiplier,
-                    now,
-                    burst=self.burst,
+            adaptive = self.adaptive
+            controller = None
+            if adaptive is not None:
+                controller = RateController(
+                    records_ceiling=self.records_ceiling,
+                    bytes_ceiling=self.bytes_ceiling,
+                    decrease=adaptive.decrease,
+                    increase=adaptive.increase,
+                    floor=adaptive.floor,
+                    window=adaptive.window,
                 )
+            limiter = self._shards[shard] = _ShardLimiter(
+                TokenBucket(self.records_ceiling, self.bytes_ceiling, now, burst=self.burst),
+                controller,
             )
         return limiter
 
@@ -84,9 +181,30 @@ class Limiter:
                 continue
             limiter = self._shard(shard, now)
             self._counter += 1
-            heapq.heappush(limiter.queue, (kr.deadline, self._counter, kr))
+            item = (kr.deadline, self._counter, kr, now)
+            if kr.tenant is None and limiter.lanes is None:
+                heapq.heappush(limiter.queue, item)
+            else:
+                self._put_fair(limiter, kr.tenant, item)
             self._waiting.add(shard)
             self.queued += 1
+
+    def _put_fair(self, limiter: _ShardLimiter, tenant: str | None, item: _Item) -> None:
+        lanes = limiter.lanes
+        if lanes is None:
+            lanes = limiter.lanes = {None: limiter.queue}
+            if limiter.queue:
+                limiter.turns.append(None)
+                limiter.deficits[None] = 0.0
+        lane = lanes.get(tenant)
+        if lane is None:
+            lane = lanes[tenant] = []
+        if not lane:
+            limiter.turns.append(tenant)
+            limiter.deficits[tenant] = 0.0
+        heapq.heappush(lane, item)
+
+    # -- releasing ------------------------------------------------------------------------
 
     def drain(self, now: float, out: list[KinesisRecord], expired: list[KinesisRecord]) -> float:
         """Release what the buckets allow into ``out`` and expired records into ``expired``;
@@ -94,50 +212,220 @@ class Limiter:
         next_wake = math.inf
         done: list[str] = []
         released = 0
-        for shard in self._waiting:
+        waiting: list[str] | set[str] = self._waiting
+        if self.shared is not None and len(waiting) > 1:
+            # take turns at the shared bucket: the first shard drained could take all of it
+            order = sorted(waiting)
+            self._turn = (self._turn + 1) % len(order)
+            waiting = order[self._turn :] + order[: self._turn]
+        for shard in waiting:
             limiter = self._shards[shard]
+            controller = limiter.controller
+            if controller is not None:
+                if now >= controller.next_sample:
+                    counters = limiter.counters
+                    controller.sample(now, counters.records_sent, counters.bytes_sent)
+                if limiter.fraction < 1.0 or controller.recovering(now):
+                    self._apply_fraction(limiter, controller.fraction(now), now)
             if now < limiter.blocked_until:
                 next_wake = min(next_wake, limiter.blocked_until)
+                if controller is not None and limiter.fraction < 1.0:
+                    next_wake = min(next_wake, now + 4 * MIN_REFILL_WAIT)
                 continue
-            queue, bucket = limiter.queue, limiter.bucket
-            while queue:
-                kr = queue[0][2]
-                if kr.expiration < now:
-                    heapq.heappop(queue)
-                    expired.append(kr)
-                    released += 1
-                    continue
-                if bucket.try_take(1, kr.size, now):
-                    heapq.heappop(queue)
-                    out.append(kr)
-                    released += 1
-                    continue
-                wake = limiter.blocked_until = now + max(
-                    MIN_REFILL_WAIT, bucket.time_until(1, kr.size, now)
-                )
-                # A record deeper in the queue may expire while the head waits for tokens:
-                # scan for expiries at most every EXPIRY_SCAN_INTERVAL (the KPL's limiter
-                # checks on every 25 ms poll; an O(n) scan per drain would be too costly).
-                if now >= limiter.next_expiry_scan:
-                    keep = [item for item in queue if item[2].expiration >= now]
-                    if len(keep) != len(queue):
-                        expired.extend(item[2] for item in queue if item[2].expiration < now)
-                        released += len(queue) - len(keep)
-                        heapq.heapify(keep)
-                        limiter.queue = queue = keep
-                    limiter.next_expiry_scan = now + EXPIRY_SCAN_INTERVAL
-                if queue:
-                    next_wake = min(next_wake, wake, limiter.next_expiry_scan)
-                break
-            if not queue:
+            if limiter.lanes is None:
+                released += self._drain_queue(limiter, now, out, expired)
+            else:
+                released += self._drain_fair(limiter, now, out, expired)
+            if limiter.queued():
+                next_wake = min(next_wake, limiter.blocked_until, limiter.next_expiry_scan)
+                if controller is not None and limiter.fraction < 1.0:
+                    # wake to raise the rate even if no tokens are needed before then
+                    next_wake = min(next_wake, now + 4 * MIN_REFILL_WAIT)
+            else:
                 done.append(shard)
         for shard in done:
             self._waiting.discard(shard)
         self.queued -= released
         return next_wake
 
+    def _take(self, limiter: _ShardLimiter, kr: KinesisRecord, now: float) -> bool:
+        """Take the tokens for ``kr`` from the shard's bucket and the shared one, or block
+        the shard until they could be there."""
+        bucket, size = limiter.bucket, kr.size
+        shared = self.shared
+        if bucket.try_take(1, size, now):
+            if shared is None or shared.try_take(1, size, now):
+                return True
+            bucket.refund(1, size)
+            wait = shared.time_until(1, size, now)
+        else:
+            wait = bucket.time_until(1, size, now)
+        limiter.blocked_until = now + (wait if wait > MIN_REFILL_WAIT else MIN_REFILL_WAIT)
+        return False
+
+    def _release(self, limiter: _ShardLimiter, item: _Item, now: float) -> None:
+        kr = item[2]
+        counters = limiter.counters
+        counters.records_sent += 1
+        counters.bytes_sent += kr.size
+        counters.token_wait += (now - item[3]) * len(kr.records)
+
+    def _drain_queue(
+        self,
+        limiter: _ShardLimiter,
+        now: float,
+        out: list[KinesisRecord],
+        expired: list[KinesisRecord],
+    ) -> int:
+        released = 0
+        queue = limiter.queue
+        counters = limiter.counters
+        # the hot loop (one pass per Kinesis record): _take and _release inlined for the common
+        # case of no shared bucket
+        try_take = limiter.bucket.try_take
+        shared = self.shared
+        while queue:
+            item = queue[0]
+            kr = item[2]
+            if kr.expiration < now:
+                heapq.heappop(queue)
+                expired.append(kr)
+                released += 1
+                continue
+            if try_take(1, kr.size, now) if shared is None else self._take(limiter, kr, now):
+                heapq.heappop(queue)
+                out.append(kr)
+                counters.records_sent += 1
+                counters.bytes_sent += kr.size
+                counters.token_wait += (now - item[3]) * len(kr.records)
+                released += 1
+                continue
+            if shared is None:
+                wait = limiter.bucket.time_until(1, kr.size, now)
+                limiter.blocked_until = now + (wait if wait > MIN_REFILL_WAIT else MIN_REFILL_WAIT)
+            # A record deeper in the queue may expire while the head waits for tokens:
+            # scan for expiries at most every EXPIRY_SCAN_INTERVAL (the KPL's limiter
+            # checks on every 25 ms poll; an O(n) scan per drain would be too costly).
+            if now >= limiter.next_expiry_scan:
+                released += self._expire_lane(queue, now, expired)
+                limiter.next_expiry_scan = now + EXPIRY_SCAN_INTERVAL
+            break
+        return released
+
+    def _drain_fair(
+        self,
+        limiter: _ShardLimiter,
+        now: float,
+        out: list[KinesisRecord],
+        expired: list[KinesisRecord],
+    ) -> int:
+        """Deficit round robin over the shard's tenant lanes: each turn adds
+        ``FAIR_QUANTUM`` bytes to a lane's deficit and releases its records (deadline order)
+        while they fit in it; a lane that empties leaves the round."""
+        assert limiter.lanes is not None
+        lanes, turns, deficits = limiter.lanes, limiter.turns, limiter.deficits
+        released = 0
+        blocked = False
+        while turns and not blocked:
+            tenant = turns[0]
+            lane = lanes[tenant]
+            deficit = deficits[tenant] + FAIR_QUANTUM
+            while lane:
+                item = lane[0]
+                kr = item[2]
+                if kr.expiration < now:
+                    heapq.heappop(lane)
+                    expired.append(kr)
+                    released += 1
+                    continue
+                if kr.size > deficit:
+                    break
+                if not self._take(limiter, kr, now):
+                    blocked = True
+                    break
+                heapq.heappop(lane)
+                out.append(kr)
+                self._release(limiter, item, now)
+                deficit -= kr.size
+                released += 1
+            if blocked:
+                # out of tokens: the next drain starts with the next lane, so each refill goes
+                # to a different tenant first; what is left of this turn's quantum is dropped
+                # (a deficit carried over from earlier turns is kept), which keeps deficits
+                # bounded however often a turn is cut short
+                deficits[tenant] = max(0.0, deficit - FAIR_QUANTUM)
+                turns.rotate(-1)
+            elif lane:
+                deficits[tenant] = deficit
+                turns.rotate(-1)
+            else:
+                turns.popleft()
+                del deficits[tenant]
+                if tenant is not None:
+                    del lanes[tenant]
+        if blocked and now >= limiter.next_expiry_scan:
+            for tenant in list(turns):
+                released += self._expire_lane(lanes[tenant], now, expired)
+                if not lanes[tenant]:
+                    turns.remove(tenant)
+                    del deficits[tenant]
+                    if tenant is not None:
+                        del lanes[tenant]
+            limiter.next_expiry_scan = now + EXPIRY_SCAN_INTERVAL
+        return released
+
+    @staticmethod
+    def _expire_lane(lane: list[_Item], now: float, expired: list[KinesisRecord]) -> int:
+        """Remove the expired records of a deadline queue, in place."""
+        keep = [item for item in lane if item[2].expiration >= now]
+        if len(keep) == len(lane):
+            return 0
+        expired.extend(item[2] for item in lane if item[2].expiration < now)
+        removed = len(lane) - len(keep)
+        heapq.heapify(keep)
+        lane[:] = keep
+        return removed
+
+    # -- adaptive control -----------------------------------------------------------------
+
+    def _apply_fraction(self, limiter: _ShardLimiter, fraction: float, now: float) -> None:
+        if abs(fraction - limiter.fraction) < _RATE_STEP and fraction < 1.0:
+            return
+        if fraction > limiter.fraction:
+            # tokens now come faster than when the shard's wait was planned: plan it again
+            limiter.blocked_until = -math.inf
+        limiter.fraction = fraction
+        limiter.bucket.set_rates(
+            self.records_ceiling * fraction, self.bytes_ceiling * fraction, now
+        )
+
+    def unblock(self) -> None:
+        """Forget every shard's planned wait (the next drain plans it again)."""
+        for limiter in self._shards.values():
+            limiter.blocked_until = -math.inf
+
+    def throttled(self, shard: str, records: int, sent_at: float, now: float) -> None:
+        """``records`` Kinesis records predicted for ``shard``, sent at ``sent_at``, were
+        throttled: a congestion event for the shard's controller (see ``_adaptive.py``)."""
+        limiter = self._shards.get(shard)
+        if limiter is None or limiter.controller is None:
+            return
+        controller = limiter.controller
+        if controller.throttled_at(now, sent_at, records):
+            self._apply_fraction(limiter, controller.fraction(now), now)
+            logger.debug(
+                "throttled on %s: rate cut to %.0f %% of the ceiling (cut %d)",
+                shard,
+                100 * limiter.fraction,
+                controller.cuts,
+                extra={"stream": self.stream, "shard": shard, "fraction": limiter.fraction},
+            )
+
+    # -- introspection --------------------------------------------------------------------
+
     def queue_depths(self) -> dict[str, int]:
-        return {shard: len(lim.queue) for shard, lim in self._shards.items() if lim.queue}
+        depths = {shard: lim.queued() for shard, lim in self._shards.items()}
+        return {shard: depth for shard, depth in depths.items() if depth}
 
     def rates(self) -> dict[str, tuple[float, float]]:
         return {
@@ -148,11 +436,27 @@ class Limiter:
     def token_levels(self, now: float) -> dict[str, tuple[float, float]]:
         return {shard: lim.bucket.levels(now) for shard, lim in self._shards.items()}
 
+    def shard_state(
+        self,
+    ) -> dict[str, tuple[ShardCounters, RateController | None, int]]:
+        """Per shard: its counters, its controller (if adaptive) and its queue depth."""
+        return {
+            shard: (lim.counters, lim.controller, lim.queued())
+            for shard, lim in self._shards.items()
+        }
+
     def take_all(self) -> list[KinesisRecord]:
         """Remove and return every queued record (used when failing everything)."""
-        records = [item[2] for lim in self._shards.values() for item in lim.queue]
+        records: list[KinesisRecord] = []
         for lim in self._shards.values():
-            lim.queue.clear()
+            lanes = lim.lanes if lim.lanes is not None else {None: lim.queue}
+            for lane in lanes.values():
+                records.extend(item[2] for item in lane)
+                lane.clear()
+            if lim.lanes is not None:
+                lim.lanes = {None: lim.queue}
+            lim.turns.clear()
+            lim.deficits.clear()
         self._waiting.clear()
         self.queued = 0
         return records

@@ -23,6 +23,7 @@ deadlock).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -33,12 +34,13 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ._aggregator import Aggregator
 from ._collector import Collector
-from ._limiter import Limiter
+from ._limiter import AdaptiveSettings, Limiter
 from ._metrics import Metrics
 from ._records import KinesisRecord, PendingRecord
-from ._retrier import Finish, Retrier
+from ._retrier import Finish, Retrier, RetryBudget
 from ._sender import Transport, run_sender
 from ._shard_map import ShardMap, run_shard_map
+from ._token_bucket import TokenBucket
 from .config import ProducerConfig
 
 __all__ = ("Pipeline",)
@@ -104,6 +106,7 @@ class Pipeline:
         transport: Transport,
         metrics: Metrics,
         finish: Finish,
+        shared_bucket: TokenBucket | None = None,
     ) -> None:
         self.stream = stream
         self.config = config
@@ -117,7 +120,20 @@ class Pipeline:
             container_partition_key=config.container_partition_key,
             predict=self.shard_map.shard_id,
         )
-        self.limiter = Limiter(rate_limit_percent=config.rate_limit)
+        adaptive = None
+        if config.adaptive:
+            adaptive = AdaptiveSettings(
+                decrease=config.adaptive_decrease,
+                increase=config.adaptive_increase,
+                floor=config.adaptive_floor,
+                window=config.adaptive_window,
+            )
+        self.limiter = Limiter(
+            rate_limit_percent=config.rate_limit,
+            adaptive=adaptive,
+            shared=shared_bucket,
+            stream=stream,
+        )
         self.collector = Collector(
             max_count=config.collection_max_count,
             max_size=config.collection_max_size,
@@ -135,6 +151,12 @@ class Pipeline:
             backoff_initial=config.retry_backoff_initial,
             backoff_max=config.retry_backoff_max,
             observe=self._observe,
+            on_throttled=self.limiter.throttled,
+            retry_budget=(
+                None
+                if config.retry_budget is None
+                else RetryBudget(config.retry_budget, anyio.current_time())
+            ),
         )
         self.aggregator_send, self.aggregator_in = _stream()
         self.limiter_send, self.limiter_in = _stream()
@@ -164,6 +186,13 @@ class Pipeline:
 
     def flush(self) -> None:
         self.aggregator_send.send_nowait(FLUSH)
+
+    def wake_limiter(self) -> None:
+        """Make the Limiter plan every shard's wait again (a shared bucket got faster)."""
+        self.limiter.unblock()
+        # after the pipeline has shut down there is nothing left to plan
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+            self.limiter_send.send_nowait(WAKE)
 
     # -- tasks ----------------------------------------------------------------------------
 
@@ -244,7 +273,7 @@ class Pipeline:
                 out: list[KinesisRecord] = []
                 expired: list[KinesisRecord] = []
                 for message in messages:
-                    if message is not FLUSH and message is not END:
+                    if message is not FLUSH and message is not END and message is not WAKE:
                         limiter.put(message, now, out)
                 wake = limiter.drain(now, out, expired)
                 if expired:

@@ -22,17 +22,21 @@ import math
 import sys
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 
 from . import _limits, errors
+from ._coordinator import FleetWorker
+from ._fleet import FleetDemand, FleetStatistics
 from ._metrics import MetricKey, Metrics, MetricValue
 from ._pipeline import Pipeline
 from ._records import PendingRecord, RecordResult, _AttemptRecord, partition_key_hash
 from ._sender import Transport, _running_trio, open_transport
-from .config import ProducerConfig
+from ._tenants import Reservation, TenantAdmission, TenantStatistics
+from ._token_bucket import BURST_SECONDS, TokenBucket
+from .config import MAX_TENANT_LENGTH, ProducerConfig
 from .metrics import FINAL_REPORT_WHEN_CANCELLED, MetricsSink, Uploader
 
 logger = logging.getLogger("anykpl.producer")
@@ -43,10 +47,41 @@ else:  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
     from typing_extensions import Self
 
-__all__ = ("Producer", "ProducerStatistics", "StreamStatistics")
+__all__ = ("Producer", "ProducerStatistics", "ShardStatistics", "StreamStatistics")
 
 CHECKPOINT_EVERY = 128
+#: A token bucket rate that never binds (a fleet bucket before its first grant).
+UNLIMITED = 1e15
 _KEY_CACHE_LIMIT = 65536
+
+
+@dataclass(frozen=True, slots=True)
+class ShardStatistics:
+    """A snapshot of one shard's rate control (one per shard the Limiter has seen).
+
+    Attributes:
+        rate: (records/s, bytes/s) the Limiter allows the shard now.
+        ceiling: (records/s, bytes/s) the most it ever allows (``rate_limit`` percent of the
+            shard's limits); ``rate`` is lower while adaptive control has it cut.
+        cuts: congestion events that cut the rate (adaptive control).
+        throttled_records: Kinesis records throttled by the service for this shard.
+        records_sent: Kinesis records the Limiter released for this shard.
+        bytes_sent: their bytes.
+        token_wait: user-record seconds spent waiting for the shard's tokens (summed over
+            records: 10 records waiting 0.1 s each make 1.0).
+        backoff: user-record seconds spent waiting out retry backoff.
+        queued: Kinesis records waiting for tokens now.
+    """
+
+    rate: tuple[float, float]
+    ceiling: tuple[float, float]
+    cuts: int
+    throttled_records: int
+    records_sent: int
+    bytes_sent: int
+    token_wait: float
+    backoff: float
+    queued: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +98,9 @@ class StreamStatistics:
         requests_in_flight: PutRecords requests sent and not yet classified.
         retry_backoff_records: user records waiting out a retry backoff.
         user_records_received: user records admitted for this stream.
+        shards: rate control per shard: rate, ceiling, cuts, throttles, waits.
+        retry_budget_exhausted: retries that found the retry budget spent (and waited
+            ``retry_backoff_max``).
     """
 
     shard_map_state: str
@@ -74,6 +112,8 @@ class StreamStatistics:
     requests_in_flight: int
     retry_backoff_records: int
     user_records_received: int
+    shards: Mapping[str, ShardStatistics]
+    retry_budget_exhausted: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +126,12 @@ class ProducerStatistics:
         streams: per-stream pipeline statistics.
         errors_by_code: Kinesis-record errors seen, by error code.
         metrics: the KPL metric counters (``MetricKey`` → sum) at global, stream and shard level.
+        tenants: per-tenant quota statistics (:class:`~anykpl.TenantStatistics`) of the
+            tenants records were put for (idle ones not named in ``tenant_quotas`` are
+            forgotten once there are many; see docs/tenants.md).
+        fleet: this producer's place in its fleet (:class:`~anykpl._fleet.FleetStatistics`:
+            role, mode, the rate applied, the grant's expiry, S3 errors), or ``None`` without
+            ``ProducerConfig.fleet`` (see docs/fleet.md).
     """
 
     outstanding_records: int
@@ -93,6 +139,8 @@ class ProducerStatistics:
     streams: Mapping[str, StreamStatistics]
     errors_by_code: Mapping[str, int]
     metrics: Mapping[MetricKey, float]
+    tenants: Mapping[str, TenantStatistics] = field(default_factory=dict)
+    fleet: FleetStatistics | None = None
 
 
 class Producer(anyio.AsyncContextManagerMixin):
@@ -156,6 +204,16 @@ class Producer(anyio.AsyncContextManagerMixin):
         self._buffer_time = config.record_max_buffered_time
         self._admitted_since_checkpoint = 0
         self._clock: Callable[[], float] = anyio.current_time
+        self._tenants = TenantAdmission(config)
+        # with a fleet cap: the producer-wide bucket every stream's Limiter also takes from;
+        # its rates are this producer's grant (set by the fleet worker, unlimited until then)
+        self._fleet_bucket: TokenBucket | None = None
+        if config.fleet is not None:
+            self._fleet_bucket = TokenBucket(UNLIMITED, UNLIMITED, 0.0, burst=BURST_SECONDS)
+        self._fleet_worker: FleetWorker | None = None
+        # cumulative admissions: the fleet worker's measure of offered load
+        self._admitted_records = 0
+        self._admitted_bytes = 0
 
     def __repr__(self) -> str:
         return (
@@ -178,6 +236,11 @@ class Producer(anyio.AsyncContextManagerMixin):
                 if self._metrics_sinks and self.config.metrics_level != "none":
                     self._uploader = Uploader(self._metrics, self._metrics_sinks, self.config)
                     tg.start_soon(self._uploader.run)
+                if self.config.fleet is not None:
+                    self._fleet_worker = FleetWorker(
+                        self.config.fleet, self.config, self._fleet_demand, self._apply_fleet_rates
+                    )
+                    await tg.start(self._fleet_worker.run)  # the bootstrap rate applies now
                 self._state = "open"
                 cancelled = False
                 try:
@@ -190,6 +253,8 @@ class Producer(anyio.AsyncContextManagerMixin):
                     try:
                         await self._close(cancelled)
                     finally:
+                        if self._fleet_worker is not None:
+                            await self._fleet_worker.aclose()  # shielded, bounded inside
                         if self._uploader is not None:
                             self._uploader.abort()
                         tg.cancel_scope.cancel()
@@ -206,6 +271,7 @@ class Producer(anyio.AsyncContextManagerMixin):
     async def _close(self, cancelled: bool) -> None:
         """Flush, fail what is left, send the last metrics report: all within one deadline,
         ``close_timeout`` from now (the last report gets at most ``CLOSE_GRACE`` more)."""
+        self._tenants.close()  # records waiting for a tenant's quota give up now
         close_timeout = self.config.close_timeout
         if self._close_timeout is not None:
             close_timeout = min(close_timeout, self._close_timeout)
@@ -278,7 +344,14 @@ class Producer(anyio.AsyncContextManagerMixin):
         _check_stream_name(stream)
         if self._task_group is None or self._transport is None:
             raise errors.ProducerClosedError("the producer is not open")
-        pipeline = Pipeline(stream, self.config, self._transport, self._metrics, self._finish)
+        pipeline = Pipeline(
+            stream,
+            self.config,
+            self._transport,
+            self._metrics,
+            self._finish,
+            shared_bucket=self._fleet_bucket,
+        )
         self._pipelines[stream] = pipeline
         pipeline.start(self._task_group, self._guard)
         return pipeline
@@ -291,12 +364,16 @@ class Producer(anyio.AsyncContextManagerMixin):
         data: bytes | bytearray | memoryview,
         partition_key: str | None = None,
         explicit_hash_key: str | int | None = None,
+        *,
+        tenant: str | None = None,
     ) -> RecordResult:
         """Put one record and wait until it is terminal.
 
         ``partition_key`` defaults to a random key (the record then lands on a random shard).
         ``explicit_hash_key`` (a decimal string or int in [0, 2**128)) overrides the hash of the
-        partition key for shard placement.
+        partition key for shard placement. ``tenant`` (1..256 characters) puts the record for
+        that tenant: it draws from the tenant's quota (``tenant_quotas``) and queues fairly
+        with other tenants' records on its shard (see docs/tenants.md).
 
         :returns: the :class:`RecordResult` on success.
         :raises ~anykpl.errors.RecordFailedError: when the record failed for good; its
@@ -304,9 +381,12 @@ class Producer(anyio.AsyncContextManagerMixin):
         :raises ~anykpl.errors.InvalidRecordError: bad input; nothing was enqueued.
         :raises ~anykpl.errors.RecordTypeError: wrong argument types; nothing was enqueued.
         :raises ~anykpl.errors.ProducerClosedError: the producer is closed or closing.
-        :raises ~anykpl.errors.BackpressureTimeout: no room within ``admission_timeout``.
+        :raises ~anykpl.errors.BackpressureTimeout: no room within ``admission_timeout`` (or
+            the tenant's tokens come later than that).
+        :raises ~anykpl.errors.TenantQuotaExceeded: the tenant is over its quota and
+            ``tenant_overflow`` is ``"reject"``; nothing was enqueued.
         """
-        pending = await self.submit(stream, data, partition_key, explicit_hash_key)
+        pending = await self.submit(stream, data, partition_key, explicit_hash_key, tenant=tenant)
         return await pending.wait()
 
     async def submit(
@@ -315,35 +395,51 @@ class Producer(anyio.AsyncContextManagerMixin):
         data: bytes | bytearray | memoryview,
         partition_key: str | None = None,
         explicit_hash_key: str | int | None = None,
+        *,
+        tenant: str | None = None,
     ) -> PendingRecord:
         """Admit one record and return its :class:`PendingRecord` handle at once.
 
-        Waits only for room under ``max_outstanding_records``/``max_outstanding_bytes``
-        (backpressure), up to ``admission_timeout``. ``await`` the handle for the result.
+        Waits only for its tenant's tokens (with ``tenant=``, see :meth:`put_record`) and for
+        room under ``max_outstanding_records``/``max_outstanding_bytes`` (backpressure), up to
+        ``admission_timeout`` in all. ``await`` the handle for the result.
         Raises like :meth:`put_record`, except that record failures come from the handle.
         """
         if self._state != "open":
             raise self._not_open()
         record = self._make_record(stream, data, partition_key, explicit_hash_key)
+        if tenant is not None:
+            record.tenant = _check_tenant(tenant)
         pipeline = self._pipelines.get(stream) or self._open_pipeline(stream)
-        if len(self._outstanding) >= self._max_records or (
-            self._outstanding_bytes + record.size > self._max_bytes and self._outstanding
-        ):
-            await self._wait_for_room(record.size)
-            if self._state != "open":
-                raise self._not_open()
-        else:
-            # With room, admission needs no wait; a checkpoint per call would cost more than
-            # the rest of the admission, so a loop of submits yields every CHECKPOINT_EVERY
-            # calls (letting the stages run and cancellation in) instead of on each one —
-            # except while the stream's shard map is not ready: then every record goes out
-            # unaggregated, and ListShards must not wait behind a busy caller.
-            self._admitted_since_checkpoint += 1
-            if self._admitted_since_checkpoint >= CHECKPOINT_EVERY or not pipeline.shard_map.ready:
-                self._admitted_since_checkpoint = 0
-                await anyio.lowlevel.checkpoint()
+        # the tenant's quota first: a record that waits for its tokens holds no room meanwhile
+        reservation = None if tenant is None else await self._admit_tenant(record, tenant)
+        try:
+            if len(self._outstanding) >= self._max_records or (
+                self._outstanding_bytes + record.size > self._max_bytes and self._outstanding
+            ):
+                await self._wait_for_room(record.size, reservation)
                 if self._state != "open":
                     raise self._not_open()
+            else:
+                # With room, admission needs no wait; a checkpoint per call would cost more
+                # than the rest of the admission, so a loop of submits yields every
+                # CHECKPOINT_EVERY calls (letting the stages run and cancellation in) instead
+                # of on each one — except while the stream's shard map is not ready: then
+                # every record goes out unaggregated, and ListShards must not wait behind a
+                # busy caller.
+                self._admitted_since_checkpoint += 1
+                if (
+                    self._admitted_since_checkpoint >= CHECKPOINT_EVERY
+                    or not pipeline.shard_map.ready
+                ):
+                    self._admitted_since_checkpoint = 0
+                    await anyio.lowlevel.checkpoint()
+                    if self._state != "open":
+                        raise self._not_open()
+        except BaseException:
+            if reservation is not None:  # not enqueued after all: the tenant's tokens go back
+                self._tenants.release(reservation, self._clock())
+            raise
         # the record's clock starts at admission, as the KPL's starts when the daemon sees it
         now = self._clock()
         record.arrival = now
@@ -353,6 +449,8 @@ class Producer(anyio.AsyncContextManagerMixin):
         record.expiration = expiration
         self._outstanding.add(record)
         self._outstanding_bytes += record.size
+        self._admitted_records += 1
+        self._admitted_bytes += record.size
         pipeline.received += 1
         pipeline.put(record)
         return record
@@ -405,10 +503,21 @@ class Producer(anyio.AsyncContextManagerMixin):
             )
         return PendingRecord(stream, partition_key, data, hash_key, ehk, 0.0, 0.0, 0.0, size)
 
-    async def _wait_for_room(self, size: int) -> None:
+    async def _admit_tenant(self, record: PendingRecord, tenant: str) -> Reservation:
+        """Take the record's tokens from its tenant's quota, waiting for them if need be."""
+        reservation = await self._tenants.admit(tenant, record.size, self._clock())
+        if reservation.wait > 0.0 and self._state != "open":
+            self._tenants.release(reservation, self._clock())
+            raise self._not_open()
+        return reservation
+
+    async def _wait_for_room(self, size: int, reservation: Reservation | None = None) -> None:
         timeout = self.config.admission_timeout
+        limit = math.inf if timeout is None else timeout
+        if reservation is not None:
+            limit = max(0.0, limit - reservation.wait)  # admission_timeout bounds both waits
         try:
-            with anyio.fail_after(timeout if timeout is not None else math.inf):
+            with anyio.fail_after(limit):
                 while len(self._outstanding) >= self._max_records or (
                     self._outstanding_bytes + size > self._max_bytes and self._outstanding
                 ):
@@ -504,16 +613,35 @@ class Producer(anyio.AsyncContextManagerMixin):
         streams = {}
         for name, p in self._pipelines.items():
             levels = p.limiter.token_levels(now) if running else {}
+            limiter, retrier = p.limiter, p.retrier
+            rates = limiter.rates()
+            shards = {
+                shard: ShardStatistics(
+                    rate=rates[shard],
+                    ceiling=(limiter.records_ceiling, limiter.bytes_ceiling),
+                    cuts=0 if controller is None else controller.cuts,
+                    throttled_records=retrier.throttled.get(shard, 0),
+                    records_sent=counters.records_sent,
+                    bytes_sent=counters.bytes_sent,
+                    token_wait=counters.token_wait,
+                    backoff=retrier.backoff_time.get(shard, 0.0),
+                    queued=queued,
+                )
+                for shard, (counters, controller, queued) in limiter.shard_state().items()
+            }
+            budget = retrier.retry_budget
             streams[name] = StreamStatistics(
                 shard_map_state=p.shard_map.state.value,
                 open_shards=p.shard_map.open_shards,
                 aggregator_queue_depths=p.aggregator.queue_depths(),
                 limiter_queue_depths=p.limiter.queue_depths(),
                 token_levels=levels,
-                rates=p.limiter.rates(),
+                rates=rates,
                 requests_in_flight=p.in_flight,
                 retry_backoff_records=p.retrier.delayed_records,
                 user_records_received=p.received,
+                shards=shards,
+                retry_budget_exhausted=0 if budget is None else budget.exhausted,
             )
         return ProducerStatistics(
             outstanding_records=len(self._outstanding),
@@ -521,7 +649,34 @@ class Producer(anyio.AsyncContextManagerMixin):
             streams=streams,
             errors_by_code=self._metrics.by_error_code(),
             metrics=self._metrics.snapshot(),
+            tenants=self._tenants.statistics(now if running else None),
+            fleet=None if self._fleet_worker is None else self._fleet_worker.statistics(),
         )
+
+    def _fleet_demand(self) -> FleetDemand:
+        """The fleet worker's view of the load: admitted so far, and outstanding now."""
+        return FleetDemand(
+            self._admitted_records,
+            self._admitted_bytes,
+            len(self._outstanding),
+            self._outstanding_bytes,
+        )
+
+    def _apply_fleet_rates(
+        self, records_per_second: float | None, bytes_per_second: float | None
+    ) -> None:
+        """Set the shared bucket to this producer's fleet grant (``None``: unlimited)."""
+        bucket = self._fleet_bucket
+        if bucket is None:
+            return
+        records = UNLIMITED if records_per_second is None else records_per_second
+        nbytes = UNLIMITED if bytes_per_second is None else bytes_per_second
+        faster = records > bucket.records_per_second or nbytes > bucket.bytes_per_second
+        bucket.set_rates(records, nbytes, self._clock())
+        if faster:
+            # shards waiting for the shared tokens planned their wait at the old rate
+            for pipeline in self._pipelines.values():
+                pipeline.wake_limiter()
 
     def metrics(self, name: str | None = None, window: float | None = None) -> list[MetricValue]:
         """The KPL metrics kept in process, like the KPL's ``getMetrics``.
@@ -560,6 +715,16 @@ def _check_stream_name(stream: object) -> None:
         raise errors.InvalidRecordError(
             f"invalid stream name {stream!r}: 1..128 characters of a-z, A-Z, 0-9, '_', '.' and '-'"
         )
+
+
+def _check_tenant(tenant: object) -> str:
+    if type(tenant) is not str:
+        raise errors.RecordTypeError(f"tenant must be a str or None, not {type(tenant).__name__}")
+    if not 0 < len(tenant) <= MAX_TENANT_LENGTH:
+        raise errors.InvalidRecordError(
+            f"tenant must be 1..{MAX_TENANT_LENGTH} characters, got {len(tenant)}"
+        )
+    return tenant
 
 
 def _key_facts(partition_key: str) -> tuple[int, int]:

@@ -122,6 +122,7 @@ class PendingRecord:
         "size",
         "stream",
         "sub_sequence_number",
+        "tenant",
     )
 
     def __init__(
@@ -150,6 +151,8 @@ class PendingRecord:
         self.shard_id: str | None = None
         self.sequence_number: str | None = None
         self.sub_sequence_number: int | None = None
+        # the tenant it was put for (tenant quotas and the Limiter's fair queue), or None
+        self.tenant: str | None = None
         # The latest attempt in a slot and earlier ones in a tuple: no list per record, since
         # most records succeed at the first attempt (every allocation here costs GC time).
         self._last_attempt: _AttemptRecord | None = None
@@ -299,6 +302,7 @@ class KinesisRecord:
         "predicted_shard",
         "records",
         "size",
+        "tenant",
     )
 
     def __init__(
@@ -319,6 +323,9 @@ class KinesisRecord:
         self.deadline = deadline
         self.expiration = expiration
         self.size = len(data) + len(partition_key)
+        # every user record of an aggregate has the same tenant (the Aggregator keeps tenants
+        # apart), so the Limiter can queue the Kinesis record fairly by tenant
+        self.tenant = records[0].tenant if records else None
 
     def __repr__(self) -> str:
         return (

@@ -21,6 +21,12 @@ Where we differ, and why:
   (``retry_backoff_initial`` doubling to ``retry_backoff_max``, reset by a success on that
   shard) before re-entering the aggregator. The KPL re-sends after RMBT/2 at most (KPL #35).
   Wrong Shard is not backed off: the refreshed map is the fix.
+- **Adaptive control**: the throttled Kinesis records of a response are reported to the
+  Limiter once per shard (``on_throttled``), where they cut that shard's rate
+  (``_adaptive.py``).
+- **Retry budget**: retries spend from a per-stream budget refilled by deliveries
+  (:class:`RetryBudget`); once it is spent, failed records wait ``retry_backoff_max`` before
+  they retry, so a storm of failures cannot multiply the traffic. Nothing is failed for it.
 - **All-or-nothing aggregates**: after KPL #576 the KPL accepts the user records of a
   wrong-shard aggregate whose own keys fall in the actual shard, but a KCL consumer drops the
   *whole* aggregate when any sub-record is out of range. We count an aggregate as delivered only
@@ -48,6 +54,43 @@ Finish = Callable[[Sequence[PendingRecord], bool], None]
 Count = Callable[[str, int, str | None, str | None], None]
 #: (name, shard, error code, count, sum, min, max): a statistic set for the metrics
 Observe = Callable[[str, str | None, str | None, float, float, float, float], None]
+#: (shard, throttled Kinesis records, when their request was sent, now)
+Throttled = Callable[[str, int, float, float], None]
+
+
+class RetryBudget:
+    """Retries allowed as a share of deliveries, like Finagle's retry budget and botocore's
+    retry quota: each delivered Kinesis record deposits ``ratio`` tokens, ``minimum`` tokens
+    arrive per second whatever the traffic, and each retried Kinesis record spends one. The
+    balance holds at most ``capacity`` (botocore's initial retry quota is 500) and starts full.
+    Pure: the caller passes the time."""
+
+    __slots__ = ("balance", "capacity", "exhausted", "minimum", "ratio", "updated")
+
+    def __init__(
+        self, ratio: float, now: float, *, minimum: float = 10.0, capacity: float = 500.0
+    ) -> None:
+        self.ratio = ratio
+        self.minimum = minimum
+        self.capacity = capacity
+        self.balance = capacity
+        self.updated = now
+        self.exhausted = 0  # retries that found the budget spent
+
+    def deposit(self, delivered: float) -> None:
+        balance = self.balance + self.ratio * delivered
+        self.balance = balance if balance < self.capacity else self.capacity
+
+    def try_spend(self, now: float) -> bool:
+        elapsed = now - self.updated
+        if elapsed > 0:
+            self.balance = min(self.capacity, self.balance + self.minimum * elapsed)
+            self.updated = now
+        if self.balance >= 1.0:
+            self.balance -= 1.0
+            return True
+        self.exhausted += 1
+        return False
 
 
 class Retrier:
@@ -68,6 +111,8 @@ class Retrier:
         backoff_max: float,
         rng: random.Random | None = None,
         observe: Observe | None = None,
+        on_throttled: Throttled | None = None,
+        retry_budget: RetryBudget | None = None,
     ) -> None:
         self.stream = stream
         self.shard_map = shard_map
@@ -89,6 +134,14 @@ class Retrier:
         self._failed: dict[str, tuple[int, str]] = {}
         self._counter = 0
         self.delayed_records = 0
+        self.on_throttled = on_throttled
+        self.retry_budget = retry_budget
+        # throttled Kinesis records per predicted shard in the outcome being handled
+        self._throttles: dict[str, int] = {}
+        # per predicted shard, since the start: throttled Kinesis records, and user-record
+        # seconds of retry backoff
+        self.throttled: dict[str, int] = {}
+        self.backoff_time: dict[str | None, float] = {}
 
     # -- outcomes -----------------------------------------------------------------------
 
@@ -98,6 +151,16 @@ class Retrier:
         finally:
             if self._failed:
                 self._log_failures()
+            if self._throttles:
+                self._report_throttles(outcome.start, now)
+
+    def _report_throttles(self, sent_at: float, now: float) -> None:
+        throttled = self.throttled
+        for shard, count in self._throttles.items():
+            throttled[shard] = throttled.get(shard, 0) + count
+            if self.on_throttled is not None:
+                self.on_throttled(shard, count, sent_at, now)
+        self._throttles.clear()
 
     def _log_failures(self) -> None:
         """One log line per error code for the records that just failed for good: never one
@@ -170,7 +233,10 @@ class Retrier:
                     kr, entry["ShardId"], sequence_number, outcome, now, users
                 )
         observe = self.observe
+        budget = self.retry_budget
         for shard, (put, failed, put_bytes, smallest, largest) in kinesis.items():
+            if budget is not None and put:
+                budget.deposit(put)
             # the KPL's 1 per delivered Kinesis record and 0 per failed one (and the reverse
             # for AllErrors): the zeros count as samples only
             count = put + failed
@@ -291,6 +357,9 @@ class Retrier:
     def _fail_or_retry(self, kr: KinesisRecord, attempt: _AttemptRecord, now: float) -> None:
         code = attempt.code or ""
         shard = kr.predicted_shard
+        if code == errors.THROTTLED and shard is not None:
+            throttles = self._throttles
+            throttles[shard] = throttles.get(shard, 0) + 1
         if not errors.is_retriable(code) or (self.fail_if_throttled and code == errors.THROTTLED):
             self._fail(kr.records, attempt, shard)
         else:
@@ -357,7 +426,15 @@ class Retrier:
                 self._advanced.add(backoff_key)
                 self._streaks[backoff_key] = streak + 1
             cap = min(self.backoff_max, self.backoff_initial * (2.0**streak))
-            delay = self.rng.uniform(0.0, cap)
+            budget = self.retry_budget
+            if budget is not None and not budget.try_spend(now):
+                # the budget is spent: wait the longest backoff (jittered) instead
+                delay = self.rng.uniform(self.backoff_max / 2, self.backoff_max)
+            else:
+                delay = self.rng.uniform(0.0, cap)
+            if delay:
+                times = self.backoff_time
+                times[shard] = times.get(shard, 0.0) + delay * len(retry)
         release = now + delay
         deadline = release + self.retry_delay
         for record in retry:

@@ -18,7 +18,11 @@ open, then closes it) and the *admitter*.
   backpressure (no room under ``max_outstanding_*``) reach the caller exactly as they do on the
   async producer, and admission is FIFO across threads. One admitter serves every thread: a
   burst from many threads is admitted in one pass, without a task or a loop round trip per
-  record (``BlockingPortal.call`` costs both; see docs/sync.md for the numbers).
+  record (``BlockingPortal.call`` costs both; see docs/sync.md for the numbers). Records put
+  with ``tenant=`` for a tenant that has a quota are the exception: the admitter moves them to
+  that tenant's lane, admitted in order by a task of its own while the lane holds records, so
+  a tenant waiting for its quota holds up only its own records (FIFO per tenant, as on the
+  async producer). A record waiting in a lane can still be withdrawn by its caller's timeout.
 - The record's :class:`concurrent.futures.Future` is completed where the record is resolved:
   on admission the admitter sets the :class:`PendingRecord`'s completion hook
   (``PendingRecord._on_done``, one slot), and the stage that resolves the record calls it. No
@@ -111,14 +115,16 @@ _QUEUED, _TAKEN, _CANCELLED = 0, 1, 2
 class _Admission:
     """One record on its way from a caller's thread into ``Producer.submit``."""
 
-    __slots__ = ("args", "deadline", "error", "future", "signal", "state")
+    __slots__ = ("args", "deadline", "error", "future", "signal", "state", "tenant")
 
     def __init__(
         self,
         args: tuple[str, bytes | bytearray | memoryview, str | None, str | int | None],
+        tenant: str | None,
         deadline: float | None,
     ) -> None:
         self.args = args
+        self.tenant = tenant
         self.deadline = deadline  # time.monotonic() value, or None
         self.state = _QUEUED
         self.error: BaseException | None = None
@@ -209,6 +215,8 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         self._lock = threading.Lock()
         self._state = "open"  # open → closing → closed
         self._queue: deque[_Admission] = deque()
+        # tenant -> its records waiting to be admitted by their lane's task (see _admit_forever)
+        self._tenant_lanes: dict[str, deque[_Admission]] = {}
         self._admitter_idle = False
         self._admitter_wakeup: anyio.Event | None = None
         # admitted records whose future is not done yet; only the loop thread changes it
@@ -260,24 +268,28 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         partition_key: str | None = None,
         explicit_hash_key: str | int | None = None,
         *,
+        tenant: str | None = None,
         timeout: float | None = None,
     ) -> RecordResult:
         """Put one record and block until it is terminal, or for at most ``timeout`` seconds.
 
-        Arguments as for :meth:`Producer.put_record <anykpl.Producer.put_record>`.
+        Arguments as for :meth:`Producer.put_record <anykpl.Producer.put_record>`
+        (``tenant`` included: the wait for the tenant's quota is part of admission).
 
         :returns: the :class:`~anykpl.RecordResult` on success.
         :raises ~anykpl.errors.RecordFailedError: the record failed for good.
         :raises errors.PutTimeout: ``timeout`` ran out after admission; the record is still in
             flight (``exc.future`` gives its outcome later). Do not put it again.
         :raises ~anykpl.errors.BackpressureTimeout: ``timeout`` (or ``admission_timeout``) ran
-            out while waiting for room; nothing was enqueued.
+            out while waiting for room or for the tenant's quota; nothing was enqueued.
+        :raises ~anykpl.errors.TenantQuotaExceeded: the tenant is over its quota and
+            ``tenant_overflow`` is ``"reject"``; nothing was enqueued.
         :raises ~anykpl.errors.InvalidRecordError, ~anykpl.errors.RecordTypeError: bad input;
             nothing was enqueued.
         :raises ~anykpl.errors.ProducerClosedError: the producer is closed or closing.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        future = self._admit(stream, data, partition_key, explicit_hash_key, deadline)
+        future = self._admit(stream, data, partition_key, explicit_hash_key, tenant, deadline)
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             return future.result(remaining)
@@ -297,11 +309,13 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         partition_key: str | None = None,
         explicit_hash_key: str | int | None = None,
         *,
+        tenant: str | None = None,
         timeout: float | None = None,
     ) -> Future[RecordResult]:
         """Admit one record and return a :class:`concurrent.futures.Future` of its result.
 
-        Blocks only until the record is admitted: while there is no room under
+        Blocks only until the record is admitted: while its tenant (``tenant=``) waits for its
+        quota, and while there is no room under
         ``max_outstanding_records``/``max_outstanding_bytes`` (backpressure), for at most
         ``timeout`` seconds (and ``admission_timeout``). The future's result is the
         :class:`~anykpl.RecordResult`; on failure its exception is
@@ -312,7 +326,7 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         Raises like :meth:`put_record`, except that record failures come from the future.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        return self._admit(stream, data, partition_key, explicit_hash_key, deadline)
+        return self._admit(stream, data, partition_key, explicit_hash_key, tenant, deadline)
 
     def _admit(
         self,
@@ -320,10 +334,11 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         data: bytes | bytearray | memoryview,
         partition_key: str | None,
         explicit_hash_key: str | int | None,
+        tenant: str | None,
         deadline: float | None,
     ) -> Future[RecordResult]:
         self._check_thread()
-        item = _Admission((stream, data, partition_key, explicit_hash_key), deadline)
+        item = _Admission((stream, data, partition_key, explicit_hash_key), tenant, deadline)
         with self._lock:
             if self._state != "open":
                 raise self._closed_error()
@@ -583,65 +598,113 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
             event.set()
 
     async def _admit_forever(self, producer: Producer, admitted_all: anyio.Event) -> None:
-        """Pass queued records to ``Producer.submit``, one at a time, in arrival order."""
+        """Pass queued records to ``Producer.submit``, one at a time, in arrival order.
+
+        Records for a tenant with a quota go to that tenant's lane instead, admitted in order
+        by a task of its own while the lane has records: a tenant waiting for its quota must
+        not hold up everyone else's records (module docstring).
+        """
         lock = self._lock
         queue = self._queue
-        futures = self._futures
-        on_done = self._record_done
-        while True:
-            with lock:
-                item = queue.popleft() if queue else None
+        lanes = self._tenant_lanes
+        has_quota = producer._tenants.quotas.quota_of
+        async with anyio.create_task_group() as lane_tasks:
+            while True:
+                new_lane = None
+                with lock:
+                    item = queue.popleft() if queue else None
+                    if item is None:
+                        if self._state != "open":
+                            break
+                        self._admitter_idle = True
+                        wakeup = self._admitter_wakeup = anyio.Event()
+                    elif item.state == _CANCELLED:
+                        continue
+                    elif type(item.tenant) is str and has_quota(item.tenant) is not None:
+                        # stays _QUEUED in the lane: its caller may still withdraw it
+                        lane = lanes.get(item.tenant)
+                        if lane is None:
+                            lane = lanes[item.tenant] = deque()
+                            new_lane = item.tenant
+                        lane.append(item)
+                    else:
+                        item.state = _TAKEN
                 if item is None:
-                    if self._state != "open":
-                        admitted_all.set()
+                    await wakeup.wait()
+                elif new_lane is not None:
+                    lane_tasks.start_soon(self._admit_lane, producer, new_lane)
+                elif item.state == _TAKEN:
+                    await self._admit_one(producer, item)
+        admitted_all.set()  # after the lanes' tasks, too, have admitted what they held
+
+    async def _admit_lane(self, producer: Producer, tenant: str) -> None:
+        """Admit one tenant's queued records in order; ends when its lane is empty."""
+        lane = self._tenant_lanes[tenant]
+        try:
+            while True:
+                with self._lock:
+                    item = lane.popleft() if lane else None
+                    if item is None:
+                        del self._tenant_lanes[tenant]
                         return
-                    self._admitter_idle = True
-                    wakeup = self._admitter_wakeup = anyio.Event()
-                elif item.state == _CANCELLED:
-                    continue
-                else:
+                    if item.state == _CANCELLED:
+                        continue
                     item.state = _TAKEN
-            if item is None:
-                await wakeup.wait()
-                continue
-            try:
-                if item.deadline is None:
-                    pending = await producer.submit(*item.args)
-                else:
-                    with anyio.fail_after(max(0.0, item.deadline - time.monotonic())):
-                        pending = await producer.submit(*item.args)
-            except errors.AnyKplError as exc:
-                item.error = exc
-            except TimeoutError:
-                item.error = errors.BackpressureTimeout(
-                    "no room for the record within the timeout; nothing was enqueued"
-                )
-            except Exception as exc:
-                item.error = exc
-            except BaseException:
-                item.error = errors.ProducerClosedError(
-                    "the producer closed before the record was admitted; nothing was enqueued"
-                )
-                raise
+                await self._admit_one(producer, item)
+        except BaseException:
+            with self._lock:
+                self._tenant_lanes.pop(tenant, None)
+                left = [item for item in lane if item.state == _QUEUED]
+                for item in left:
+                    item.state = _TAKEN
+                lane.clear()
+            self._refuse(left)
+            raise
+
+    async def _admit_one(self, producer: Producer, item: _Admission) -> None:
+        """``Producer.submit`` one record, within its caller's deadline; release its caller."""
+        try:
+            if item.deadline is None:
+                pending = await producer.submit(*item.args, tenant=item.tenant)
             else:
-                if pending.done():  # pragma: no cover - resolved within submit (a crash, say)
-                    _complete(pending, item.future)
-                else:
-                    futures[pending] = item.future
-                    pending._on_done = on_done
-            finally:
-                item.signal.release()
+                with anyio.fail_after(max(0.0, item.deadline - time.monotonic())):
+                    pending = await producer.submit(*item.args, tenant=item.tenant)
+        except errors.AnyKplError as exc:
+            item.error = exc
+        except TimeoutError:
+            item.error = errors.BackpressureTimeout(
+                "the record was not admitted within the timeout (no room, or its tenant "
+                "over its quota); nothing was enqueued"
+            )
+        except Exception as exc:
+            item.error = exc
+        except BaseException:
+            item.error = errors.ProducerClosedError(
+                "the producer closed before the record was admitted; nothing was enqueued"
+            )
+            raise
+        else:
+            if pending.done():  # pragma: no cover - resolved within submit (a crash, say)
+                _complete(pending, item.future)
+            else:
+                self._futures[pending] = item.future
+                pending._on_done = self._record_done
+        finally:
+            item.signal.release()
 
     def _record_done(self, pending: PendingRecord) -> None:
         """The completion hook of every admitted record (runs where the record is resolved)."""
         _complete(pending, self._futures.pop(pending))
 
     def _take_queued(self) -> list[_Admission]:
-        """Empty the admission queue (under the lock); returns the records never admitted."""
-        queued = [item for item in self._queue if item.state == _QUEUED]
+        """Empty the admission queue and the tenants' lanes (under the lock); returns the
+        records never admitted."""
+        waiting = [self._queue, *self._tenant_lanes.values()]
+        queued = [item for items in waiting for item in items if item.state == _QUEUED]
         for item in queued:
             item.state = _TAKEN
-        self._queue.clear()
+        for items in waiting:
+            items.clear()
         return queued
 
     @staticmethod

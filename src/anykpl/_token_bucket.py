@@ -103,6 +103,11 @@ class TokenBucket:
             return True
         return False
 
+    def refund(self, records: float, nbytes: float) -> None:
+        """Give back tokens taken by :meth:`try_take` that were not used (capped at capacity)."""
+        self._records = min(self.records_capacity, self._records + records)
+        self._bytes = min(self.bytes_capacity, self._bytes + nbytes)
+
     def time_until(self, records: float, nbytes: float, now: float) -> float:
         """Seconds from ``now`` until ``try_take(records, nbytes)`` would succeed (0 if now)."""
         self._refill(now)

@@ -15,6 +15,7 @@ _COMMANDS = {
     "emulator": ("anykpl.emulator.__main__", "a local Kinesis (and S3) that enforces shard limits"),
     "demo": ("anykpl.demo", "an IoT workload through the producer into the emulator, read back"),
     "bench": ("anykpl.bench", "measure shard throughput on the emulator: JSON, table, plot"),
+    "fleet-allocator": ("anykpl.fleet_allocator", "allocate a fleet's cap over S3, standalone"),
 }
 
 

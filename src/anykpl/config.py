@@ -64,6 +64,8 @@ _MAX_MILLISECONDS_IN_SECONDS: Final = _INT64_MAX / 1000
 _RECORD_TTL_CLAMP: Final = 10 * 365.25 * 24 * 3600.0
 #: The KPL's Region pattern (KinesisProducerConfiguration.setRegion).
 _REGION_PATTERN: Final = re.compile(r"[a-z]+-([a-z]+-)?[a-z]+-[0-9]")
+#: Tenant names (``put_record(..., tenant=...)`` and ``tenant_quotas``) are 1..256 characters.
+MAX_TENANT_LENGTH: Final = 256
 #: Fields whose values never appear in a repr or an error message.
 _SECRET_FIELDS: Final = frozenset({"aws_secret_access_key", "aws_session_token"})
 
@@ -101,9 +103,10 @@ class FleetConfig:
     Attributes:
         bucket: the S3 bucket holding the coordination objects (it must exist).
         prefix: key prefix of the coordination objects. Default ``"anykpl-fleet"``.
-        records_per_second: the fleet's cap in user records per second, or ``None``.
-        bytes_per_second: the fleet's cap in bytes per second, or ``None``. At least one of
-            the two caps must be given.
+        records_per_second: the fleet's cap in Kinesis records per second (as the service
+            counts them: an aggregate is one record), or ``None``.
+        bytes_per_second: the fleet's cap in bytes per second (data + partition keys of the
+            Kinesis records), or ``None``. At least one of the two caps must be given.
         sync_interval: seconds between a worker's demand reports (with ±10 % jitter), and
             between the allocator's grants. Default 5.0, 0.05..300.
         worker_id: this producer's name in the fleet. Default ``None``: a random one.
@@ -253,9 +256,10 @@ class ProducerConfig:
         max_outstanding_bytes: Most bytes of user data admitted and not yet finished. Default
             134217728 (128 MiB), at least 1024. No KPL property.
         admission_timeout: Seconds ``submit`` and ``put_record`` wait for room under the
-            outstanding limits before raising :class:`~anykpl.errors.BackpressureTimeout`.
-            Default ``None`` (wait as long as it takes); greater than 0 when given. No KPL
-            property.
+            outstanding limits, and for their tenant's quota (``tenant_quotas``), before
+            raising :class:`~anykpl.errors.BackpressureTimeout`; a put whose quota wait alone
+            would be longer is refused at once. Default ``None`` (wait as long as it takes);
+            greater than 0 when given. No KPL property.
         close_timeout: Seconds closing the producer spends flushing before it fails what is
             left. Default 30.0, at least 0. No KPL property.
         retry_backoff_initial: Base, in seconds, of the per-shard exponential backoff with full
@@ -273,10 +277,14 @@ class ProducerConfig:
             split instead of throttling each other. Default ``True``. No KPL property (the
             KPL's limiter is static).
         adaptive_decrease: The factor a congestion event multiplies the shard's rate by,
-            applied to the lower of the current rate and the rate actually sent. Default 0.8,
-            0.1..0.99.
-        adaptive_increase: How fast a cut shard's rate recovers, as a fraction of the ceiling
-            per second (additive increase). Default 0.05, 0.001..10.
+            applied to the lower of the current rate and the rate actually sent. Default 0.7
+            (botocore's adaptive mode uses 0.7 too), 0.1..0.99.
+        adaptive_increase: How fast a cut shard's rate recovers: a fraction of the ceiling per
+            second right after the cut, twice that after 10 s without throttles, three times
+            after 20 s, and so on (a producer that has the shard to itself again is back at
+            the ceiling within about 40 s from the floor). Default 0.005, 0.001..10. Larger
+            values recover faster and throttle more: N producers sharing a shard cause about
+            N² × increase ÷ (1 − decrease) congestion events per second.
         adaptive_floor: The lowest rate a cut can reach, as a fraction of the ceiling; the
             shard keeps probing at this rate. Default 0.05, 0.001..1.
         adaptive_window: Seconds during which further throttles for a shard are the same
@@ -337,8 +345,8 @@ class ProducerConfig:
 
     # Rate control beyond the KPL
     adaptive: bool = True
-    adaptive_decrease: float = 0.8
-    adaptive_increase: float = 0.05
+    adaptive_decrease: float = 0.7
+    adaptive_increase: float = 0.005
     adaptive_floor: float = 0.05
     adaptive_window: float = 0.25
     retry_budget: float | None = 0.2
@@ -584,13 +592,15 @@ def _check_endpoint_url(config: Any) -> None:
 
 def _check_tenant_quotas(config: ProducerConfig) -> None:
     quotas = config.tenant_quotas
-    allowed = "a mapping of tenant names (1..256 characters) to TenantQuota objects"
+    allowed = (
+        f"a mapping of tenant names (1..{MAX_TENANT_LENGTH} characters) to TenantQuota objects"
+    )
     if not isinstance(quotas, Mapping):
         _fail("tenant_quotas", quotas, allowed)
     for tenant, quota in quotas.items():
         if (
             not isinstance(tenant, str)
-            or not 0 < len(tenant) <= 256
+            or not 0 < len(tenant) <= MAX_TENANT_LENGTH
             or not isinstance(quota, TenantQuota)
         ):
             _fail("tenant_quotas", {tenant: quota}, allowed)

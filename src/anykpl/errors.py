@@ -8,6 +8,9 @@ The hierarchy (and whether anykpl or the caller may retry)::
     ├── RecordTypeError (TypeError)          wrong argument type (str data)    not retriable
     ├── ProducerClosedError                  put after (or during) close       not retriable
     ├── BackpressureTimeout (TimeoutError)   admission_timeout ran out         caller may retry
+    ├── TenantQuotaExceeded                  tenant over its quota, with       caller decides
+    │                                        tenant_overflow="reject"; nothing was enqueued
+    │                                        (.retry_after says when its tokens are back)
     ├── FlushTimeout (TimeoutError)          flush(timeout=...) ran out        caller may retry
     ├── PutTimeout (TimeoutError)            SyncProducer.put_record(timeout=)  not retriable
     │                                        ran out after admission; the record is still in
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
 
     from ._records import RecordResult
+    from .config import TenantQuota
 
 __all__ = (
     "AggregationFormatError",
@@ -41,6 +45,7 @@ __all__ = (
     "PutTimeout",
     "RecordFailedError",
     "RecordTypeError",
+    "TenantQuotaExceeded",
     "is_retriable",
 )
 
@@ -82,6 +87,41 @@ class BackpressureTimeout(AnyKplError, TimeoutError):
     Nothing was enqueued. Retriable by the caller."""
 
     retriable = True
+
+
+class TenantQuotaExceeded(AnyKplError):
+    """A record put with ``tenant=`` found its tenant over its quota, and
+    ``tenant_overflow="reject"`` said to refuse it rather than wait. Nothing was enqueued and
+    nothing was taken from the quota.
+
+    ``tenant`` and ``quota`` (its :class:`~anykpl.TenantQuota`) say whose quota it was;
+    ``retry_after`` is how many seconds until the tenant's tokens would cover this record.
+    The producer never retries it; the caller decides: put it again after ``retry_after``,
+    shed it, or answer its own caller with "slow down" (an HTTP 429, say). ``retriable`` is
+    ``True``: the same put can succeed later.
+    """
+
+    retriable = True
+
+    def __init__(self, tenant: str, quota: TenantQuota, retry_after: float) -> None:
+        self.tenant = tenant
+        self.quota = quota
+        self.retry_after = retry_after
+        super().__init__(
+            f"tenant {tenant!r} is over its quota ({_describe_quota(quota)}); nothing was "
+            f"enqueued: its tokens cover this record again in {retry_after:.3f} s"
+        )
+
+
+def _describe_quota(quota: TenantQuota) -> str:
+    """``"100 records/s, 10000 bytes/s, burst 1 s"``: a quota in an error message."""
+    parts = []
+    if quota.records_per_second is not None:
+        parts.append(f"{quota.records_per_second:g} records/s")
+    if quota.bytes_per_second is not None:
+        parts.append(f"{quota.bytes_per_second:g} bytes/s")
+    parts.append(f"burst {quota.burst:g} s")
+    return ", ".join(parts)
 
 
 class FlushTimeout(AnyKplError, TimeoutError):

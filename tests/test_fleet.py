@@ -1,0 +1,843 @@
+"""The fleet allocator's maths, the worker's state machine and the documents, on a virtual
+clock: no event loop, no S3.
+
+S3's clock is simulated as ``SERVER_EPOCH + local time`` with whole-second stamps, as S3's
+``Date`` and ``LastModified`` are.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from anykpl._fleet import (
+    HEADROOM,
+    MAX_DOCUMENT_BYTES,
+    Allocator,
+    DemandEstimator,
+    DocumentError,
+    FleetDemand,
+    GrantsDocument,
+    LeaseDocument,
+    ObservedReport,
+    Outstanding,
+    Rates,
+    ServerClock,
+    WorkerEntry,
+    WorkerReport,
+    WorkerState,
+    allocate_dimension,
+    in_force,
+    lease_expiry,
+    parse_grants,
+    parse_lease,
+    parse_report,
+    water_fill,
+)
+
+SERVER_EPOCH = 1_800_000_000.0
+CAP = 1000.0
+LEASE = 15.0
+TOLERANCE = 1e-6
+
+
+def server_stamp(local: float) -> float:
+    """S3's whole-second stamp of local time ``local``."""
+    return math.floor(SERVER_EPOCH + local)
+
+
+def known_clock(local: float = 0.0) -> ServerClock:
+    clock = ServerClock()
+    clock.observe(server_stamp(local), local, local)
+    return clock
+
+
+def exact(local: float) -> tuple[float, float]:
+    """Exact bounds on S3's time at local time ``local``."""
+    return SERVER_EPOCH + local, SERVER_EPOCH + local
+
+
+def report(
+    worker_id: str,
+    wants: float = 10_000.0,
+    *,
+    mode: str = "bootstrap",
+    generation: int | None = None,
+    has: float | None = None,
+    sequence: int = 1,
+) -> WorkerReport:
+    return WorkerReport(
+        worker_id=worker_id,
+        incarnation="abc",
+        sequence=sequence,
+        mode=mode,  # type: ignore[arg-type]
+        generation=generation,
+        has=Rates(has, None),
+        wants=Rates(wants, wants * 100),
+        offered=Rates(wants, wants * 100),
+        backlog=(0, 0),
+    )
+
+
+def observed(rep: WorkerReport, written_at: float) -> ObservedReport:
+    return ObservedReport(rep, server_stamp(written_at))
+
+
+def allocator(cap: float = CAP, lease: float = LEASE, bootstrap: float = 0.1) -> Allocator:
+    return Allocator(
+        allocator_id="alloc", cap=Rates(cap, None), lease=lease, bootstrap_fraction=bootstrap
+    )
+
+
+def outstanding(doc: GrantsDocument, worker_id: str) -> list[tuple[int, float | None, float]]:
+    return [
+        (o.generation, o.rates.records_per_second, o.expires_at)
+        for o in doc.workers[worker_id].outstanding
+    ]
+
+
+def grants_of(doc: GrantsDocument) -> dict[str, float]:
+    return {w: e.grant.records_per_second or 0.0 for w, e in doc.workers.items() if e.grant}
+
+
+# -- water-filling ------------------------------------------------------------------------
+
+
+def test_water_fill_gives_everyone_their_demand_when_it_fits() -> None:
+    assert water_fill(100, {"a": 10, "b": 20}) == {"a": 10, "b": 20}
+
+
+def test_water_fill_is_max_min_fair() -> None:
+    shares = water_fill(100, {"small": 10, "big": 500, "bigger": 1000})
+    assert shares == pytest.approx({"small": 10, "big": 45, "bigger": 45})
+
+
+def test_water_fill_with_nothing_to_give() -> None:
+    assert water_fill(0, {"a": 5}) == {"a": 0}
+    assert water_fill(10, {}) == {}
+
+
+@given(
+    capacity=st.floats(0, 1e7),
+    demands=st.dictionaries(st.text("abcdef", min_size=1, max_size=3), st.floats(0, 1e7)),
+)
+def test_water_fill_never_gives_more_than_capacity_or_demand(
+    capacity: float, demands: dict[str, float]
+) -> None:
+    shares = water_fill(capacity, demands)
+    assert sum(shares.values()) <= capacity * (1 + TOLERANCE) + TOLERANCE
+    for key, demand in demands.items():
+        assert shares[key] <= demand + TOLERANCE
+    # max-min: whoever got less than it asked got at least as much as anybody else
+    short = [shares[k] for k in demands if shares[k] < demands[k] - 1e-6 * max(1, demands[k])]
+    if short:
+        assert min(short) >= max(shares.values()) * (1 - 1e-9) - 1e-6
+
+
+# -- one dimension under the invariant ----------------------------------------------------
+
+
+def test_reductions_apply_at_once_increases_wait_for_free_capacity() -> None:
+    # a holds 600 and is cut to 200; b holds 400 and should get 800: the 400 a gives up is not
+    # free while a's grant of 600 is in force
+    new = allocate_dimension(1000, {"a": 200, "b": 800}, in_force={"a": 600, "b": 400}, in_use={})
+    assert new == pytest.approx({"a": 200, "b": 400})
+    # once a reports it applies the reduction, its 600 is no longer in force
+    new = allocate_dimension(1000, {"a": 200, "b": 800}, in_force={"a": 200, "b": 400}, in_use={})
+    assert new == pytest.approx({"a": 200, "b": 800})
+
+
+def test_grants_in_force_of_workers_not_granted_still_count() -> None:
+    new = allocate_dimension(1000, {"a": 1000}, in_force={"gone": 700}, in_use={})
+    assert new["a"] == pytest.approx(300)
+
+
+def test_rates_in_use_outside_grants_are_left_room() -> None:
+    # b runs its bootstrap rate, 100: a may not take that room
+    new = allocate_dimension(1000, {"a": 1000, "b": 50}, in_force={}, in_use={"b": 100})
+    assert new["b"] == pytest.approx(50)
+    assert new["a"] == pytest.approx(900)
+
+
+def test_over_committed_grants_are_never_added_to() -> None:
+    # the cap was lowered under grants in force: nothing grows, and the new grants alone fit
+    new = allocate_dimension(500, {"a": 400, "b": 400}, in_force={"a": 400, "b": 400}, in_use={})
+    assert sum(new.values()) <= 500 * (1 + TOLERANCE)
+
+
+# -- the allocator ------------------------------------------------------------------------
+
+
+def test_a_fresh_fleet_with_equal_demand_gets_equal_shares() -> None:
+    alloc = allocator()
+    reports = [observed(report(f"w{i}"), 0.0) for i in range(4)]
+    doc = alloc.allocate(None, reports, exact(0.5))
+    assert grants_of(doc) == pytest.approx({f"w{i}": 250 for i in range(4)})
+    assert doc.generation == 1
+    assert doc.expires_at == pytest.approx(doc.issued_at + LEASE)
+    assert doc.total_reserved().records_per_second == pytest.approx(CAP)
+    assert doc.cap == Rates(CAP, None)
+    assert all(e.grant and e.grant.bytes_per_second is None for e in doc.workers.values())
+
+
+def test_small_demand_gets_its_demand_with_headroom_and_the_rest_goes_to_the_busy() -> None:
+    alloc = allocator()
+    reports = [observed(report("idle", wants=100), 0.0), observed(report("busy"), 0.0)]
+    doc = alloc.allocate(None, reports, exact(0.5))
+    assert grants_of(doc) == pytest.approx({"idle": 100 * HEADROOM, "busy": CAP - 125})
+
+
+def test_a_worker_with_no_demand_still_gets_its_bootstrap_share() -> None:
+    alloc = allocator()
+    reports = [observed(report("idle", wants=0), 0.0), observed(report("busy"), 0.0)]
+    doc = alloc.allocate(None, reports, exact(0.5))
+    assert grants_of(doc)["idle"] == pytest.approx(CAP * 0.1 / 2)
+
+
+def test_capacity_moves_only_after_the_giver_acknowledges() -> None:
+    alloc = allocator()
+    first = alloc.allocate(None, [observed(report("a"), 0), observed(report("b"), 0)], exact(0.5))
+    assert grants_of(first) == pytest.approx({"a": 500, "b": 500})
+    # a's demand falls; both applied generation 1
+    second = alloc.allocate(
+        first,
+        [
+            observed(report("a", wants=80, mode="granted", generation=1, has=500), 5),
+            observed(report("b", mode="granted", generation=1, has=500), 5),
+        ],
+        exact(5.5),
+    )
+    assert grants_of(second) == pytest.approx({"a": 100, "b": 500})  # a cut at once
+    assert outstanding(second, "a") == [(1, pytest.approx(500), first.expires_at)]
+    assert second.total_reserved().records_per_second == pytest.approx(CAP)
+    # b's increase waits until a reports it applied generation 2...
+    third = alloc.allocate(
+        second,
+        [
+            observed(report("a", wants=80, mode="granted", generation=1, has=500), 10),
+            observed(report("b", mode="granted", generation=2, has=500), 10),
+        ],
+        exact(10.5),
+    )
+    assert grants_of(third) == pytest.approx({"a": 100, "b": 500})
+    fourth = alloc.allocate(
+        third,
+        [
+            observed(report("a", wants=80, mode="granted", generation=3, has=100), 15),
+            observed(report("b", mode="granted", generation=3, has=500), 15),
+        ],
+        exact(15.5),
+    )
+    assert grants_of(fourth) == pytest.approx({"a": 100, "b": 900})
+    assert outstanding(fourth, "a") == [(3, pytest.approx(100), third.expires_at)]
+
+
+def test_earlier_grants_stop_counting_when_they_expire() -> None:
+    alloc = allocator()
+    first = alloc.allocate(None, [observed(report("a"), 0)], exact(0.5))
+    assert grants_of(first) == pytest.approx({"a": 1000})
+    # a vanished (its report is surely older than a lease) and b came
+    later = 0.5 + LEASE + 3
+    doc = alloc.allocate(first, [observed(report("b"), later - 1)], exact(later))
+    assert "a" not in doc.workers
+    assert grants_of(doc) == pytest.approx({"b": 1000})
+
+
+def test_stale_workers_are_dropped_by_s3_time_but_their_grants_stay_reserved() -> None:
+    alloc = allocator()
+    # a reported at 0 s and was granted at 3 s, until 18 s
+    first = alloc.allocate(None, [observed(report("a"), 0), observed(report("b"), 0)], exact(3))
+    # at 17.5 s by S3's clock, a's report is surely older than the lease of 15 s (allowing a
+    # second for the whole-second stamp); b's is fresh
+    reports = [
+        observed(report("a", mode="granted", generation=1, has=500), 0),
+        observed(report("b", mode="granted", generation=1, has=500), 16),
+    ]
+    doc = alloc.allocate(first, reports, exact(17.5))
+    assert doc.workers["a"].grant is None  # dropped...
+    assert outstanding(doc, "a") == [(1, pytest.approx(500), SERVER_EPOCH + 18)]  # ...in force
+    assert grants_of(doc) == pytest.approx({"b": 500})
+    assert alloc.fresh(reports, exact(17.5)) == reports[1:]
+    # S3's clock only: the same reports a second earlier by S3's clock are both fresh
+    assert alloc.fresh(reports, exact(16.0)) == reports
+
+
+def test_staleness_allows_for_whole_second_timestamps() -> None:
+    alloc = allocator(lease=1.5)
+    # written at 10.9 s, stamped 10; at 12.2 s by S3's clock it is 1.3 s old, not 2.2
+    written = ObservedReport(report("a"), SERVER_EPOCH + 10)
+    assert not alloc.is_stale(written.last_modified, (SERVER_EPOCH + 12.2, SERVER_EPOCH + 12.2))
+    assert alloc.is_stale(written.last_modified, (SERVER_EPOCH + 12.6, SERVER_EPOCH + 12.6))
+
+
+def test_generations_continue_after_acknowledgements_even_without_the_document() -> None:
+    alloc = allocator()
+    doc = alloc.allocate(
+        None, [observed(report("a", mode="granted", generation=41, has=10), 0)], exact(0)
+    )
+    assert doc.generation == 42
+
+
+def test_learning_mode_after_a_takeover_echoes_grants_and_bootstraps_newcomers() -> None:
+    old = allocator()
+    previous = old.allocate(
+        None,
+        [observed(report("a", wants=100), 0), observed(report("b"), 0)],
+        exact(0),
+    )
+    assert grants_of(previous) == pytest.approx({"a": 125, "b": 875})
+    new = allocator()
+    reports = [
+        observed(report("a", wants=900, mode="granted", generation=1, has=125), 4),
+        observed(report("b", wants=10, mode="granted", generation=1, has=875), 4),
+        observed(report("c", wants=900), 4),
+    ]
+    new.take_over(previous, reports, exact(4.5))
+    doc = new.allocate(previous, reports, exact(4.5))
+    assert doc.learning
+    # echoed, although the demand changed; the newcomer gets its bootstrap: 10 % of the cap
+    # over the 3 workers, which must come from free capacity (none) -> no grant yet
+    assert grants_of(doc) == pytest.approx({"a": 125, "b": 875})
+    assert doc.generation == 2
+    # learning lasts until the predecessor's last grants expire (issued at 0 s, for a lease)
+    assert new.learning_until == previous.expires_at
+    assert new.learning(exact(LEASE - 0.1))
+    later = LEASE + 0.1
+    reports = [
+        observed(report("a", wants=900, mode="granted", generation=2, has=125), later),
+        observed(report("b", wants=10, mode="granted", generation=2, has=875), later),
+        observed(report("c", wants=900, has=33.3), later),
+    ]
+    doc = new.allocate(doc, reports, exact(later))
+    assert not doc.learning
+    assert grants_of(doc)["b"] == pytest.approx(CAP * 0.1 / 3)  # its floor: a third of 10 %
+
+
+def test_learning_mode_bootstraps_newcomers_from_free_capacity() -> None:
+    old = allocator()
+    previous = old.allocate(None, [observed(report("a", wants=100), 0)], exact(0))
+    new = allocator()
+    reports = [
+        observed(report("a", mode="granted", generation=1, has=125), 1),
+        observed(report("c", wants=900), 1),
+    ]
+    new.take_over(previous, reports, exact(1.5))
+    doc = new.allocate(previous, reports, exact(1.5))
+    assert grants_of(doc) == pytest.approx({"a": 125, "c": CAP * 0.1 / 2})
+
+
+def test_a_takeover_without_a_readable_document_echoes_what_workers_report() -> None:
+    new = allocator()
+    reports = [
+        observed(report("a", mode="granted", generation=7, has=300), 0),
+        observed(report("b", mode="granted", generation=7, has=300), 0),
+    ]
+    new.take_over(None, reports, exact(0.5))
+    assert new.learning(exact(0.5))
+    doc = new.allocate(None, reports, exact(0.5))
+    assert grants_of(doc) == pytest.approx({"a": 300, "b": 300})
+    assert doc.generation == 8
+
+
+def test_no_learning_when_nothing_can_be_in_force() -> None:
+    new = allocator()
+    expired = allocator().allocate(None, [observed(report("a"), 0)], exact(0))
+    new.take_over(expired, [observed(report("a", mode="safe", generation=1), 30)], exact(30))
+    assert not new.learning(exact(30))
+    new.take_over(None, [observed(report("a"), 0)], exact(0.5))
+    assert new.learning_until is None
+    new.learning_until = SERVER_EPOCH + 10
+    new.step_down()
+    assert not new.learning(exact(1))
+
+
+def test_in_force_skips_generations_older_than_the_acknowledged_one() -> None:
+    doc = GrantsDocument(
+        generation=5,
+        allocator="x",
+        issued_at=SERVER_EPOCH,
+        expires_at=SERVER_EPOCH + 15,
+        learning=False,
+        cap=Rates(CAP, None),
+        workers={
+            "a": WorkerEntry(
+                grant=Rates(10, None),
+                acked=3,
+                outstanding=(
+                    Outstanding(3, Rates(50, None), SERVER_EPOCH + 5),
+                    Outstanding(4, Rates(70, None), SERVER_EPOCH + 10),
+                ),
+            )
+        },
+    )
+    assert [o.generation for o in in_force(doc, "a", 3, SERVER_EPOCH)] == [3, 4, 5]
+    assert [o.generation for o in in_force(doc, "a", 4, SERVER_EPOCH)] == [4, 5]
+    assert [o.generation for o in in_force(doc, "a", 4, SERVER_EPOCH + 12)] == [5]
+    assert in_force(doc, "nobody", None, SERVER_EPOCH) == []
+    assert in_force(None, "a", None, SERVER_EPOCH) == []
+    assert doc.workers["a"].reserved() == Rates(70, None)
+
+
+def test_bytes_and_records_are_allocated_independently() -> None:
+    alloc = Allocator(
+        allocator_id="x", cap=Rates(1000, 1_000_000), lease=LEASE, bootstrap_fraction=0.1
+    )
+    reports = [
+        observed(replace(report("a"), wants=Rates(900, 100)), 0),
+        observed(replace(report("b"), wants=Rates(100, 900_000)), 0),
+    ]
+    doc = alloc.allocate(None, reports, exact(0))
+    a, b = doc.grant_for("a"), doc.grant_for("b")
+    assert a is not None
+    assert b is not None
+    assert a.records_per_second == pytest.approx(875)
+    assert b.bytes_per_second == pytest.approx(1_000_000 - 50_000)  # a's floor: 10 % / 2
+
+
+# -- the property: grants in force never sum over the cap ---------------------------------
+
+
+@st.composite
+def fleet_runs(draw: Any) -> dict[str, Any]:
+    workers = draw(st.integers(1, 5))
+    steps = draw(
+        st.lists(
+            st.fixed_dictionaries(
+                {
+                    "advance": st.floats(0.05, 4.0),
+                    "allocate": st.booleans(),
+                    "takeover": st.integers(0, 9).map(lambda x: x == 0),
+                    "cap": st.sampled_from([CAP, CAP, CAP, CAP / 2]),
+                    "workers": st.lists(
+                        st.tuples(
+                            st.booleans(),  # reads the grants
+                            st.booleans(),  # writes its report
+                            st.floats(0, 3 * CAP),  # its demand
+                            st.floats(0, 0.5),  # the round trip of its S3 calls (0: none)
+                        ),
+                        min_size=workers,
+                        max_size=workers,
+                    ),
+                }
+            ),
+            min_size=1,
+            max_size=40,
+        )
+    )
+    return {"workers": workers, "steps": steps}
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(run=fleet_runs())
+def test_the_sum_of_grants_in_force_never_exceeds_the_cap(run: dict[str, Any]) -> None:
+    """Arbitrary demand, arbitrary reading and reporting, allocator takeovers and a lowered
+    cap: at every instant the granted rates the workers apply sum to at most the cap in force
+    for every generation they may apply, and every document's reservations fit its cap."""
+    lease = 3.0
+    ids = [f"w{i}" for i in range(run["workers"])]
+    states = {
+        w: WorkerState(
+            worker_id=w,
+            cap=Rates(CAP, None),
+            lease=lease,
+            safe_fraction=1.0,
+            bootstrap_fraction=0.1,
+            started_at=0.0,
+        )
+        for w in ids
+    }
+    clocks = {w: ServerClock() for w in ids}
+    allocator_clock = ServerClock()
+    alloc = allocator(lease=lease)
+    latest: GrantsDocument | None = None
+    history: list[GrantsDocument] = []
+    written: dict[str, ObservedReport] = {}
+    now = 0.0
+
+    def applied_sum(at: float) -> float:
+        total = 0.0
+        for state in states.values():
+            mode, rates = state.rates(at)
+            if mode == "granted":
+                total += rates.records_per_second or 0.0
+        return total
+
+    for step in run["steps"]:
+        now += step["advance"]
+        # S3's clock, as each member learns it: whole-second stamps, its own round trips
+        allocator_clock.observe(server_stamp(now), now - 0.01, now)
+        for w, (*_, round_trip) in zip(ids, step["workers"], strict=True):
+            if round_trip:
+                stamped = now - round_trip * 0.3  # S3 stamps somewhere during the call
+                clocks[w].observe(server_stamp(stamped), now - round_trip, now)
+        for w, (reads, reports, wants, _) in zip(ids, step["workers"], strict=True):
+            if reads and latest is not None:
+                states[w].receive(latest, clocks[w], now)
+            if reports:
+                mode, rates = states[w].rates(now)
+                rep = WorkerReport(
+                    worker_id=w,
+                    incarnation="i",
+                    sequence=1,
+                    mode=mode,
+                    generation=states[w].generation,
+                    has=rates,
+                    wants=Rates(wants, 0.0),
+                    offered=Rates(wants, 0.0),
+                    backlog=(0, 0),
+                )
+                written[w] = ObservedReport(rep, server_stamp(now))
+        assert applied_sum(now) <= CAP * (1 + TOLERANCE)
+        if step["allocate"]:
+            bounds = allocator_clock.bounds(now)
+            assert bounds is not None
+            assert bounds[0] <= SERVER_EPOCH + now <= bounds[1]
+            if step["takeover"]:
+                alloc = allocator(cap=step["cap"], lease=lease)
+                alloc.take_over(latest, list(written.values()), bounds)
+            doc = alloc.allocate(latest, list(written.values()), bounds)
+            reserved = doc.total_reserved().records_per_second
+            assert reserved is not None
+            granted = doc.total_granted().records_per_second
+            assert granted is not None
+            assert granted <= (doc.cap.records_per_second or CAP) * (1 + TOLERANCE)
+            # within the cap — or, just after the cap was lowered, the higher cap of grants
+            # that may still be in force
+            caps = [d.cap.records_per_second or CAP for d in history if d.expires_at > bounds[0]]
+            limit = max([doc.cap.records_per_second or CAP, *caps])
+            assert reserved <= limit * (1 + TOLERANCE)
+            assert latest is None or doc.generation > latest.generation
+            # the document says what may be in force: check it against the history
+            for w, entry in doc.workers.items():
+                for earlier in history:
+                    old = earlier.grant_for(w)
+                    if (
+                        old is not None
+                        and earlier.expires_at > bounds[0]
+                        and earlier.generation >= (entry.acked if entry.acked is not None else -1)
+                    ):
+                        assert (entry.reserved().records_per_second or 0.0) >= (
+                            old.records_per_second or 0.0
+                        ) - TOLERANCE
+            latest = doc
+            history.append(doc)
+            # the allocator's own worker (w0) applies its grant at once
+            states[ids[0]].receive(doc, clocks[ids[0]], now)
+        assert applied_sum(now) <= CAP * (1 + TOLERANCE)
+
+
+# -- S3's clock ---------------------------------------------------------------------------
+
+
+def test_server_clock_is_unknown_until_observed() -> None:
+    clock = ServerClock()
+    assert not clock.known
+    assert clock.bounds(5.0) is None
+    assert clock.earliest_local(SERVER_EPOCH, 5.0) is None
+    assert clock.surely_local(SERVER_EPOCH, 5.0) is None
+
+
+def test_one_observation_bounds_s3_time_within_a_second_and_the_round_trip() -> None:
+    clock = ServerClock()
+    # S3 said 100 (its time was in [100, 101)) during local [10.0, 10.2]
+    clock.observe(100.0, 10.0, 10.2)
+    low, high = clock.bounds(10.2) or (0.0, 0.0)
+    assert low == pytest.approx(100.0)
+    assert high == pytest.approx(101.2)
+    # S3 time 105 may come at local 14.0, and surely has by local 15.2
+    assert clock.earliest_local(105.0, 10.2) == pytest.approx(14.0)
+    assert clock.surely_local(105.0, 10.2) == pytest.approx(15.2)
+
+
+def test_observations_at_different_phases_narrow_the_bounds() -> None:
+    clock = ServerClock()
+    offset = SERVER_EPOCH + 0.37  # S3 time = local + offset
+    for i in range(12):
+        local = i * 1.13
+        clock.observe(math.floor(local + offset), local - 0.005, local + 0.005)
+    low, high = clock.offsets(12.0) or (0.0, 0.0)
+    assert low <= offset <= high
+    assert high - low < 0.15
+
+
+def test_a_stepped_s3_clock_replaces_older_observations() -> None:
+    clock = ServerClock()
+    clock.observe(100.0, 0.0, 0.0)
+    clock.observe(500.0, 1.0, 1.0)  # inconsistent with the first: S3's clock jumped
+    low, high = clock.bounds(1.0) or (0.0, 0.0)
+    assert low == pytest.approx(500.0)
+    assert high == pytest.approx(501.0)
+
+
+def test_non_finite_observations_are_ignored() -> None:
+    clock = ServerClock()
+    clock.observe(math.nan, 0.0, 0.0)
+    assert not clock.known
+
+
+# -- the worker's state machine -----------------------------------------------------------
+
+
+def worker_state(worker_id: str = "w0", *, lease: float = LEASE) -> WorkerState:
+    return WorkerState(
+        worker_id=worker_id,
+        cap=Rates(CAP, 1_000_000),
+        lease=lease,
+        safe_fraction=0.5,
+        bootstrap_fraction=0.1,
+        started_at=0.0,
+    )
+
+
+def grants_document(
+    generation: int, grants: dict[str, float], *, issued: float = 0.0, lease: float = LEASE
+) -> GrantsDocument:
+    return GrantsDocument(
+        generation=generation,
+        allocator="x",
+        issued_at=SERVER_EPOCH + issued,
+        expires_at=SERVER_EPOCH + issued + lease,
+        learning=False,
+        cap=Rates(CAP, None),
+        workers={w: WorkerEntry(grant=Rates(g, None), acked=None) for w, g in grants.items()},
+    )
+
+
+def test_a_new_worker_starts_at_its_bootstrap_rate() -> None:
+    state = worker_state()
+    assert state.rates(0.0) == ("bootstrap", Rates(100.0, 100_000.0))
+    assert state.next_change(0.0) == LEASE
+
+
+def test_a_grant_applies_until_it_expires_then_the_safe_rate() -> None:
+    state = worker_state()
+    clock = known_clock()
+    assert state.receive(grants_document(1, {"w0": 300, "w1": 300, "w2": 300}), clock, 0.0)
+    mode, rates = state.rates(1.0)
+    assert mode == "granted"
+    # the uncapped bytes of the grant take the worker's own cap
+    assert rates == Rates(300, 1_000_000)
+    expires = state.next_change(1.0)
+    assert expires is not None
+    # expiry is judged early: S3's time may reach expires_at up to a second before
+    assert LEASE - 1.0 - 1e-9 <= expires <= LEASE
+    assert state.rates(expires) == ("safe", Rates(CAP * 0.5 / 3, 1_000_000 * 0.5 / 3))
+    assert state.next_change(expires) is None
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.3, 0.6, 0.99])
+def test_a_grant_never_outlives_its_expiry_by_s3_time(fraction: float) -> None:
+    # S3's time is local + SERVER_EPOCH + fraction; the worker sees whole seconds only
+    offset = SERVER_EPOCH + fraction
+    clock = ServerClock()
+    for local in (0.0, 0.45, 1.2):
+        clock.observe(math.floor(local + offset), local - 0.02, local)
+    state = worker_state()
+    doc = grants_document(1, {"w0": 300}, issued=fraction + 1.0)
+    assert state.receive(doc, clock, 1.2)
+    assert state.grant_expires_at is not None
+    truly_expires = doc.expires_at - offset  # local time at which S3 reaches expires_at
+    assert truly_expires - 1.1 <= state.grant_expires_at <= truly_expires
+
+
+def test_older_expired_or_foreign_grants_are_not_applied() -> None:
+    state = worker_state()
+    clock = known_clock()
+    assert state.receive(grants_document(5, {"w0": 300}), clock, 0.0)
+    assert not state.receive(grants_document(4, {"w0": 900}), clock, 0.0)  # older
+    assert not state.receive(grants_document(5, {"w0": 900}), clock, 0.0)  # same
+    assert not state.receive(grants_document(6, {"w1": 900}), clock, 0.0)  # not ours
+    assert not state.receive(grants_document(7, {"w0": 900}, issued=-LEASE), clock, 0.0)
+    assert state.rates(0.0)[1].records_per_second == 300
+    assert state.generation == 5
+
+
+def test_a_grant_cannot_be_judged_before_s3_time_is_known() -> None:
+    state = worker_state()
+    assert not state.receive(grants_document(1, {"w0": 300}), ServerClock(), 0.0)
+    assert state.mode(0.0) == "bootstrap"
+
+
+def test_the_known_fleet_size_shapes_bootstrap_and_safe_rates() -> None:
+    state = worker_state()
+    # not granted yet, four others are: five in all
+    state.receive(grants_document(1, {f"w{i}": 100 for i in range(1, 5)}), known_clock(), 0.0)
+    assert state.fleet_size == 5
+    assert state.rates(0.0) == ("bootstrap", Rates(CAP * 0.1 / 5, 1_000_000 * 0.1 / 5))
+
+
+def test_bootstrap_lasts_while_s3_answers_that_no_grants_exist_or_grants_are_live() -> None:
+    state = worker_state(lease=3.0)
+    state.no_grants_yet(2.0)  # S3 answered: no grants document yet
+    assert state.mode(4.9) == "bootstrap"
+    assert state.mode(5.0) == "safe"
+    # an allocator is alive (grants not expired) but has not granted this worker yet
+    assert not state.receive(grants_document(1, {"w1": 500}, issued=4.0), known_clock(4.0), 4.0)
+    assert state.mode(6.0) == "bootstrap"
+    assert state.rates(6.0)[1].records_per_second == CAP * 0.1 / 2
+    # expired grants say nothing is alive
+    state = worker_state(lease=3.0)
+    assert not state.receive(grants_document(1, {"w1": 500}, issued=-20), known_clock(), 0.0)
+    assert state.mode(3.0) == "safe"
+
+
+def test_without_any_grant_bootstrap_ends_in_the_safe_rate_after_a_lease() -> None:
+    state = worker_state(lease=3.0)
+    assert state.mode(2.9) == "bootstrap"
+    assert state.rates(3.0) == ("safe", Rates(CAP * 0.5, 500_000.0))
+
+
+def test_uncapped_dimensions_stay_unlimited() -> None:
+    state = WorkerState(
+        worker_id="w",
+        cap=Rates(None, 5000),
+        lease=LEASE,
+        safe_fraction=1.0,
+        bootstrap_fraction=0.1,
+        started_at=0.0,
+    )
+    assert state.rates(0.0) == ("bootstrap", Rates(None, 500.0))
+
+
+# -- demand -------------------------------------------------------------------------------
+
+
+def test_demand_is_an_ewma_of_admissions_plus_the_backlog() -> None:
+    estimator = DemandEstimator(sync_interval=5.0)
+    offered, wants = estimator.update(FleetDemand(0, 0, 50, 5000), 0.0)
+    assert offered == Rates(0.0, 0.0)
+    assert wants == Rates(10.0, 1000.0)  # nothing admitted yet: the backlog alone
+    offered, wants = estimator.update(FleetDemand(1000, 100_000, 0, 0), 5.0)
+    assert offered == Rates(200.0, 20_000.0)  # the first rate, as it is
+    offered, wants = estimator.update(FleetDemand(1500, 150_000, 100, 10_000), 10.0)
+    assert offered == pytest.approx(Rates(150.0, 15_000.0))  # half old, half new
+    assert wants == pytest.approx(Rates(150.0 + 20, 15_000.0 + 2000))
+
+
+def test_demand_samples_at_the_same_instant_do_not_divide_by_zero() -> None:
+    estimator = DemandEstimator(sync_interval=1.0)
+    estimator.update(FleetDemand(0, 0, 0, 0), 1.0)
+    offered, _ = estimator.update(FleetDemand(10, 10, 0, 0), 1.0)
+    assert offered == Rates(0.0, 0.0)
+
+
+# -- documents ----------------------------------------------------------------------------
+
+
+def test_documents_survive_a_round_trip() -> None:
+    rep = report("w-1.a_b", mode="granted", generation=3, has=12.5)
+    assert parse_report(rep.to_json()) == rep
+    lease = LeaseDocument(
+        holder="w1",
+        incarnation="ff00",
+        acquired_at=SERVER_EPOCH,
+        renewed_at=SERVER_EPOCH + 5,
+        expires_at=SERVER_EPOCH + 20,
+        lease=15.0,
+    )
+    assert parse_lease(lease.to_json()) == lease
+    doc = allocator().allocate(None, [observed(report("a"), 0), observed(report("b"), 0)], exact(0))
+    doc = replace(
+        doc,
+        workers={
+            **doc.workers,
+            "gone": WorkerEntry(None, 4, (Outstanding(4, Rates(1.5, None), SERVER_EPOCH),)),
+        },
+    )
+    assert parse_grants(doc.to_json()) == doc
+
+
+def valid_report() -> dict[str, Any]:
+    return json.loads(report("w1").to_json())
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda d: d.update(kind="anykpl-fleet-grants"), "kind"),
+        (lambda d: d.update(version=2), "version"),
+        (lambda d: d.update(version=True), "version"),
+        (lambda d: d.update(worker_id="../etc/passwd"), "worker_id"),
+        (lambda d: d.update(worker_id=""), "worker_id"),
+        (lambda d: d.update(sequence=-1), "sequence"),
+        (lambda d: d.update(sequence=1.5), "sequence"),
+        (lambda d: d.update(generation=True), "generation"),
+        (lambda d: d.update(mode="turbo"), "mode"),
+        (lambda d: d.update(wants={"records_per_second": -5, "bytes_per_second": 1}), "wants"),
+        (lambda d: d.update(wants={"records_per_second": 5}), "bytes_per_second"),
+        (lambda d: d.update(wants="lots"), "wants"),
+        (lambda d: d.update(backlog={"records": "x", "bytes": 0}), "records"),
+        (lambda d: d.pop("offered"), "offered"),
+    ],
+)
+def test_invalid_reports_are_rejected(change: Any, message: str) -> None:
+    doc = valid_report()
+    change(doc)
+    with pytest.raises(DocumentError, match=message):
+        parse_report(json.dumps(doc).encode())
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"not json",
+        b"\xff\xfe",
+        b"[1, 2]",
+        b'{"kind": "anykpl-fleet-report", "version": 1, "wants": NaN}',
+        b'{"kind": "anykpl-fleet-report", "version": 1, "sequence": Infinity}',
+        b"[" * 100_000,
+        b" " * (MAX_DOCUMENT_BYTES + 1),
+    ],
+)
+def test_junk_is_rejected(data: bytes) -> None:
+    for parse in (parse_report, parse_lease, parse_grants):
+        with pytest.raises(DocumentError):
+            parse(data)  # type: ignore[operator]
+
+
+def test_invalid_grants_are_rejected() -> None:
+    doc = json.loads(grants_document(1, {"a": 1.0}).to_json())
+    for change in (
+        lambda d: d.update(cap={"records_per_second": None, "bytes_per_second": None}),
+        lambda d: d.update(expires_at=d["issued_at"] - 1),
+        lambda d: d.update(learning="no"),
+        lambda d: d.update(workers={"bad id": {"grant": None, "acked": None}}),
+        lambda d: d.update(workers={"a": []}),
+        lambda d: d.update(workers={"a": {"grant": 5, "acked": None}}),
+        lambda d: d.update(workers={"a": {"grant": None, "acked": None, "outstanding": {}}}),
+        lambda d: d.update(workers={"a": {"grant": None, "acked": None, "outstanding": [1]}}),
+        lambda d: d.update(allocator=None),
+        lambda d: d.update(generation=-1),
+    ):
+        changed = json.loads(json.dumps(doc))
+        change(changed)
+        with pytest.raises(DocumentError):
+            parse_grants(json.dumps(changed).encode())
+
+
+def test_invalid_leases_are_rejected() -> None:
+    lease = json.loads(
+        LeaseDocument(
+            holder="a", incarnation="b", acquired_at=1, renewed_at=1, expires_at=2, lease=1
+        ).to_json()
+    )
+    lease["lease"] = 0
+    with pytest.raises(DocumentError, match="lease"):
+        parse_lease(json.dumps(lease).encode())
+
+
+def test_lease_expiry_trusts_the_holder_only_within_what_last_modified_allows() -> None:
+    def lease(expires_at: float) -> LeaseDocument:
+        return LeaseDocument("a", "b", 0.0, 0.0, expires_at, 15.0)
+
+    assert lease_expiry(lease(115.4), 100.0, 15.0) == 115.4
+    assert lease_expiry(lease(90.0), 100.0, 15.0) == 115.0  # too early: not before LM + lease
+    assert lease_expiry(lease(1e12), 100.0, 15.0) == 116.0  # too late: at most a second more
+    assert lease_expiry(None, 100.0, 15.0) == 116.0  # junk: LastModified alone
