@@ -104,8 +104,8 @@ def test_the_cut_applies_to_the_rate_actually_sent() -> None:
 def test_measured_uses_the_larger_of_records_and_bytes() -> None:
     controller = make()
     controller.sample(0.0, 0.0, 0.0)
-    controller.sample(1.0, 600.0, 100_000.0)  # 60 % of records, 10 % of bytes
-    assert controller.measured(1.0) == pytest.approx(0.6)
+    controller.sample(0.5, 300.0, 50_000.0)  # 60 % of records, 10 % of bytes
+    assert controller.measured(0.5) == pytest.approx(0.6)
 
 
 def test_stale_samples_are_not_a_measurement() -> None:
@@ -157,3 +157,14 @@ def test_two_producers_converge_to_a_fair_split() -> None:
             a.throttled_at(now, now, 1)
             b.throttled_at(now, now, 1)
     assert abs(a.fraction(now) - b.fraction(now)) < 0.05
+
+
+def test_an_idle_pause_is_not_averaged_into_the_measured_rate() -> None:
+    controller = make()
+    feed(controller, 0.0, 0.5, 0.1)  # a little traffic, then a minute without records
+    controller.sample(60.0, 0.0, 50_000.0)
+    controller.sample(60.25, 0.0, 50_000.0 + 250_000.0)  # a burst at 100 %
+    controller.sample(60.5, 0.0, 50_000.0 + 500_000.0)
+    assert controller.measured(60.5) == pytest.approx(1.0)
+    controller.throttled_at(60.5, 60.5, 1)
+    assert controller.fraction(60.5) == pytest.approx(0.8)

@@ -378,3 +378,36 @@ def test_time_waiting_for_tokens_is_counted_per_user_record() -> None:
     counters = limiter.shard_state()[SHARD][0]
     assert counters.records_sent == 6
     assert counters.token_wait == pytest.approx(0.1)
+
+
+def test_a_big_record_on_one_shard_is_not_starved_by_small_ones_at_the_shared_bucket() -> None:
+    shared = TokenBucket(1e6, 100_000, 0.0, burst=0.5)  # 100 kB/s for the whole producer
+    limiter = Limiter(rate_limit_percent=100, shared=shared)
+    big = make_kinesis_record(shard=OTHER, size=50_000, deadline=0.0)
+    limiter.put([big], 0.0, [])
+    released: list[KinesisRecord] = []
+    now, uid = 0.0, 0
+    while big not in released and now < 10.0:
+        # SHARD always has small records waiting
+        uid += 1
+        limiter.put([make_kinesis_record(shard=SHARD, size=1000, deadline=now)], now, [])
+        out, _, wake = _drain(limiter, now)
+        released.extend(out)
+        now = min(wake, now + MIN_REFILL_WAIT)
+    assert big in released
+    assert now < 2.0
+
+
+def test_a_big_record_in_a_tenant_lane_is_not_starved_by_another_lane() -> None:
+    limiter = Limiter(rate_limit_percent=10)  # ~100 KiB/s: a bucket of ~51 KiB
+    big = tenant_record("big", size=50 * 1024, deadline=0.0)
+    limiter.put([tenant_record("small", size=5000) for _ in range(100)], 0.0, [])
+    limiter.put([big], 0.0, [])
+    released: list[KinesisRecord] = []
+    now = 0.0
+    while big not in released and now < 30.0:
+        out, _, wake = _drain(limiter, now)
+        released.extend(out)
+        now = wake
+    assert big in released
+    assert now < 3.0

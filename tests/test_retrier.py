@@ -591,3 +591,18 @@ def test_a_spent_retry_budget_makes_retries_wait_the_longest_backoff() -> None:
     assert rng.bounds[-1] == (1.0, 2.0)  # spent: the longest backoff, jittered
     assert h.retrier.retry_budget.exhausted == 1
     assert not any(success is False for _, success in h.finished)  # nothing failed for it
+
+
+def test_a_failed_request_spends_one_retry_per_shard_from_the_budget() -> None:
+    rng = _StubRandom()
+    h = Harness(rng=rng, backoff_initial=0.05, backoff_max=2.0)
+    budget = h.retrier.retry_budget = RetryBudget(0.2, 0.0, minimum=0.0, capacity=10.0)
+    krs = [make_kinesis_record([make_record()], SHARD_0) for _ in range(300)]
+    krs += [make_kinesis_record([make_record(HALF + 3)], SHARD_1) for _ in range(200)]
+    h.retrier.handle(outcome(krs, None, code="InternalFailure"), 2.0)
+    assert budget.balance == pytest.approx(8.0)  # one per shard, not 500
+    assert all(bounds == (0.0, 0.05) for bounds in rng.bounds)
+    # a response delivering records for two shards deposits once per shard
+    delivered = [make_kinesis_record([make_record()], SHARD_0) for _ in range(50)]
+    h.retrier.handle(outcome(delivered, [ok()] * 50), 2.0)
+    assert budget.balance == pytest.approx(8.2)

@@ -599,3 +599,42 @@ def test_an_unclosed_producer_is_flushed_at_interpreter_exit(backend_name: str) 
     assert completed.stdout.split() == ["leaving", "stored", "100"]
     assert completed.stderr == ""
     assert time.monotonic() - started < 15
+
+
+def test_close_makes_a_tenant_quota_waiter_give_up_at_once_and_still_flushes(
+    backend: str, fake_kinesis: FakeKinesis
+) -> None:
+    from anykpl import TenantQuota
+
+    producer = SyncProducer(
+        transport=fake_kinesis,
+        backend=backend,
+        record_max_buffered_time=10.0,  # only the close's flush sends the plain record
+        tenant_quotas={"slow": TenantQuota(records_per_second=0.01)},
+        close_timeout=5.0,
+    )
+    first = producer.submit("stream", b"first", partition_key="k", tenant="slow")  # the burst
+    plain = producer.submit("stream", b"plain", partition_key="k")
+    outcome: list[str] = []
+
+    def blocked() -> None:
+        try:
+            producer.submit("stream", b"second", partition_key="k", tenant="slow")
+            outcome.append("admitted")
+        except errors.AnyKplError as exc:
+            outcome.append(type(exc).__name__)
+
+    thread = threading.Thread(target=blocked)
+    thread.start()
+    deadline = time.monotonic() + 5
+    while producer.statistics().tenants["slow"].waiting == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    started = time.monotonic()
+    producer.close()
+    thread.join()
+    assert time.monotonic() - started < 2.0  # not the whole close_timeout
+    assert outcome == ["ProducerClosedError"]
+    # the rest was flushed, not failed
+    assert first.result(timeout=0).success
+    assert plain.result(timeout=0).success

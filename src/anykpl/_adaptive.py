@@ -117,6 +117,10 @@ class RateController:
     def sample(self, now: float, records_sent: float, bytes_sent: float) -> None:
         """Record the shard's cumulative sent counters (call when ``now >= next_sample``)."""
         samples = self._samples
+        if samples and now - samples[-1][0] > 2 * SAMPLE_INTERVAL:
+            # the shard was idle (it is sampled only while records wait): a sample from
+            # before the pause would average the pause into the rate
+            samples.clear()
         samples.append((now, records_sent, bytes_sent))
         if len(samples) > SAMPLES:
             del samples[0]

@@ -23,8 +23,10 @@ Beyond the KPL (see docs/adaptive.md, docs/fleet.md and docs/tenants.md):
 - **Adaptive control**: a :class:`~anykpl._adaptive.RateController` per shard lowers the
   shard's rate below that ceiling when its records are throttled, and lets it recover.
 - **A shared bucket**: with a fleet cap, every record released by any shard of any stream also
-  takes tokens from one producer-wide bucket whose rate is this producer's fleet grant. While
-  that bucket binds, the shards take turns starting the drain, so none of them starves.
+  takes tokens from one producer-wide bucket whose rate is this producer's fleet grant. A record
+  the shared bucket refuses reserves its tokens anyway (the bucket goes into debt, and the
+  record waits until the debt is paid), so shards with small records cannot take every refill
+  from a bigger one; and the shards take turns starting the drain.
 - **Fair queuing across tenants**: records put with a ``tenant`` wait in a lane of their own
   within their shard, and the lanes are served by deficit round robin (bytes), so a tenant
   with a backlog cannot hold back a quiet tenant's records on the same shard. Records without
@@ -250,16 +252,25 @@ class Limiter:
 
     def _take(self, limiter: _ShardLimiter, kr: KinesisRecord, now: float) -> bool:
         """Take the tokens for ``kr`` from the shard's bucket and the shared one, or block
-        the shard until they could be there."""
+        the shard until they could be there.
+
+        The shared bucket is *reserved*, not just tried: a record it refuses takes its tokens
+        anyway, pushing the bucket into debt, and waits until the debt is paid (Go's
+        ``rate.Reserve``). Every other shard then finds the bucket empty until the record's
+        turn has come. With a plain try, shards with small records would take every refill,
+        and a bigger record on another shard (or stream) would never find enough tokens."""
         bucket, size = limiter.bucket, kr.size
         shared = self.shared
-        if bucket.try_take(1, size, now):
-            if shared is None or shared.try_take(1, size, now):
+        if not bucket.try_take(1, size, now):
+            wait = bucket.time_until(1, size, now)
+        elif shared is None or kr.shared_paid:
+            return True
+        else:
+            wait = shared.reserve(1, size, now)
+            if wait <= 0.0:
                 return True
             bucket.refund(1, size)
-            wait = shared.time_until(1, size, now)
-        else:
-            wait = bucket.time_until(1, size, now)
+            kr.shared_paid = True  # it goes once its shard's tokens are there, after the wait
         limiter.blocked_until = now + (wait if wait > MIN_REFILL_WAIT else MIN_REFILL_WAIT)
         return False
 
@@ -330,6 +341,7 @@ class Limiter:
             tenant = turns[0]
             lane = lanes[tenant]
             deficit = deficits[tenant] + FAIR_QUANTUM
+            took = False
             while lane:
                 item = lane[0]
                 kr = item[2]
@@ -348,11 +360,18 @@ class Limiter:
                 self._release(limiter, item, now)
                 deficit -= kr.size
                 released += 1
-            if blocked:
-                # out of tokens: the next drain starts with the next lane, so each refill goes
-                # to a different tenant first; what is left of this turn's quantum is dropped
-                # (a deficit carried over from earlier turns is kept), which keeps deficits
-                # bounded however often a turn is cut short
+                took = True
+            if blocked and not took:
+                # out of tokens before this lane released anything: it keeps its turn (and
+                # what it had saved), so the next refill is its own. Rotating it would let the
+                # other lanes take every refill first, and a record needing more tokens than
+                # they leave would never go.
+                deficits[tenant] = deficit - FAIR_QUANTUM
+            elif blocked:
+                # out of tokens after releasing some: the next drain starts with the next
+                # lane, so each refill goes to a different tenant first; what is left of this
+                # turn's quantum is dropped (a deficit carried over from earlier turns is
+                # kept), which keeps deficits bounded however often a turn is cut short
                 deficits[tenant] = max(0.0, deficit - FAIR_QUANTUM)
                 turns.rotate(-1)
             elif lane:

@@ -301,6 +301,7 @@ class KinesisRecord:
         "partition_key",
         "predicted_shard",
         "records",
+        "shared_paid",
         "size",
         "tenant",
     )
@@ -326,6 +327,8 @@ class KinesisRecord:
         # every user record of an aggregate has the same tenant (the Aggregator keeps tenants
         # apart), so the Limiter can queue the Kinesis record fairly by tenant
         self.tenant = records[0].tenant if records else None
+        # the Limiter reserved its tokens in the producer-wide (fleet) bucket already
+        self.shared_paid = False
 
     def __repr__(self) -> str:
         return (

@@ -24,7 +24,7 @@ Where we differ, and why:
 - **Adaptive control**: the throttled Kinesis records of a response are reported to the
   Limiter once per shard (``on_throttled``), where they cut that shard's rate
   (``_adaptive.py``).
-- **Retry budget**: retries spend from a per-stream budget refilled by deliveries
+- **Retry budget**: retries spend from a per-stream budget refilled by successes
   (:class:`RetryBudget`); once it is spent, failed records wait ``retry_backoff_max`` before
   they retry, so a storm of failures cannot multiply the traffic. Nothing is failed for it.
 - **All-or-nothing aggregates**: after KPL #576 the KPL accepts the user records of a
@@ -59,11 +59,13 @@ Throttled = Callable[[str, int, float, float], None]
 
 
 class RetryBudget:
-    """Retries allowed as a share of deliveries, like Finagle's retry budget and botocore's
-    retry quota: each delivered Kinesis record deposits ``ratio`` tokens, ``minimum`` tokens
-    arrive per second whatever the traffic, and each retried Kinesis record spends one. The
-    balance holds at most ``capacity`` (botocore's initial retry quota is 500) and starts full.
-    Pure: the caller passes the time."""
+    """Retries allowed as a share of successes, like Finagle's retry budget and botocore's
+    retry quota. The unit is a shard's part of one PutRecords outcome: each outcome that
+    delivered Kinesis records for a shard deposits ``ratio`` tokens, each outcome whose
+    records for a shard are retried spends one (however many records that is: a failed
+    request of 500 records is one retry, as botocore counts it), and ``minimum`` tokens arrive
+    per second whatever the traffic. The balance holds at most ``capacity`` (botocore's retry
+    quota starts at 500) and starts full. Pure: the caller passes the time."""
 
     __slots__ = ("balance", "capacity", "exhausted", "minimum", "ratio", "updated")
 
@@ -136,6 +138,8 @@ class Retrier:
         self.delayed_records = 0
         self.on_throttled = on_throttled
         self.retry_budget = retry_budget
+        # per shard, whether the budget paid for this outcome's retries
+        self._budget_spent: dict[str | None, bool] = {}
         # throttled Kinesis records per predicted shard in the outcome being handled
         self._throttles: dict[str, int] = {}
         # per predicted shard, since the start: throttled Kinesis records, and user-record
@@ -179,6 +183,7 @@ class Retrier:
 
     def _handle(self, outcome: Outcome, now: float) -> None:
         self._advanced.clear()
+        self._budget_spent.clear()
         records: Sequence[KinesisRecord] = outcome.records
         self._observe_request(outcome)
         if outcome.response is None:
@@ -236,7 +241,7 @@ class Retrier:
         budget = self.retry_budget
         for shard, (put, failed, put_bytes, smallest, largest) in kinesis.items():
             if budget is not None and put:
-                budget.deposit(put)
+                budget.deposit(1)
             # the KPL's 1 per delivered Kinesis record and 0 per failed one (and the reverse
             # for AllErrors): the zeros count as samples only
             count = put + failed
@@ -427,7 +432,12 @@ class Retrier:
                 self._streaks[backoff_key] = streak + 1
             cap = min(self.backoff_max, self.backoff_initial * (2.0**streak))
             budget = self.retry_budget
-            if budget is not None and not budget.try_spend(now):
+            spent = self._budget_spent
+            if budget is not None and backoff_key not in spent:
+                # one retry for the budget per shard per outcome, however many of the
+                # shard's Kinesis records it retries: like the backoff step above
+                spent[backoff_key] = budget.try_spend(now)
+            if budget is not None and not spent[backoff_key]:
                 # the budget is spent: wait the longest backoff (jittered) instead
                 delay = self.rng.uniform(self.backoff_max / 2, self.backoff_max)
             else:

@@ -562,6 +562,10 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
                         tg.start_soon(self._admit_forever, producer, admitted_all)
                         task_status.started()
                         await self._close_requested.wait()
+                        # records waiting for their tenant's quota give up now, as they do
+                        # when a Producer closes, instead of holding the close (and the flush
+                        # of everything else) until its timeout
+                        producer._tenants.close()
                         deadline = anyio.current_time() + self._close_bound
                         with anyio.move_on_after(self._close_bound):
                             await admitted_all.wait()

@@ -103,6 +103,20 @@ class TokenBucket:
             return True
         return False
 
+    def reserve(self, records: float, nbytes: float, now: float) -> float:
+        """Take ``records`` and ``nbytes`` tokens now, into debt if need be, and return how
+        many seconds until the balance is paid back (0 if there was enough). Takes made while
+        in debt wait behind it: grants come in the order of the reservations."""
+        self._refill(now)
+        self._records -= records
+        self._bytes -= nbytes
+        wait = 0.0
+        if self._records < -_EPSILON:
+            wait = -self._records / self.records_per_second
+        if self._bytes < -_EPSILON:
+            wait = max(wait, -self._bytes / self.bytes_per_second)
+        return wait
+
     def refund(self, records: float, nbytes: float) -> None:
         """Give back tokens taken by :meth:`try_take` that were not used (capped at capacity)."""
         self._records = min(self.records_capacity, self._records + records)

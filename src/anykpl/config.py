@@ -290,10 +290,13 @@ class ProducerConfig:
         adaptive_window: Seconds during which further throttles for a shard are the same
             congestion event as the one that cut it (throttles for requests sent before the
             cut never count again). Default 0.25, 0..60.
-        retry_budget: Retries allowed per stream as a fraction of its delivered Kinesis
-            records (plus 10 per second whatever the traffic): once spent, failed records wait
-            ``retry_backoff_max`` before they retry, so a storm cannot multiply the traffic.
-            Default 0.2, 0..100; ``None`` turns the budget off.
+        retry_budget: Retries allowed per stream, as a share of successes: each PutRecords
+            outcome that delivered records for a shard earns this many retries, each outcome
+            whose records for a shard are retried spends one (not one per record), and 10
+            more are earned per second whatever the traffic (at most 500 held). Once spent,
+            failed records wait ``retry_backoff_max`` before they retry, so a storm cannot
+            multiply the traffic; nothing fails because of it. Default 0.2, 0..100; ``None``
+            turns the budget off.
         fleet: A fleet-wide cap shared with other producers through S3
             (:class:`FleetConfig`). Default ``None`` (no cap).
         tenant_quotas: Per-tenant quotas, tenant name → :class:`TenantQuota`, for records
