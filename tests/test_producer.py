@@ -1048,3 +1048,20 @@ async def test_statistics_show_each_shards_rate_cuts_throttles_and_waits(
             assert shard.rate == shard.ceiling
         assert shard.queued == 0
         assert shard.token_wait >= 0.0
+
+
+async def test_fleet_demand_counts_kinesis_records_as_the_grants_do(
+    fake_kinesis: FakeKinesis,
+) -> None:
+    """Grants cap Kinesis records (an aggregate is one): the demand a fleet worker reports is
+    in the same units, not in user records."""
+    async with Producer(transport=fake_kinesis, **FAST) as producer:
+        await ready(producer)
+        for i in range(400):
+            await producer.submit(STREAM, b"x" * 50, partition_key=f"pk-{i}")
+        await producer.flush()
+        demand = producer._fleet_demand()
+    assert demand.admitted_records <= 40  # aggregates, not 400 user records
+    assert demand.admitted_bytes >= 400 * 50
+    assert demand.backlog_records == 0
+    assert demand.backlog_bytes == 0

@@ -126,7 +126,9 @@ class Rates(NamedTuple):
 
 
 class FleetDemand(NamedTuple):
-    """What the producer tells its worker: cumulative admitted totals and the backlog now."""
+    """What the producer tells its worker, in the units of the grants (Kinesis records and
+    their bytes, as the service counts them: an aggregate is one record): the totals offered
+    to its Limiters so far (retries included) and the backlog waiting in them now."""
 
     admitted_records: int
     admitted_bytes: int

@@ -150,6 +150,9 @@ class Limiter:
         self._counter = 0
         self._turn = 0  # which waiting shard drains first while the shared bucket binds
         self.queued = 0
+        # Kinesis records (and bytes) put so far: the offered load a fleet worker reports
+        self.offered_records = 0
+        self.offered_bytes = 0
 
     def __repr__(self) -> str:
         return f"<Limiter {len(self._shards)} shard(s) {self.queued} queued>"
@@ -176,7 +179,9 @@ class Limiter:
 
     def put(self, records: list[KinesisRecord], now: float, out: list[KinesisRecord]) -> None:
         """Queue ``records``; those with no predicted shard go straight to ``out``."""
+        self.offered_records += len(records)
         for kr in records:
+            self.offered_bytes += kr.size
             shard = kr.predicted_shard
             if shard is None:
                 out.append(kr)

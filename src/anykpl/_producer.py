@@ -211,9 +211,6 @@ class Producer(anyio.AsyncContextManagerMixin):
         if config.fleet is not None:
             self._fleet_bucket = TokenBucket(UNLIMITED, UNLIMITED, 0.0, burst=BURST_SECONDS)
         self._fleet_worker: FleetWorker | None = None
-        # cumulative admissions: the fleet worker's measure of offered load
-        self._admitted_records = 0
-        self._admitted_bytes = 0
 
     def __repr__(self) -> str:
         return (
@@ -449,8 +446,6 @@ class Producer(anyio.AsyncContextManagerMixin):
         record.expiration = expiration
         self._outstanding.add(record)
         self._outstanding_bytes += record.size
-        self._admitted_records += 1
-        self._admitted_bytes += record.size
         pipeline.received += 1
         pipeline.put(record)
         return record
@@ -654,13 +649,19 @@ class Producer(anyio.AsyncContextManagerMixin):
         )
 
     def _fleet_demand(self) -> FleetDemand:
-        """The fleet worker's view of the load: admitted so far, and outstanding now."""
-        return FleetDemand(
-            self._admitted_records,
-            self._admitted_bytes,
-            len(self._outstanding),
-            self._outstanding_bytes,
-        )
+        """The fleet worker's view of the load, in the units of the grants (Kinesis records
+        and their bytes, as the service counts them): what every stream's Limiter was offered
+        so far, retries included, and what waits in them now."""
+        offered_records = offered_bytes = backlog = 0
+        for pipeline in self._pipelines.values():
+            limiter = pipeline.limiter
+            offered_records += limiter.offered_records
+            offered_bytes += limiter.offered_bytes
+            backlog += limiter.queued
+        # the queued bytes are not tracked record by record (that would cost on the hot path):
+        # the mean size of what was offered stands in for them
+        mean_size = offered_bytes / offered_records if offered_records else 0.0
+        return FleetDemand(offered_records, offered_bytes, backlog, int(backlog * mean_size))
 
     def _apply_fleet_rates(
         self, records_per_second: float | None, bytes_per_second: float | None
