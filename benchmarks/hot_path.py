@@ -84,21 +84,20 @@ def main() -> None:
         help="aggregation_enabled=False: one Kinesis record per user record",
     )
     parser.add_argument(
-        "--no-adaptive",
-        dest="adaptive",
-        action="store_false",
-        help="adaptive=False (with no throttles the controller never acts; this measures its "
-        "bookkeeping)",
+        "--features-off",
+        action="store_true",
+        help="adaptive=False and retry_budget=None: every rate-control feature beyond the KPL "
+        "off (with no throttles they never act; this measures their bookkeeping)",
     )
     args = parser.parse_args()
-    options = {} if args.adaptive else {"adaptive": False}
+    options = {"adaptive": False, "retry_budget": None} if args.features_off else {}
     best = min(
         anyio.run(partial(run, args.records, args.aggregation, **options), backend=args.backend)
         for _ in range(args.repeat)
     )
     mode = "aggregation on" if args.aggregation else "aggregation off"
-    if not args.adaptive:
-        mode += ", adaptive off"
+    if args.features_off:
+        mode += ", rate-control features off"
     print(
         f"{args.backend}, {mode}: {best * 1e6:.2f} µs CPU per record "
         f"(≈ {1 / best:,.0f} records/s per core, no network)"

@@ -30,12 +30,14 @@ CREDENTIALS = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench"}
 
 
 async def run_once(
-    endpoint: str, stream: str, records: int, keys: int, retain: bool
+    endpoint: str, stream: str, records: int, keys: int, retain: bool, adaptive: bool = True
 ) -> dict[str, Any]:
     config = ProducerConfig(
         region="us-east-1",
         endpoint_url=endpoint,
         rate_limit=1e9,  # limits off
+        adaptive=adaptive,
+        retry_budget=0.2 if adaptive else None,
         **CREDENTIALS,
     )
     data = b"x" * 100
@@ -95,6 +97,13 @@ def main() -> None:
         action="store_true",
         help="keep every PendingRecord until the end instead of checking each as it completes",
     )
+    parser.add_argument(
+        "--features-off",
+        dest="adaptive",
+        action="store_false",
+        help="adaptive=False and retry_budget=None: every rate-control feature beyond the KPL "
+        "off",
+    )
     parser.add_argument("--profile", action="store_true", help="profile with pyinstrument")
     parser.add_argument("--json", help="write results to this file")
     args = parser.parse_args()
@@ -113,7 +122,14 @@ def main() -> None:
                 profiler = Profiler(async_mode="disabled")
                 profiler.start()
             result = anyio.run(
-                run_once, endpoint, stream, args.records, args.keys, args.retain, backend=backend
+                run_once,
+                endpoint,
+                stream,
+                args.records,
+                args.keys,
+                args.retain,
+                args.adaptive,
+                backend=backend,
             )
             if args.profile:
                 profiler.stop()
