@@ -1159,3 +1159,17 @@ def test_docs_page_documents_every_field_and_ignored_property() -> None:
 
 def test_module_all() -> None:
     assert config_module.__all__ == ("FleetConfig", "ProducerConfig", "TenantQuota")
+
+
+@pytest.mark.parametrize(("interval", "lease"), [(1.0, 1.0), (1.0, 1.99), (5.0, 9.0)])
+def test_a_fleet_lease_must_be_at_least_two_sync_intervals(interval: float, lease: float) -> None:
+    # a grant that expires before its worker's next read drops it to the safe rate every cycle
+    with pytest.raises(ConfigError, match="lease"):
+        config_module.FleetConfig(
+            bucket="bucket-1", records_per_second=10, sync_interval=interval, lease=lease
+        )
+    fleet = config_module.FleetConfig(
+        bucket="bucket-1", records_per_second=10, sync_interval=interval, lease=2 * interval
+    )
+    assert fleet.lease == 2 * interval
+    assert config_module.FleetConfig(bucket="bucket-1", records_per_second=10).lease == 15.0

@@ -26,7 +26,14 @@ from trio.testing import MockClock
 from anykpl import FleetConfig, Producer, ProducerConfig
 from anykpl import _coordinator as coordinator
 from anykpl._coordinator import FleetAllocator, FleetWorker
-from anykpl._fleet import FleetDemand, GrantsDocument, parse_grants, parse_lease
+from anykpl._fleet import (
+    FleetDemand,
+    GrantsDocument,
+    Rates,
+    WorkerEntry,
+    parse_grants,
+    parse_lease,
+)
 
 from .fakes import FakeKinesis
 
@@ -404,8 +411,9 @@ class TestOnMockClock:
             await anyio.sleep(0.2)
             late = member.worker.statistics()
         assert (early.mode, early.records_per_second) == ("bootstrap", CAP * 0.1)
-        # no fleet size known: the whole cap × safe_fraction
-        assert (late.mode, late.records_per_second) == ("safe", CAP)
+        # no fleet size known: the whole cap × safe_fraction, but no more than its bootstrap
+        # rate, since it never had a grant
+        assert (late.mode, late.records_per_second) == ("safe", CAP * 0.1)
         assert late.s3_errors > 0
 
     async def test_without_a_date_header_the_clock_comes_from_what_it_writes(self) -> None:
@@ -463,7 +471,8 @@ class TestOnMockClock:
             await anyio.sleep(0.2)
             late = newcomer.worker.statistics()
         assert early.mode == "bootstrap"
-        assert (late.mode, late.records_per_second) == ("safe", CAP / 3)  # three it knows of
+        # three it knows of; never granted, so no more than its bootstrap rate
+        assert (late.mode, late.records_per_second) == ("safe", CAP * 0.1 / 3)
 
     async def test_a_lost_lease_makes_the_allocator_step_down(self) -> None:
         s3 = FakeS3()
@@ -575,6 +584,313 @@ class TestOnMockClock:
         assert b'"backlog"' in report
         assert "anykpl-fleet/workers/producer.json" not in s3.objects  # deleted on close
         assert s3.holder() is None
+
+    # -- review fixes -----------------------------------------------------------------------
+
+    @pytest.mark.parametrize("key", ["grants.json", "allocator.json"])
+    async def test_an_integer_too_long_to_read_is_junk_and_replaced(
+        self, key: str, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        # json.loads raised a plain ValueError past 4300 digits: every cycle failed before
+        # its report and allocation, and the fleet stayed at its safe rate
+        s3 = FakeS3()
+        members = [Member(s3, f"w{i}") for i in range(3)]
+        junk = b'{"kind": "x", "version": 1, "n": ' + b"9" * 5000 + b"}"
+        async with running(*members):
+            await anyio.sleep(3 * INTERVAL)
+            await s3.put_object(Bucket=BUCKET, Key=f"anykpl-fleet/{key}", Body=junk)
+            await anyio.sleep(3 * LEASE)
+            stats = [m.worker.statistics() for m in members]
+            body = s3.objects[f"anykpl-fleet/{key}"][0]
+        assert body != junk  # replaced
+        assert [s.mode for s in stats] == ["granted"] * 3
+        assert [s.records_per_second for s in stats] == pytest.approx([CAP / 3] * 3)
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+    async def test_a_failing_cycle_is_logged_with_its_traceback_once_per_kind(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        s3 = FakeS3()
+        member = Member(s3, "w0")
+        worker = member.worker
+        failing = True
+        report = worker._report
+
+        def broken() -> Any:
+            if failing:
+                raise RuntimeError("a bug")
+            return report()
+
+        worker._report = broken  # type: ignore[method-assign]
+        async with running(member):
+            await anyio.sleep(5 * INTERVAL)  # five failed cycles
+            failing = False
+            await anyio.sleep(2 * INTERVAL)  # clean ones
+            failing = True
+            await anyio.sleep(3 * INTERVAL)
+        errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+        # once, and once more after the clean cycles: not once per cycle
+        assert [r.getMessage() for r in errors] == ["fleet w0: a sync cycle failed"] * 2
+        assert all(r.exc_info for r in errors)
+        assert worker.s3_errors >= 8  # each still counted
+
+    async def test_a_grant_of_zero_never_reaches_the_producer(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # parsed and applied, it made the shared bucket divide by zero: the producer crashed
+        s3 = FakeS3()
+        monkeypatch.setattr(coordinator, "create_client", lambda *a, **k: s3.factory()())
+        now = SERVER_EPOCH + anyio.current_time()
+        body = {
+            "kind": "anykpl-fleet-grants",
+            "version": 1,
+            "generation": 99,
+            "allocator": "x",
+            "issued_at": now,
+            "expires_at": now + LEASE,
+            "learning": False,
+            "cap": {"records_per_second": CAP, "bytes_per_second": None},
+            "workers": {"producer": {"grant": {"records_per_second": 0}, "acked": None}},
+        }
+        await s3.put_object(
+            Bucket=BUCKET, Key="anykpl-fleet/grants.json", Body=json.dumps(body).encode()
+        )
+        config = CONFIG.replace(fleet=fleet("producer", elect=False), record_max_buffered_time=0.05)
+        async with Producer(config, transport=FakeKinesis()) as producer:
+            pendings = [
+                await producer.submit("stream", b"x" * 100, partition_key=str(i)) for i in range(50)
+            ]
+            await producer.flush()
+            stats = producer.statistics().fleet
+        assert all(p.result().success for p in pendings)
+        assert stats is not None
+        assert (stats.mode, stats.records_per_second) == ("bootstrap", CAP * 0.1)
+        assert stats.last_error is not None
+        assert "positive" in stats.last_error
+
+    async def test_a_rate_the_producer_refuses_does_not_stop_the_worker(self) -> None:
+        s3 = FakeS3()
+        member = Member(s3, "w0")
+        offered: list[tuple[float | None, float | None]] = []
+
+        def refuse_after_the_first(records: float | None, nbytes: float | None) -> None:
+            offered.append((records, nbytes))
+            if len(offered) > 1:
+                raise ValueError("refused")
+            member.applied.append((records, nbytes))
+
+        member.worker._apply = refuse_after_the_first
+        async with running(member):
+            await anyio.sleep(3 * INTERVAL)
+            stats = member.worker.statistics()
+        assert len(offered) > 1  # its grant was offered, and refused
+        assert stats.last_error is not None
+        assert stats.last_error.startswith("apply the rate: ValueError")
+        # it says what it applies: the bootstrap rate, still
+        assert (stats.mode, stats.records_per_second) == ("bootstrap", CAP * 0.1)
+
+    async def test_the_rate_applied_follows_the_state_machine_out_of_the_safe_rate(
+        self,
+    ) -> None:
+        # The safe rate has no timer: the rate applied changed only with a new grant, so a
+        # worker back from safe to bootstrap, or learning another fleet size, kept its old
+        # rate for good while its statistics said otherwise.
+        s3 = FakeS3()
+        s3.down = True
+        member = Member(s3, "w0", elect=False, safe_fraction=0.05)
+        async with running(member):
+            await anyio.sleep(LEASE + INTERVAL)
+            assert member.worker.statistics().mode == "safe"
+            assert member.rate == CAP * 0.05
+            s3.down = False  # S3 answers: no grants yet, the fleet is starting
+            await anyio.sleep(1.5 * INTERVAL)
+            assert member.worker.statistics().mode == "bootstrap"
+            assert member.rate == CAP * 0.1
+            # an allocator is alive, has not granted w0 yet, and counts four others
+            now = SERVER_EPOCH + anyio.current_time()
+            others = GrantsDocument(
+                generation=1,
+                allocator="x",
+                issued_at=now,
+                expires_at=now + LEASE,
+                learning=False,
+                cap=Rates(CAP, None),
+                workers={f"o{i}": WorkerEntry(Rates(100.0, None), None) for i in range(4)},
+                fleet_size=4,
+            )
+            await s3.put_object(
+                Bucket=BUCKET, Key="anykpl-fleet/grants.json", Body=others.to_json()
+            )
+            await anyio.sleep(1.5 * INTERVAL)
+            stats = member.worker.statistics()
+            report = json.loads(s3.objects["anykpl-fleet/workers/w0.json"][0])
+        assert (stats.mode, stats.fleet_size) == ("bootstrap", 5)
+        assert member.rate == stats.records_per_second == pytest.approx(CAP * 0.1 / 5)
+        # and it reports the rate it applies
+        assert report["has"]["records_per_second"] == pytest.approx(CAP * 0.1 / 5)
+
+    async def test_a_starting_fleet_shares_the_bootstrap_rate_after_one_cycle(self) -> None:
+        # Before any grants the fleet size is unknown: 20 members each ran at 10 % of the cap
+        # (twice the cap in all) until the first grants, two cycles in. The first allocator
+        # now writes the fleet size at once, and the members read it at their next cycle.
+        s3 = FakeS3()
+        members = [Member(s3, f"w{i:02d}") for i in range(20)]
+        worst = 0.0
+        async with running(*members):
+            start = anyio.current_time()
+            await anyio.sleep(1.15 * INTERVAL)
+            while anyio.current_time() - start < 4 * INTERVAL:
+                worst = max(worst, sum(m.rate or 0.0 for m in members))
+                await anyio.sleep(0.05)
+            final = [m.rate for m in members]
+        first = s3.generations()[0]
+        assert (first.generation, first.granted) == (1, 0)
+        assert first.fleet_size is not None
+        assert first.fleet_size >= 1
+        assert worst <= CAP * (1 + 1e-6)
+        assert final == pytest.approx([CAP / 20] * 20)
+        check_every_generation(s3)
+
+    async def test_the_first_grants_see_the_demand_of_every_member(self) -> None:
+        # A first report carries no demand (a rate takes two samples). Members that read the
+        # grants-less document locked their phase to it and reported again only after the
+        # first allocation, which then gave them their floor; their second report now comes
+        # half an interval after the first.
+        s3 = FakeS3()
+        members = [Member(s3, f"w{i}") for i in range(4)]
+        for member in members:
+            member.backlog = 0  # nothing offered yet when they first report
+        async with running(*members):
+            await anyio.sleep(0.1 * INTERVAL)
+            for member in members:
+                member.backlog = 100_000
+            await anyio.sleep(3 * INTERVAL)
+        first = next(d for d in s3.generations() if d.granted)
+        assert first.generation == 2
+        grants = [e.grant.records_per_second for e in first.workers.values() if e.grant]
+        assert grants == pytest.approx([CAP / 4] * 4)
+
+    async def test_processes_sharing_a_worker_id_are_told(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        # worker_id=HOSTNAME under a pre-fork server: one report, one grant, applied by each
+        caplog.set_level(logging.WARNING, logger="anykpl.fleet")
+        s3 = FakeS3()
+        members = [Member(s3, "host-a"), Member(s3, "host-a"), Member(s3, "host-b")]
+        async with running(*members):
+            await anyio.sleep(10 * INTERVAL)
+        warned = [r for r in caplog.records if "duplicate_worker_id" in r.__dict__]
+        assert {r.__dict__["duplicate_worker_id"] for r in warned} == {"host-a"}
+        # each process whose report the other overwrites says so, once (the allocator, unless
+        # it is one of them and so always reads its own report, may say so too, once)
+        by_workers = [r for r in warned if "keeps overwriting" in r.getMessage()]
+        assert 1 <= len(by_workers) <= 2
+        assert len(warned) - len(by_workers) <= 1
+
+    async def test_the_allocator_tells_reports_that_alternate_between_processes(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        caplog.set_level(logging.WARNING, logger="anykpl.fleet")
+        s3 = FakeS3()
+        members = [Member(s3, "twin", elect=False) for _ in range(2)]
+        allocator = FleetAllocator(
+            fleet(), CONFIG, allocator_id="boss", client_factory=s3.factory()
+        )
+        async with running(*members, allocator):
+            await anyio.sleep(20 * INTERVAL)
+        by_allocator = [r for r in caplog.records if "changing hands" in r.getMessage()]
+        assert len(by_allocator) == 1
+        assert by_allocator[0].getMessage().startswith("fleet boss: the report of worker twin")
+
+    async def test_grants_for_other_caps_are_applied_within_the_workers_own(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        # the standalone allocator started with a record cap only, and twice the workers'
+        s3 = FakeS3()
+        caplog.set_level(logging.WARNING, logger="anykpl.fleet")
+        members = [Member(s3, f"w{i}", elect=False, bytes_per_second=100_000.0) for i in range(2)]
+        members[0].backlog = 0  # w0 is idle, w1 wants more than the cap
+        allocator = FleetAllocator(
+            fleet(records_per_second=2 * CAP), CONFIG, client_factory=s3.factory()
+        )
+        async with running(*members, allocator):
+            await anyio.sleep(4 * INTERVAL)
+            stats = [m.worker.statistics() for m in members]
+        assert [s.mode for s in stats] == ["granted"] * 2
+        # records: no more than its own cap; bytes, uncapped by the document: its safe share
+        assert stats[1].records_per_second == pytest.approx(CAP)
+        assert [s.bytes_per_second for s in stats] == pytest.approx([100_000.0 / 2] * 2)
+        mismatches = [r for r in caplog.records if "document_cap" in r.__dict__]
+        assert len(mismatches) == 2  # once per worker
+
+    async def test_closing_keeps_to_close_timeout_when_s3_hangs(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        s3 = FakeS3()
+        monkeypatch.setattr(coordinator, "create_client", lambda *a, **k: s3.factory()())
+        hang = anyio.Event()
+
+        async def hung(**kwargs: Any) -> dict[str, Any]:
+            await hang.wait()
+            raise AssertionError("unreachable")
+
+        config = CONFIG.replace(fleet=fleet("p", elect=False), close_timeout=0.2)
+        async with Producer(config, transport=FakeKinesis()):
+            await anyio.sleep(INTERVAL / 2)
+            s3.get_object = s3.put_object = s3.delete_object = hung  # type: ignore[method-assign]
+            await anyio.sleep(INTERVAL)
+            closing_at = anyio.current_time()
+        closed_after = anyio.current_time() - closing_at
+        hang.set()
+        assert closed_after <= 0.2 + 1e-6  # not CLOSE_TIMEOUT (1.5 s) and more
+
+    async def test_a_takeover_waits_for_reads_that_succeed(self) -> None:
+        # w0 hands over cleanly while its grants are in force; w1's first reads as the new
+        # allocator fail: its first document must still be one of learning mode
+        s3 = FakeS3()
+        members = [Member(s3, f"w{i}") for i in range(2)]
+        async with running(*members):
+            await anyio.sleep(3 * INTERVAL)
+            assert s3.holder() == "w0"
+            w1 = members[1].worker
+            read_reports = w1._read_reports
+            failed: list[float] = []
+
+            async def fail_once(store: Any) -> Any:
+                if not failed:
+                    failed.append(anyio.current_time())
+                    return None
+                return await read_reports(store)
+
+            w1._read_reports = fail_once  # type: ignore[method-assign]
+            await members[0].worker.aclose()
+            await anyio.sleep(3 * INTERVAL)
+        assert failed
+        after = [d for d in s3.generations() if d.allocator == "w1"]
+        assert after
+        assert after[0].learning
+
+    async def test_leftover_presence_objects_of_allocators_are_deleted(self) -> None:
+        s3 = FakeS3()
+        key = "anykpl-fleet/allocators/gone.json"
+        await s3.put_object(Bucket=BUCKET, Key=key, Body=b"{}")
+        await anyio.sleep(coordinator.LEFTOVER_LEASES * LEASE + 2)
+        member = Member(s3, "w0")
+        async with running(member):
+            await anyio.sleep(3 * INTERVAL)
+        assert key not in s3.objects
+
+    async def test_the_standalone_allocator_does_not_speak_of_a_producer(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        s3 = FakeS3()
+        s3.down = True
+        allocator = FleetAllocator(fleet(), CONFIG, client_factory=s3.factory())
+        async with running(allocator):
+            await anyio.sleep(2 * INTERVAL)
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert warnings
+        assert not [w for w in warnings if "producer" in w]
 
     async def test_a_producer_without_a_fleet_has_no_fleet_statistics(self) -> None:
         async with Producer(CONFIG, transport=FakeKinesis()) as producer:

@@ -249,6 +249,56 @@ def test_earlier_grants_stop_counting_when_they_expire() -> None:
     assert grants_of(doc) == pytest.approx({"b": 1000})
 
 
+def test_every_document_says_how_many_workers_reported() -> None:
+    alloc = allocator()
+    doc = alloc.allocate(None, [observed(report(f"w{i}"), 0) for i in range(3)], exact(0.5))
+    assert doc.fleet_size == 3
+    assert parse_grants(doc.to_json()).fleet_size == 3
+    assert doc.fleet_size_for("w0") == 3
+    assert doc.fleet_size_for("newcomer") == 4  # not among them: one more
+
+
+def test_a_starting_fleet_is_told_its_size_before_any_grant() -> None:
+    # the first allocator waits a cycle before its first grants, so that every member of a
+    # starting fleet has reported; meanwhile it writes the fleet's size, without grants
+    alloc = allocator()
+    reports = [observed(report(f"w{i}"), 0) for i in range(20)]
+    gathering = alloc.gather(None, reports, exact(0.5))
+    assert gathering.granted == 0
+    assert gathering.fleet_size == 20
+    assert gathering.total_reserved().records_per_second == 0
+    assert gathering.expires_at == pytest.approx(gathering.issued_at + LEASE)
+    assert parse_grants(gathering.to_json()) == gathering
+    # a member reading it runs its bootstrap at a twentieth of 10 % of the cap: the 20 take
+    # 10 % of the cap in all, not 20 × 10 %
+    state = worker_state("w3")
+    assert not state.receive(gathering, known_clock(0.5), 0.5)
+    assert state.fleet_size == 20
+    assert state.rates(1.0) == ("bootstrap", Rates(CAP * 0.1 / 20, 1_000_000 * 0.1 / 20))
+    # the first grants build on it: generation 2, with the bootstrap rates in use left room
+    later = [observed(report(f"w{i}", has=CAP * 0.1 / 20), 1) for i in range(20)]
+    doc = alloc.allocate(gathering, later, exact(1.5))
+    assert doc.generation == 2
+    assert grants_of(doc) == pytest.approx({f"w{i}": CAP / 20 for i in range(20)})
+
+
+def test_reports_alternating_between_two_incarnations_are_a_shared_worker_id() -> None:
+    alloc = allocator()
+
+    def seen(*incarnations: str, worker_id: str = "w") -> list[str]:
+        found: list[str] = []
+        for incarnation in incarnations:
+            rep = replace(report(worker_id), incarnation=incarnation)
+            found += alloc.duplicates([observed(rep, 0)])
+        return found
+
+    # restarts bring new incarnations, never an old one back
+    assert seen("a", "a", "b", "b", "c") == []
+    # two processes overwriting each other's report: said once
+    assert seen("d", "c", "d", "c", "d") == ["w"]
+    assert seen("a", "b", "a", worker_id="v") == ["v"]
+
+
 def test_stale_workers_are_dropped_by_s3_time_but_their_grants_stay_reserved() -> None:
     alloc = allocator()
     # a reported at 0 s and was granted at 3 s, until 18 s
@@ -621,14 +671,47 @@ def test_a_grant_applies_until_it_expires_then_the_safe_rate() -> None:
     assert state.receive(grants_document(1, {"w0": 300, "w1": 300, "w2": 300}), clock, 0.0)
     mode, rates = state.rates(1.0)
     assert mode == "granted"
-    # the uncapped bytes of the grant take the worker's own cap
-    assert rates == Rates(300, 1_000_000)
+    # the bytes the document does not cap, but the worker's own configuration does, are
+    # held to its safe share (50 % of its cap over the three workers)
+    assert rates == Rates(300, 1_000_000 * 0.5 / 3)
     expires = state.next_change(1.0)
     assert expires is not None
     # expiry is judged early: S3's time may reach expires_at up to a second before
     assert LEASE - 1.0 - 1e-9 <= expires <= LEASE
     assert state.rates(expires) == ("safe", Rates(CAP * 0.5 / 3, 1_000_000 * 0.5 / 3))
     assert state.next_change(expires) is None
+
+
+def test_the_safe_rate_is_never_more_than_the_last_grant() -> None:
+    # ratelimit.md, Recommendation C.4: A's grant was small, B's large; A is cut off from S3
+    # and its grant expires first. At cap × safe_fraction ÷ N it would go to 500 while B
+    # still applies 900: 1400 of a 1000 cap.
+    a = WorkerState(
+        worker_id="a",
+        cap=Rates(CAP, None),
+        lease=LEASE,
+        safe_fraction=1.0,
+        bootstrap_fraction=0.1,
+        started_at=0.0,
+    )
+    a.receive(grants_document(1, {"a": 100, "b": 900}), known_clock(), 0.0)
+    assert a.rates(LEASE + 1) == ("safe", Rates(100, None))
+    # and the safe share when that is less
+    a.safe_fraction = 0.1
+    assert a.rates(LEASE + 1) == ("safe", Rates(CAP * 0.1 / 2, None))
+
+
+def test_a_grant_is_applied_within_the_workers_own_caps() -> None:
+    # an allocator started with other caps (a standalone one given only a record cap, and a
+    # higher one): the worker holds to its own
+    state = worker_state()  # its own caps: 1000 records/s and 1,000,000 bytes/s
+    doc = replace(grants_document(1, {"w0": 1500, "w1": 500}), cap=Rates(2 * CAP, None))
+    assert state.foreign_cap(doc)
+    assert not state.foreign_cap(replace(doc, cap=Rates(CAP, 1_000_000)))
+    assert state.receive(doc, known_clock(), 0.0)
+    # records: no more than its own cap; bytes, which the document does not cap: its safe
+    # share, 50 % of its cap over the two workers
+    assert state.rates(1.0) == ("granted", Rates(CAP, 1_000_000 * 0.5 / 2))
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.3, 0.6, 0.99])
@@ -690,7 +773,10 @@ def test_bootstrap_lasts_while_s3_answers_that_no_grants_exist_or_grants_are_liv
 def test_without_any_grant_bootstrap_ends_in_the_safe_rate_after_a_lease() -> None:
     state = worker_state(lease=3.0)
     assert state.mode(2.9) == "bootstrap"
-    assert state.rates(3.0) == ("safe", Rates(CAP * 0.5, 500_000.0))
+    # never more than the bootstrap rate for a worker that never had a grant
+    assert state.rates(3.0) == ("safe", Rates(CAP * 0.1, 100_000.0))
+    state.safe_fraction = 0.05
+    assert state.rates(3.0) == ("safe", Rates(CAP * 0.05, 50_000.0))
 
 
 def test_uncapped_dimensions_stay_unlimited() -> None:
@@ -820,6 +906,47 @@ def test_invalid_grants_are_rejected() -> None:
         change(changed)
         with pytest.raises(DocumentError):
             parse_grants(json.dumps(changed).encode())
+
+
+def test_an_integer_too_long_to_read_is_junk() -> None:
+    # json.loads raises a plain ValueError past 4300 digits; float() an OverflowError past
+    # 1e308: either escaped the parsers, and every sync cycle failed
+    digits = b"9" * 5000
+    for kind, parse in (
+        ("grants", parse_grants),
+        ("report", parse_report),
+        ("lease", parse_lease),
+    ):
+        with pytest.raises(DocumentError, match="not JSON"):
+            parse(b'{"kind": "anykpl-fleet-%s", "version": 1, "n": %s}' % (kind.encode(), digits))
+    lease = json.loads(
+        LeaseDocument(
+            holder="a", incarnation="b", acquired_at=1, renewed_at=1, expires_at=2, lease=1
+        ).to_json()
+    )
+    lease["expires_at"] = 10**400
+    with pytest.raises(DocumentError, match="expires_at"):
+        parse_lease(json.dumps(lease).encode())
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda d: d["workers"]["a"].update(grant={"records_per_second": 0}),
+        lambda d: d["workers"]["a"].update(grant={"records_per_second": 5, "bytes_per_second": 0}),
+        lambda d: d["workers"]["a"].update(grant={"records_per_second": -1}),
+        lambda d: d["workers"]["a"].update(
+            outstanding=[{"generation": 0, "expires_at": 1, "records_per_second": 0}]
+        ),
+        lambda d: d.update(cap={"records_per_second": 0, "bytes_per_second": None}),
+    ],
+)
+def test_a_rate_of_zero_is_junk(change: Any) -> None:
+    # applied, a grant of 0 made the producer's bucket divide by zero
+    doc = json.loads(grants_document(1, {"a": 1.0}).to_json())
+    change(doc)
+    with pytest.raises(DocumentError, match="positive"):
+        parse_grants(json.dumps(doc).encode())
 
 
 def test_invalid_leases_are_rejected() -> None:

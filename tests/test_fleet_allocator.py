@@ -38,6 +38,9 @@ def test_bad_options_are_rejected_by_the_parser(
         ([], "records_per_second"),  # no cap at all
         (["--records-per-second", "-5"], "records_per_second"),
         (["--records-per-second", "10", "--lease", "0.01"], "lease"),
+        (["--records-per-second", "10", "--sync-interval", "1", "--lease", "1.5"], "lease"),
+        (["--records-per-second", "10", "--bootstrap-fraction", "2"], "bootstrap_fraction"),
+        (["--records-per-second", "10", "--bootstrap-fraction", "0"], "bootstrap_fraction"),
         (["--records-per-second", "10", "--endpoint-url", "ftp://x"], "endpoint_url"),
     ],
 )
@@ -69,3 +72,19 @@ def test_one_line_per_generation_with_the_sum_against_the_cap() -> None:
     assert "(in force ≤ 1000)" in line
     assert "bytes/s" not in line
     assert line.endswith("| learning")
+
+
+def test_the_line_of_a_starting_fleet_says_how_many_reported() -> None:
+    document = GrantsDocument(
+        generation=1,
+        allocator="a",
+        issued_at=100.0,
+        expires_at=115.0,
+        learning=False,
+        cap=Rates(1000.0, None),
+        workers={"w1": WorkerEntry(None, None), "w2": WorkerEntry(None, None)},
+        fleet_size=2,
+    )
+    assert describe(document).endswith(
+        "| generation 1 | 0 worker(s) | no grants yet: 2 worker(s) reported"
+    )

@@ -39,6 +39,19 @@ def test_rates_must_be_positive(records: float, nbytes: float) -> None:
         TokenBucket(records, nbytes, now=0.0)
 
 
+@pytest.mark.parametrize(
+    ("records", "nbytes"), [(0, 1), (1, 0), (-1, 1), (1, -5), (float("nan"), 1), (1, 0.0)]
+)
+def test_set_rates_rejects_what_the_constructor_rejects(records: float, nbytes: float) -> None:
+    # a fleet grant of 0 once reached set_rates, and the next wait divided by zero
+    bucket = TokenBucket(10, 100, now=0.0)
+    with pytest.raises(ValueError, match="positive"):
+        bucket.set_rates(records, nbytes, now=1.0)
+    assert (bucket.records_per_second, bucket.bytes_per_second) == (10, 100)
+    assert bucket.try_take(10, 100, now=1.0)
+    assert bucket.time_until(10, 100, now=1.0) == pytest.approx(1.0)
+
+
 def test_refill_is_linear_and_capped() -> None:
     bucket = TokenBucket(10, 100, now=0.0)
     assert bucket.try_take(10, 100, now=0.0)

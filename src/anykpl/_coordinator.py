@@ -48,6 +48,7 @@ from ._fleet import (
     FleetStatistics,
     GrantsDocument,
     LeaseDocument,
+    Mode,
     ObservedReport,
     Rates,
     ServerClock,
@@ -74,6 +75,9 @@ READ_CONCURRENCY = 16
 LEFTOVER_LEASES = 10
 #: S3's clock is known well enough once a member's uncertainty about it is below this.
 CLOCK_TARGET = 0.1
+#: A worker whose report was overwritten by someone else this many times in a row says that
+#: another process shares its worker_id.
+OVERWRITTEN_REPORTS = 3
 #: After the holder's lease would expire, a contender looks again this much later.
 _LEASE_MARGIN = 0.01
 _CONFLICT_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict", "412", "409"})
@@ -267,6 +271,9 @@ class _Member:
         self._lease_acquired_at: float | None = None
         self._lease_wake: float | None = None  # local time to look at someone else's lease
         self._gather_until = -math.inf  # local time before which a fresh fleet gets no grants
+        self._taking_over = False  # acquired the lease; the takeover is decided when S3 answers
+        self._next_sweep = -math.inf  # local time to look for leftover presence objects
+        self._close_deadline: float | None = None  # local time by which closing must end
         self.s3_errors = 0
         self.last_error: str | None = None
         self._logged: set[str] = set()
@@ -310,7 +317,7 @@ class _Member:
             return
         self._logged.add(code)
         logger.warning(
-            "fleet %s: %s failed (%s: %s); the producer carries on (%s)",
+            "fleet %s: %s failed (%s: %s); %s",
             self.worker_id,
             operation,
             code,
@@ -320,7 +327,8 @@ class _Member:
         )
 
     def _fallback_description(self) -> str:
-        return "grants expire into the safe rate"
+        """What happens meanwhile, for the warning about a failed call."""
+        return "it tries again next cycle; the workers' grants expire into their safe rates"
 
     def _recovered(self) -> None:
         if self._logged:
@@ -362,6 +370,7 @@ class _Member:
             logger.info("fleet %s: no longer the allocator (%s)", self.worker_id, why)
         self._lease_etag = None
         self._lease_acquired_at = None
+        self._taking_over = False
         self._allocator.step_down()
 
     async def _lease_step(self, store: _Store) -> str | None:
@@ -426,6 +435,7 @@ class _Member:
             return None
         self._lease_etag = etag
         self._lease_wake = None
+        self._taking_over = True
         logger.info("fleet %s: now the allocator", self.worker_id)
         return "acquired"
 
@@ -433,6 +443,7 @@ class _Member:
         if self._lease_etag is None:
             return
         etag, self._lease_etag = self._lease_etag, None
+        self._taking_over = False
         self._allocator.step_down()
         with suppress(_Conflict):  # taken over meanwhile: not ours to delete
             await self._attempt(
@@ -503,11 +514,39 @@ class _Member:
     async def _delete_leftover(self, store: _Store, key: str) -> None:
         try:
             await store.delete(key)
-            logger.info("fleet %s: deleted the leftover report %s", self.worker_id, key)
+            logger.info("fleet %s: deleted the leftover object %s", self.worker_id, key)
         except anyio.get_cancelled_exc_class():
             raise
         except Exception as exc:  # best effort: it is only a leftover
             logger.debug("fleet %s: could not delete %s: %s", self.worker_id, key, exc)
+
+    async def _sweep_presence(self, store: _Store) -> None:
+        """Delete the presence objects of standalone allocators gone for long (they rewrite
+        theirs every cycle; one stale for :data:`LEFTOVER_LEASES` leases is a leftover). Once
+        a lease at most: it costs a LIST."""
+        if anyio.current_time() < self._next_sweep:
+            return
+        self._next_sweep = anyio.current_time() + self._lease
+        ok, listing = await self._attempt("list allocators", store.list(store.key("allocators/")))
+        now = self._server_now()
+        if not ok or now is None:
+            return
+        for key, last_modified, _ in listing:
+            if now[0] - last_modified > LEFTOVER_LEASES * self._lease:
+                await self._delete_leftover(store, key)
+
+    def _warn_duplicates(self, reports: list[ObservedReport]) -> None:
+        for worker_id in self._allocator.duplicates(reports):
+            logger.warning(
+                "fleet %s: the report of worker %s keeps changing hands between processes: "
+                "several processes run with worker_id=%r, share one grant and each apply it, "
+                "so the fleet can exceed its cap. Give each process its own worker_id (such "
+                'as f"{hostname}-{pid}"), or leave it None for a random one',
+                self.worker_id,
+                worker_id,
+                worker_id,
+                extra={"duplicate_worker_id": worker_id},
+            )
 
     async def _allocate(self, store: _Store, grants: _Read | None, status: str | None) -> None:
         if status not in ("held", "acquired") or grants is None:
@@ -517,19 +556,29 @@ class _Member:
         reports = await self._read_reports(store)
         now = self._server_now()
         if reports is None or now is None:
-            return
-        if (
-            status == "acquired"
-            and not self._allocator.take_over(grants.document, reports, now)
-            and not grants.exists
-        ):
-            # No grants were ever written: the fleet is starting. Members that start together
-            # report within a cycle; a first allocation that saw only some of them would grant
-            # those the whole cap, and taking it back costs a cycle of acknowledgements. So
-            # the first grants wait one cycle.
-            self._gather_until = anyio.current_time() + 0.8 * self.fleet.sync_interval
-            return
-        document = self._allocator.allocate(grants.document, reports, now)
+            return  # (a takeover is decided at the first cycle whose reads succeed)
+        self._warn_duplicates(reports)
+        if self._taking_over:
+            self._taking_over = False
+            if not self._allocator.take_over(grants.document, reports, now) and not grants.exists:
+                # No grants were ever written: the fleet is starting. Members that start
+                # together report within a cycle; a first allocation that saw only some of
+                # them would grant those the whole cap, and taking it back costs a cycle of
+                # acknowledgements. So the first grants wait one cycle — but the fleet size
+                # goes out at once, in a document without grants, so that the members'
+                # bootstrap rates share the cap × bootstrap_fraction meanwhile.
+                self._gather_until = anyio.current_time() + 0.8 * self.fleet.sync_interval
+                document = self._allocator.gather(grants.document, reports, now)
+            else:
+                document = self._allocator.allocate(grants.document, reports, now)
+        else:
+            document = self._allocator.allocate(grants.document, reports, now)
+        await self._write_grants(store, grants, document)
+        await self._sweep_presence(store)
+
+    async def _write_grants(self, store: _Store, grants: _Read, document: GrantsDocument) -> None:
+        """PUT ``document`` as the next ``grants.json``, on condition that the one read
+        (``grants``) is still there."""
         key = store.key("grants.json")
         try:
             ok, _ = await self._attempt(
@@ -580,6 +629,7 @@ class _Member:
 
     async def _cycles(self, store: _Store) -> None:
         assert self._stop_event is not None
+        failures: set[str] = set()  # kinds of exception logged since the last clean cycle
         while not self._stopping:
             start = anyio.current_time()
             errors = self.s3_errors
@@ -590,8 +640,16 @@ class _Member:
                 except anyio.get_cancelled_exc_class():
                     raise
                 except Exception as exc:  # a bug must not stop the producer either
-                    logger.exception("fleet %s: a sync cycle failed", self.worker_id)
+                    # with its traceback once per kind, not once per cycle
+                    kind = type(exc).__qualname__
+                    if kind in failures:
+                        logger.debug("fleet %s: a sync cycle failed again: %r", self.worker_id, exc)
+                    else:
+                        failures.add(kind)
+                        logger.exception("fleet %s: a sync cycle failed", self.worker_id)
                     self._record_error("sync", exc)
+                else:
+                    failures.clear()
             self._cycle_scope = None
             if self.s3_errors == errors:
                 self._recovered()
@@ -620,7 +678,7 @@ class _Member:
                             await self._cycles(store)
                             tg.cancel_scope.cancel()
                     finally:
-                        with anyio.move_on_after(CLOSE_TIMEOUT, shield=True):
+                        with anyio.move_on_after(self._cleanup_time(), shield=True):
                             await self._cleanup(store)
                 return
             except anyio.get_cancelled_exc_class():
@@ -656,12 +714,29 @@ class _Member:
                 await anyio.sleep(self.fleet.sync_interval)
                 continue
             await anyio.sleep(max(0.0, at - now))
-            await self._attempt("calibrate the clock", store.put(*probe))
+            await self._rewrite(store, probe)
             await anyio.sleep(self.fleet.sync_interval)
 
-    async def aclose(self) -> None:
+    async def _rewrite(self, store: _Store, probe: tuple[str, bytes]) -> None:
+        """Rewrite the object :meth:`_probe` named, for :meth:`_calibrate`."""
+        await self._attempt("calibrate the clock", store.put(*probe))
+
+    def _cleanup_time(self) -> float:
+        """How long the last S3 calls may take: :data:`CLOSE_TIMEOUT`, or less if
+        :meth:`aclose` was given less."""
+        if self._close_deadline is None:
+            return CLOSE_TIMEOUT
+        return max(0.0, min(CLOSE_TIMEOUT, self._close_deadline - anyio.current_time()))
+
+    async def aclose(self, *, deadline: float | None = None) -> None:
         """Stop: delete this member's objects (its report; the lease if it holds it), best
-        effort and within :data:`CLOSE_TIMEOUT`."""
+        effort, and return by ``deadline`` (``anyio.current_time()``; default: within
+        :data:`CLOSE_TIMEOUT` and half a second more), whatever S3 is doing. What is not
+        deleted by then expires on its own: a report goes stale, a lease runs out."""
+        now = anyio.current_time()
+        latest = now + CLOSE_TIMEOUT + 0.5
+        self._close_deadline = latest if deadline is None else min(latest, deadline)
+        bound = max(0.0, self._close_deadline - now)
         self._stopping = True
         if self._stop_event is not None:
             self._stop_event.set()
@@ -669,7 +744,7 @@ class _Member:
             self._cycle_scope.cancel()
         if self._done is None:
             return
-        with anyio.move_on_after(CLOSE_TIMEOUT + 0.5, shield=True):
+        with anyio.move_on_after(bound, shield=True):
             await self._done.wait()
         if not self._done.is_set() and self._run_scope is not None:
             self._run_scope.cancel()
@@ -716,12 +791,17 @@ class FleetWorker(_Member):
             started_at=0.0,
         )
         self._applied: Rates | None = None
-        self._mode: str | None = None
+        self._mode: Mode | None = None
+        self._warned_cap = False
         self._sequence = 0
         self._rate_changed: anyio.Event | None = None
         self._pending: GrantsDocument | None = None  # read before S3's clock was known
         self._phase_source: GrantsDocument | None = None  # the grants read this cycle
         self._report_body: bytes | None = None  # the last report written
+        self._report_etag: str | None = None  # its ETag, if this process wrote it last
+        self._overwritten = 0  # times in a row someone else wrote the report in between
+        self._warned_overwritten = False
+        self._report_lock: anyio.Lock | None = None
 
     def statistics(self) -> FleetStatistics:
         """A snapshot: role, mode, the rates applied, the grant's expiry, errors."""
@@ -730,6 +810,8 @@ class FleetWorker(_Member):
         except Exception:  # outside the event loop, after close
             now = math.inf
         mode, rates = self._state.rates(now)
+        if self._mode is not None and self._applied is not None:
+            mode, rates = self._mode, self._applied  # what the producer's bucket holds
         return FleetStatistics(
             worker_id=self.worker_id,
             role="allocator" if self.holds_lease else "worker",
@@ -745,7 +827,12 @@ class FleetWorker(_Member):
 
     def _fallback_description(self) -> str:
         mode, rates = self._state.rates(anyio.current_time())
-        return f"{mode} rate now {_describe(rates)}; an expired grant falls back to the safe rate"
+        if self._mode is not None and self._applied is not None:
+            mode, rates = self._mode, self._applied
+        return (
+            f"the producer carries on ({mode} rate now {_describe(rates)}; an expired grant "
+            "falls back to the safe rate)"
+        )
 
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -769,9 +856,17 @@ class FleetWorker(_Member):
     # -- applying rates -------------------------------------------------------------------
 
     def _refresh(self) -> None:
-        """Apply the state machine's rate for now, if it changed."""
+        """Apply the state machine's rate for now, if it changed. Never raises: the rate
+        stays as it was if the producer refuses the new one."""
         now = anyio.current_time()
         mode, rates = self._state.rates(now)
+        if rates != self._applied:
+            try:
+                self._apply(rates.records_per_second, rates.bytes_per_second)
+            except Exception as exc:  # (the state machine never makes such a rate)
+                self._record_error("apply the rate", exc)
+                return
+            self._applied = rates
         if mode != self._mode:
             if self._mode is not None:
                 log = logger.warning if mode == "safe" else logger.info
@@ -784,9 +879,13 @@ class FleetWorker(_Member):
                     extra={"mode": mode},
                 )
             self._mode = mode
-        if rates != self._applied:
-            self._applied = rates
-            self._apply(rates.records_per_second, rates.bytes_per_second)
+
+    def _changed(self) -> None:
+        """The state machine took something in: apply its rate now, and wake the timer,
+        whose next change may be another one."""
+        self._refresh()
+        if self._rate_changed is not None:
+            self._rate_changed.set()
 
     async def _enforce(self) -> None:
         """Keep the applied rate true to the state machine as time passes (grants expire on
@@ -801,10 +900,21 @@ class FleetWorker(_Member):
                 await event.wait()
 
     def _receive(self, document: GrantsDocument) -> None:
-        if self._state.receive(document, self._clock, anyio.current_time()):
-            self._refresh()
-            if self._rate_changed is not None:
-                self._rate_changed.set()
+        if not self._warned_cap and self._state.foreign_cap(document):
+            self._warned_cap = True
+            logger.warning(
+                "fleet %s: grants.json was written for the caps %s, this worker's are %s: "
+                "every member of a fleet (and anykpl fleet-allocator) needs the same caps. "
+                "It applies its grants within its own caps; in a dimension only its own "
+                "configuration caps, at its safe share",
+                self.worker_id,
+                _describe(document.cap),
+                _describe(self._state.cap),
+                extra={"document_cap": tuple(document.cap), "cap": tuple(self._state.cap)},
+            )
+        # even without a new grant: the fleet size, or the time its bootstrap lasts, may change
+        self._state.receive(document, self._clock, anyio.current_time())
+        self._changed()
 
     # -- the cycle ------------------------------------------------------------------------
 
@@ -813,6 +923,7 @@ class FleetWorker(_Member):
         self._phase_source = grants.document if grants is not None else None
         if grants is not None and not grants.exists:
             self._state.no_grants_yet(anyio.current_time())
+            self._changed()
         if grants is not None and grants.document is not None:
             if self._clock.known:
                 self._receive(grants.document)
@@ -820,10 +931,7 @@ class FleetWorker(_Member):
             else:
                 self._pending = grants.document
         self._report_body = self._report().to_json()
-        await self._attempt(
-            "write the report",
-            store.put(store.key(f"workers/{self.worker_id}.json"), self._report_body),
-        )
+        await self._write_report(store, "write the report")
         if self._pending is not None and self._clock.known:
             self._receive(self._pending)
             self._pending = None
@@ -838,6 +946,8 @@ class FleetWorker(_Member):
         demand = self._demand()
         offered, wants = self._estimator.update(demand, now)
         mode, rates = self._state.rates(now)
+        if self._mode is not None and self._applied is not None:
+            mode, rates = self._mode, self._applied  # what it applies, not what it should
         self._sequence += 1
         return WorkerReport(
             worker_id=self.worker_id,
@@ -859,6 +969,54 @@ class FleetWorker(_Member):
             return None
         return store.key(f"workers/{self.worker_id}.json"), self._report_body
 
+    async def _rewrite(self, store: _Store, probe: tuple[str, bytes]) -> None:
+        await self._write_report(store, "calibrate the clock")
+
+    async def _write_report(self, store: _Store, operation: str) -> None:
+        """PUT the report, with ``If-Match`` on the ETag of this process's last write.
+
+        Nobody else writes ``workers/<id>.json``, unless another process runs with the same
+        ``worker_id``: then the two overwrite each other's report, the allocator sees one
+        worker, and each applies its grant — the fleet exceeds its cap. The condition fails
+        when someone wrote in between; the report is written anyway, and after
+        :data:`OVERWRITTEN_REPORTS` such cycles in a row the worker says so, once. (The
+        allocator notices it too when the reports it reads alternate between the two.)"""
+        if self._report_lock is None:
+            self._report_lock = anyio.Lock()
+        async with self._report_lock:  # (the cycle and the clock's calibration both write it)
+            assert self._report_body is not None
+            key = store.key(f"workers/{self.worker_id}.json")
+            etag, self._report_etag = self._report_etag, None
+            if etag is not None:
+                try:
+                    ok, written = await self._attempt(
+                        operation, store.put(key, self._report_body, if_match=etag)
+                    )
+                except _Conflict:
+                    self._overwritten += 1
+                    if self._overwritten >= OVERWRITTEN_REPORTS and not self._warned_overwritten:
+                        self._warned_overwritten = True
+                        self._warn_overwritten()
+                else:
+                    if ok:
+                        self._overwritten = 0
+                        self._report_etag = written
+                    return
+            ok, written = await self._attempt(operation, store.put(key, self._report_body))
+            if ok:
+                self._report_etag = written
+
+    def _warn_overwritten(self) -> None:
+        logger.warning(
+            "fleet %s: another process keeps overwriting this worker's report: several "
+            "processes run with worker_id=%r, share one grant and each apply it, so the "
+            "fleet can exceed its cap. Give each process its own worker_id (such as "
+            'f"{hostname}-{pid}"), or leave it None for a random one',
+            self.worker_id,
+            self.worker_id,
+            extra={"duplicate_worker_id": self.worker_id},
+        )
+
     def _next_start(self, start: float) -> float:
         """Half a period after the allocator's, when one is alive.
 
@@ -868,9 +1026,15 @@ class FleetWorker(_Member):
         allocator's always reports in time for the next allocation. So a worker that read
         live grants locks its phase to them: its next cycle is the one point ``issued_at +
         (k + ½) × sync_interval`` between a half and one and a half periods after this start,
-        with the usual ±10 % jitter.
+        with the usual ±10 % jitter. Its second cycle only comes half a period after its
+        first, whatever the phase.
         """
         period = self.fleet.sync_interval
+        if self._sequence <= 1 and not self.holds_lease:
+            # A first report says nothing of demand (a rate takes two samples), and a first
+            # allocation that sees only first reports grants each worker its floor: the second
+            # comes half a period later, before the allocator's next cycle.
+            return start + self._interval() / 2
         document = self._phase_source
         offsets = self._clock.offsets(start)
         if self.holds_lease or document is None or offsets is None:

@@ -17,7 +17,9 @@ why (its failure modes, numbered as in ``reference/ratelimit.md`` §2):
 * **Grants expire** (its mode 1: a dead aggregator's frozen ratio kept being applied and
   ratcheted limits up or down). A worker applies a grant only while it is unexpired and only if
   its generation is newer than the last one applied; afterwards it falls back to a *safe rate*,
-  the cap × ``safe_fraction`` ÷ the fleet size it last knew.
+  the cap × ``safe_fraction`` ÷ the fleet size it last knew, but never more than the last grant
+  it applied (``reference/ratelimit.md``, Recommendation C.4) — nor, if it never had one, than
+  its bootstrap rate.
 * **Workers report demand, not achieved rate** (its mode 2: achieved rate is capped by the limit,
   so it keeps the status quo and idle workers were scaled up). Demand is an EWMA of the *offered*
   load — records admitted, not sent — plus the backlog ÷ the sync interval, so a worker held
@@ -34,8 +36,14 @@ why (its failure modes, numbered as in ``reference/ratelimit.md`` §2):
   new one included — can check the invariant from the last document alone.
 * **A new worker starts with a small bootstrap grant** (its mode 3: N workers × cap/10 went over
   the cap at start-up). The bootstrap is the cap × ``bootstrap_fraction`` ÷ the fleet size the
-  worker knows (1 before it has read any grants), and like any grant it expires: a worker that
-  gets no grant within one lease (no allocator, S3 unreachable) moves to the safe rate.
+  worker knows, and like any grant it expires: a worker that gets no grant within one lease (no
+  allocator, S3 unreachable) moves to the safe rate. Every grants document says how many
+  workers reported (``fleet_size``), and a fleet's first allocator writes one *without grants*
+  as soon as it holds the lease, while it waits a cycle for every member's report: so the
+  members of a starting fleet learn N at their second cycle. Only until then — about one sync
+  interval — may N of them together run at N × the cap × ``bootstrap_fraction`` (the fleet
+  size is 1 before a worker has read any grants). A worker joining a running fleet learns N
+  from its first read.
 * **Staleness is judged by S3's clock** (its mode 4: two machines' wall clocks). Reports are
   aged by their ``LastModified`` against S3's own time, which :class:`ServerClock` tracks from
   the ``Date`` headers of S3's answers (and, where a server sends none, such as moto, from the
@@ -400,7 +408,9 @@ class GrantsDocument:
     """``<prefix>/grants.json``: one generation of grants, in force until ``expires_at``.
 
     Times are S3's (epoch seconds). For every dimension with a cap, the sum over the workers of
-    :meth:`WorkerEntry.reserved` never exceeds the cap.
+    :meth:`WorkerEntry.reserved` never exceeds the cap. ``fleet_size`` is how many workers'
+    fresh reports the allocator read (``None`` in a document that does not say); the document
+    a fleet's first allocator writes while it gathers reports has no grants, only that.
     """
 
     generation: int
@@ -410,10 +420,22 @@ class GrantsDocument:
     learning: bool
     cap: Rates
     workers: Mapping[str, WorkerEntry]
+    fleet_size: int | None = None
 
     def grant_for(self, worker_id: str) -> Rates | None:
         entry = self.workers.get(worker_id)
         return None if entry is None else entry.grant
+
+    def fleet_size_for(self, worker_id: str) -> int:
+        """The fleet size a worker should assume after reading this document: the workers
+        that reported, and itself if it was not among them (at least 1). A worker listed only
+        for its earlier grants in force (no grant now) was maybe not among them: it counts
+        itself once more, which errs on the low side of the rates."""
+        entry = self.workers.get(worker_id)
+        if self.fleet_size is None:  # then the workers granted stand in for those that reported
+            return max(1, self.granted + (0 if entry is not None and entry.grant else 1))
+        counted = entry is not None and (entry.grant is not None or not entry.outstanding)
+        return max(1, self.fleet_size + (0 if counted else 1))
 
     @property
     def granted(self) -> int:
@@ -453,6 +475,7 @@ class GrantsDocument:
                 "expires_at": self.expires_at,
                 "learning": self.learning,
                 "cap": _rates_json(self.cap),
+                "fleet_size": self.fleet_size,
                 "workers": {
                     worker_id: {
                         "grant": None if e.grant is None else _rates_json(e.grant),
@@ -511,7 +534,7 @@ def parse_lease(data: bytes) -> LeaseDocument:
 def parse_grants(data: bytes) -> GrantsDocument:
     """Read a grants document; raise :class:`DocumentError` for anything else."""
     doc = _load(data, _KIND_GRANTS)
-    cap = _rates(_object(doc, "cap"), optional=True)
+    cap = _rates(_object(doc, "cap"), True, "cap.", positive=True)
     if cap.records_per_second is None and cap.bytes_per_second is None:
         raise DocumentError("cap: at least one dimension must be capped")
     issued_at, expires_at = _number(doc, "issued_at"), _number(doc, "expires_at")
@@ -528,14 +551,18 @@ def parse_grants(data: bytes) -> GrantsDocument:
         if not isinstance(raw, dict):
             raise DocumentError(f"workers.{worker_id} must be an object")
         grant_raw = raw.get("grant")
-        grant = None if grant_raw is None else _rates(_as_object(grant_raw, "grant"), True)
+        grant = (
+            None
+            if grant_raw is None
+            else _rates(_as_object(grant_raw, "grant"), True, f"{worker_id}.", positive=True)
+        )
         outstanding_raw = raw.get("outstanding", [])
         if not isinstance(outstanding_raw, list) or len(outstanding_raw) > 256:
             raise DocumentError(f"workers.{worker_id}.outstanding must be a short list")
         outstanding = tuple(
             Outstanding(
                 generation=_integer(o, "generation"),
-                rates=_rates(o, optional=True),
+                rates=_rates(o, True, f"{worker_id}.outstanding.", positive=True),
                 expires_at=_number(o, "expires_at"),
             )
             for o in (_as_object(item, "outstanding") for item in outstanding_raw)
@@ -551,6 +578,7 @@ def parse_grants(data: bytes) -> GrantsDocument:
         learning=learning,
         cap=cap,
         workers=workers,
+        fleet_size=_integer(doc, "fleet_size", optional=True),
     )
 
 
@@ -668,9 +696,13 @@ def in_force(
 class Allocator:
     """Computes each generation of grants from the previous document and the reports.
 
-    Stateless apart from learning mode: everything it needs about grants in force is in the
-    previous document, so any member can take over from any other.
+    Stateless apart from learning mode (and what :meth:`duplicates` remembers): everything it
+    needs about grants in force is in the previous document, so any member can take over from
+    any other.
     """
+
+    #: incarnations remembered per worker id, to tell two processes sharing it from restarts
+    REMEMBERED_INCARNATIONS: Final = 4
 
     def __init__(
         self,
@@ -686,6 +718,8 @@ class Allocator:
         self.bootstrap_fraction = bootstrap_fraction
         #: S3 time until which the allocator echoes grants instead of reallocating
         self.learning_until: float | None = None
+        self._incarnations: dict[str, list[str]] = {}  # worker id -> recent, newest last
+        self._duplicated: set[str] = set()
 
     def __repr__(self) -> str:
         return f"<Allocator {self.allocator_id} cap={tuple(self.cap)}>"
@@ -728,6 +762,60 @@ class Allocator:
         """The lease was lost: a later acquisition is a new takeover."""
         self.learning_until = None
 
+    def duplicates(self, reports: Iterable[ObservedReport]) -> list[str]:
+        """The worker ids found shared by two processes or more, each once: reports read
+        cycle after cycle whose ``incarnation`` goes back to one seen before. A restart only
+        ever brings a new incarnation; two processes with one ``worker_id`` overwrite each
+        other's report, and get one grant that each applies — a fleet that exceeds its cap."""
+        found: list[str] = []
+        present: set[str] = set()
+        for observed in reports:
+            worker_id, incarnation = observed.report.worker_id, observed.report.incarnation
+            present.add(worker_id)
+            seen = self._incarnations.setdefault(worker_id, [])
+            if seen and seen[-1] == incarnation:
+                continue
+            if incarnation in seen:
+                seen.remove(incarnation)
+                if worker_id not in self._duplicated:
+                    self._duplicated.add(worker_id)
+                    found.append(worker_id)
+            seen.append(incarnation)
+            del seen[: -self.REMEMBERED_INCARNATIONS]
+        for worker_id in set(self._incarnations) - present:
+            del self._incarnations[worker_id]
+        return found
+
+    def _generation(self, previous: GrantsDocument | None, reports: Iterable[WorkerReport]) -> int:
+        return 1 + max(
+            [previous.generation if previous else 0]
+            + [r.generation for r in reports if r.generation is not None]
+        )
+
+    def gather(
+        self,
+        previous: GrantsDocument | None,
+        reports: Sequence[ObservedReport],
+        now: tuple[float, float],
+    ) -> GrantsDocument:
+        """A document without grants that tells the fleet's size: written by the first
+        allocator of a starting fleet while it waits a cycle for every member's report, so
+        that the members' bootstrap rates already share the cap × ``bootstrap_fraction``."""
+        fresh = {r.report.worker_id: r.report for r in self.fresh(reports, now)}
+        issued_at = (now[0] + now[1]) / 2
+        return GrantsDocument(
+            generation=self._generation(previous, fresh.values()),
+            allocator=self.allocator_id,
+            issued_at=issued_at,
+            expires_at=issued_at + self.lease,
+            learning=False,
+            cap=self.cap,
+            workers={
+                w: WorkerEntry(grant=None, acked=r.generation) for w, r in sorted(fresh.items())
+            },
+            fleet_size=len(fresh),
+        )
+
     def learning(self, now: tuple[float, float]) -> bool:
         return self.learning_until is not None and now[0] < self.learning_until
 
@@ -747,10 +835,7 @@ class Allocator:
             earlier = entry.acked if entry is not None else None
             acks[worker_id] = _max_of((reported, earlier))
         held = {w: in_force(previous, w, acks[w], now[0]) for w in acks}
-        generation = 1 + max(
-            [previous.generation if previous else 0]
-            + [r.generation for r in fresh.values() if r.generation is not None]
-        )
+        generation = self._generation(previous, fresh.values())
         fleet = max(1, len(fresh))
         grants: dict[str, list[float | None]] = {w: [None, None] for w in fresh}
         for i, cap in enumerate(self.cap):
@@ -794,6 +879,7 @@ class Allocator:
             learning=learning,
             cap=self.cap,
             workers=workers,
+            fleet_size=len(fresh),
         )
 
 
@@ -804,12 +890,13 @@ class WorkerState:
     """Which rate a worker applies now.
 
     * an unexpired grant, the newest generation it has read (it never goes back to an older
-      one);
+      one), within this worker's own cap (:meth:`receive`);
     * else, before any grant, the bootstrap rate: the cap × ``bootstrap_fraction`` ÷ the fleet
       size it knows — for one lease from the start, and for as long as S3 answers that no
       grants exist yet or it reads unexpired grants (an allocator is alive, it has just not
       granted this worker yet);
-    * else the safe rate: the cap × ``safe_fraction`` ÷ the fleet size it last knew.
+    * else the safe rate: the cap × ``safe_fraction`` ÷ the fleet size it last knew, but no
+      more than the last grant it applied, or than the bootstrap rate if it never had one.
 
     Times are local (the caller's monotonic clock); a grant's expiry is converted from S3's
     time with :meth:`ServerClock.earliest_local`, so it ends no later than S3 says.
@@ -841,8 +928,14 @@ class WorkerState:
 
     def receive(self, grants: GrantsDocument, clock: ServerClock, now: float) -> bool:
         """Take in a grants document read at local time ``now``; return whether its grant is
-        applied from now on."""
-        self.fleet_size = max(1, grants.granted + (0 if grants.grant_for(self.worker_id) else 1))
+        applied from now on.
+
+        The grant is applied within this worker's own caps, whatever the document says (its
+        allocator may have been started with other caps: see :meth:`foreign_cap`): no more
+        than its cap in each dimension, and in a dimension its own configuration caps but the
+        document does not, its safe share (the cap × ``safe_fraction`` ÷ the fleet size).
+        """
+        self.fleet_size = grants.fleet_size_for(self.worker_id)
         expires = clock.earliest_local(grants.expires_at, now)
         if expires is None or expires <= now:
             return False
@@ -856,9 +949,23 @@ class WorkerState:
         if grant is None:
             return False
         self.generation = grants.generation
-        self.grant = Rates(*(self.cap[i] if grant[i] is None else grant[i] for i in range(2)))
+        self.grant = Rates(*(self._within_cap(i, grant[i]) for i in range(2)))
         self.grant_expires_at = expires
         return True
+
+    def _within_cap(self, dimension: int, granted: float | None) -> float | None:
+        own = self.cap[dimension]
+        if granted is None:  # the document does not cap this dimension
+            return None if own is None else own * self.safe_fraction / (self.fleet_size or 1)
+        return granted if own is None else min(granted, own)
+
+    def foreign_cap(self, grants: GrantsDocument) -> bool:
+        """Whether ``grants`` was written for other caps than this worker's own."""
+        return any(
+            (mine is None) != (theirs is None)
+            or (mine is not None and theirs is not None and not math.isclose(mine, theirs))
+            for mine, theirs in zip(self.cap, grants.cap, strict=True)
+        )
 
     def no_grants_yet(self, now: float) -> None:
         """S3 answered that there is no grants document: the fleet is starting. A worker
@@ -880,8 +987,19 @@ class WorkerState:
             assert self.grant is not None
             return mode, self.grant
         fleet = self.fleet_size or 1
-        fraction = self.bootstrap_fraction if mode == "bootstrap" else self.safe_fraction
-        return mode, Rates(*(None if c is None else c * fraction / fleet for c in self.cap))
+        bootstrap = Rates(
+            *(None if c is None else c * self.bootstrap_fraction / fleet for c in self.cap)
+        )
+        if mode == "bootstrap":
+            return mode, bootstrap
+        # safe: never more than the last grant, or the bootstrap rate if there was none
+        ceiling = bootstrap if self.grant is None else self.grant
+        return mode, Rates(
+            *(
+                None if c is None else _min_of((c * self.safe_fraction / fleet, ceiling[i]))
+                for i, c in enumerate(self.cap)
+            )
+        )
 
     def next_change(self, now: float) -> float | None:
         """The next local time at which :meth:`rates` changes by time alone, if any."""
@@ -915,8 +1033,12 @@ def _load(data: bytes, kind: str) -> dict[str, Any]:
         raise DocumentError(f"document is {len(data)} bytes, over {MAX_DOCUMENT_BYTES}")
     try:
         doc = json.loads(bytes(data).decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise DocumentError(f"not JSON: {exc}") from None
+    except DocumentError:
+        raise
+    except (ValueError, RecursionError) as exc:
+        # any parsing error: invalid UTF-8 or JSON, nesting too deep, or an integer longer
+        # than Python converts (``sys.get_int_max_str_digits()``, 4300 digits by default)
+        raise DocumentError(f"not JSON: {_short(str(exc), 200)}") from None
     if not isinstance(doc, dict):
         raise DocumentError("a document is a JSON object")
     if doc.get("kind") != kind:
@@ -944,13 +1066,23 @@ def _identifier(doc: Mapping[str, Any], name: str) -> str:
     return value
 
 
-def _number(doc: Mapping[str, Any], name: str) -> float:
+def _short(value: object, limit: int = 40) -> str:
+    """``value`` for an error message: its repr, or a string as it is, cut to ``limit``."""
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+def _number(doc: Mapping[str, Any], name: str, *, positive: bool = False) -> float:
     value = doc.get(name)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise DocumentError(f"{name} must be a number, not {value!r}")
-    number = float(value)
-    if not math.isfinite(number) or number < 0:
-        raise DocumentError(f"{name} must be finite and not negative, not {value!r}")
+        raise DocumentError(f"{name} must be a number, not {_short(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # an integer too large for a float
+        number = math.inf
+    if not math.isfinite(number) or number < 0 or (positive and number == 0):
+        kind = "positive" if positive else "not negative"
+        raise DocumentError(f"{name} must be finite and {kind}, not {_short(value)}")
     return number
 
 
@@ -959,11 +1091,15 @@ def _integer(doc: Mapping[str, Any], name: str, *, optional: bool = False) -> An
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise DocumentError(f"{name} must be a whole number, not {value!r}")
+        raise DocumentError(f"{name} must be a whole number, not {_short(value)}")
     return value
 
 
-def _rates(doc: Mapping[str, Any], optional: bool = False, where: str = "") -> Rates:
+def _rates(
+    doc: Mapping[str, Any], optional: bool = False, where: str = "", *, positive: bool = False
+) -> Rates:
+    """Both dimensions of a rate; ``positive``: a rate to apply, so 0 is junk too (a zero
+    rate would stall every Limiter, and no allocator writes one)."""
     values: list[float | None] = []
     for name in _DIMENSIONS:
         if doc.get(name) is None:
@@ -972,7 +1108,7 @@ def _rates(doc: Mapping[str, Any], optional: bool = False, where: str = "") -> R
             values.append(None)
         else:
             try:
-                values.append(_number(doc, name))
+                values.append(_number(doc, name, positive=positive))
             except DocumentError as exc:
                 raise DocumentError(f"{where}{exc}") from None
     return Rates(values[0], values[1])
@@ -981,3 +1117,8 @@ def _rates(doc: Mapping[str, Any], optional: bool = False, where: str = "") -> R
 def _max_of(values: Iterable[Any]) -> Any:
     present = [v for v in values if v is not None]
     return max(present) if present else None
+
+
+def _min_of(values: Iterable[Any]) -> Any:
+    present = [v for v in values if v is not None]
+    return min(present) if present else None

@@ -247,11 +247,16 @@ class Producer(anyio.AsyncContextManagerMixin):
                     raise
                 finally:
                     self._state = "closing"
+                    closing_at = anyio.current_time()
                     try:
                         await self._close(cancelled)
                     finally:
                         if self._fleet_worker is not None:
-                            await self._fleet_worker.aclose()  # shielded, bounded inside
+                            # shielded; by what is left of close_timeout at the latest
+                            bound = self.config.close_timeout
+                            if self._close_timeout is not None:
+                                bound = min(bound, self._close_timeout)
+                            await self._fleet_worker.aclose(deadline=closing_at + bound)
                         if self._uploader is not None:
                             self._uploader.abort()
                         tg.cancel_scope.cancel()

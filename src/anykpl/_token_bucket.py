@@ -56,8 +56,7 @@ class TokenBucket:
     def __init__(
         self, records_per_second: float, bytes_per_second: float, now: float, burst: float = 1.0
     ) -> None:
-        if records_per_second <= 0 or bytes_per_second <= 0:
-            raise ValueError("token bucket rates must be positive")
+        _check_rates(records_per_second, bytes_per_second)
         if burst <= 0:
             raise ValueError("token bucket burst must be positive")
         self.burst = float(burst)
@@ -135,7 +134,9 @@ class TokenBucket:
         return wait
 
     def set_rates(self, records_per_second: float, bytes_per_second: float, now: float) -> None:
-        """Change the refill rates (and capacities) from ``now`` on."""
+        """Change the refill rates (and capacities) from ``now`` on. Raises ``ValueError`` for
+        a rate that is not positive, as the constructor does, and leaves the bucket as it was."""
+        _check_rates(records_per_second, bytes_per_second)
         self._refill(now)
         self.records_per_second = float(records_per_second)
         self.bytes_per_second = float(bytes_per_second)
@@ -143,3 +144,12 @@ class TokenBucket:
         self.bytes_capacity = max(1.0, self.bytes_per_second * self.burst)
         self._records = min(self._records, self.records_capacity)
         self._bytes = min(self._bytes, self.bytes_capacity)
+
+
+def _check_rates(records_per_second: float, bytes_per_second: float) -> None:
+    # (not rate > 0) rejects NaN too: a bucket that refills at NaN or 0 never lets a take through
+    if not (records_per_second > 0 and bytes_per_second > 0):
+        raise ValueError(
+            f"token bucket rates must be positive, not {records_per_second!r} records/s "
+            f"and {bytes_per_second!r} bytes/s"
+        )

@@ -109,9 +109,12 @@ class FleetConfig:
             Kinesis records), or ``None``. At least one of the two caps must be given.
         sync_interval: seconds between a worker's demand reports (with ±10 % jitter), and
             between the allocator's grants. Default 5.0, 0.05..300.
-        worker_id: this producer's name in the fleet. Default ``None``: a random one.
+        worker_id: this producer's name in the fleet, unique to this process: two processes
+            with one name share one grant, and each applies it whole. Default ``None``: a
+            random one.
         lease: seconds an allocator's lease and its grants last. Default ``None``: three
-            sync intervals.
+            sync intervals; at least two, at most 3600 s (a grant must outlive the interval
+            until its worker reads the next one, jitter and S3's one-second clock included).
         endpoint_url: the S3 endpoint, such as the emulator's URL. Default ``None``: S3's
             endpoint for the producer's region.
         elect: whether this producer may take the allocator's role. Default ``True``; set
@@ -151,7 +154,7 @@ class FleetConfig:
         if self.lease is None:
             object.__setattr__(self, "lease", 3 * interval)
         else:
-            _check_number(self, "lease", interval, 3600.0)
+            _check_number(self, "lease", 2 * interval, 3600.0)
         _check_endpoint_url(self)
         _check_bool(self, "elect")
         _check_number(self, "safe_fraction", 0.0, 1.0, unit="fraction", open_low=True)

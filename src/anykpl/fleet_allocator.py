@@ -39,7 +39,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sync-interval", type=float, default=5.0, help="seconds between allocations"
     )
     parser.add_argument(
-        "--lease", type=float, help="seconds a lease and its grants last (3 intervals)"
+        "--lease",
+        type=float,
+        help="seconds a lease and its grants last (default 3 intervals, at least 2)",
+    )
+    parser.add_argument(
+        "--bootstrap-fraction",
+        type=float,
+        help="each worker's floor: the cap × this ÷ the workers (default 0.1, as FleetConfig); "
+        "give the producers' value",
     )
     parser.add_argument("--endpoint-url", help="the S3 endpoint, such as the emulator's URL")
     parser.add_argument("--region", help="the AWS region (default: botocore's chain)")
@@ -54,6 +62,10 @@ def describe(document: GrantsDocument) -> str:
         f"generation {document.generation}",
         f"{len(granted)} worker(s)",
     ]
+    if not granted and document.fleet_size is not None:
+        # the first allocator of a fleet, gathering every member's report for a cycle
+        parts.append(f"no grants yet: {document.fleet_size} worker(s) reported")
+        return " | ".join(parts)
     for index, unit in enumerate(("records/s", "bytes/s")):
         cap = document.cap[index]
         if cap is None:
@@ -68,6 +80,9 @@ def describe(document: GrantsDocument) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    optional = {}
+    if args.bootstrap_fraction is not None:
+        optional["bootstrap_fraction"] = args.bootstrap_fraction
     try:
         fleet = FleetConfig(
             bucket=args.bucket,
@@ -77,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
             sync_interval=args.sync_interval,
             lease=args.lease,
             endpoint_url=args.endpoint_url,
+            **optional,
         )
         config = ProducerConfig(region=args.region)
     except ConfigError as exc:
@@ -90,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"anykpl fleet-allocator {allocator.worker_id}: s3://{fleet.bucket}/{fleet.prefix}/ "
-        f"every {fleet.sync_interval:g} s, lease {fleet.lease:g} s (Ctrl-C to stop)",
+        f"every {fleet.sync_interval:g} s, lease {fleet.lease:g} s, bootstrap fraction "
+        f"{fleet.bootstrap_fraction:g} (Ctrl-C to stop)",
         flush=True,
     )
     anyio.run(_serve, allocator)

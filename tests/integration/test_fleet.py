@@ -187,7 +187,12 @@ async def test_workers_converge_and_a_killed_allocator_is_replaced_within_a_leas
         await wait_for(shares(survivors, CAP / 3), within=LEASE + 8 * INTERVAL)
     assert converged <= 6 * INTERVAL
     assert replaced <= LEASE + INTERVAL
-    check_generations(generations(s3, bucket))
+    documents = generations(s3, bucket)
+    check_generations(documents)
+    # the first allocator told the fleet its size before its first grants
+    assert documents[0].granted == 0
+    assert documents[0].fleet_size is not None
+    assert documents[0].fleet_size >= 1
 
 
 @asynccontextmanager
@@ -258,8 +263,9 @@ async def test_a_worker_cut_off_from_s3_drops_to_the_safe_rate(
     # reported, so the allocator never counted it)
     assert far_stats.records_per_second == pytest.approx(CAP * 0.5 / 2)
     assert far_errors > 0  # (the grant may expire before the first call fails)
-    # a worker that never reached S3 knows no fleet: its safe rate is the cap × 0.5
-    assert (lost_stats.mode, lost_stats.records_per_second) == ("safe", CAP * 0.5)
+    # a worker that never reached S3 knows no fleet, and never had a grant: its safe rate is
+    # the cap × 0.5, but no more than its bootstrap rate (the cap × 0.1)
+    assert (lost_stats.mode, lost_stats.records_per_second) == ("safe", CAP * 0.1)
     assert lost_stats.last_error is not None
     assert "ConnectionError" in lost_stats.last_error
     check_generations(generations(s3, bucket))
