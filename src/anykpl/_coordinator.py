@@ -10,7 +10,8 @@ One worker's cycle, every ``sync_interval`` × U(0.9, 1.1), start to start:
 1. GET ``grants.json``; apply this worker's grant if it is newer and unexpired.
 2. PUT ``workers/<id>.json``: its demand, the rate it applies, and the generation applied —
    after step 1, so the report acknowledges the grant just read and the allocator can hand
-   the capacity that worker gave up to others one cycle sooner.
+   the capacity that worker gave up to others one cycle sooner. ``If-Match`` on the ETag of
+   its own last write tells it when another process shares its ``worker_id``.
 3. With ``elect``: create, renew or take over ``allocator.json`` (``If-None-Match: *`` /
    ``If-Match``). The holder LISTs and GETs the reports and PUTs the next ``grants.json`` with
    ``If-Match`` on the ETag it read in step 1, then applies its own new grant at once.
