@@ -616,7 +616,8 @@ class _Member:
     # -- running --------------------------------------------------------------------------
 
     async def _cycle(self, store: _Store) -> None:
-        raise NotImplementedError
+        """One sync cycle: each kind of member (FleetWorker, FleetAllocator) defines its own."""
+        raise NotImplementedError  # an abstract method: both subclasses override it
 
     async def _cleanup(self, store: _Store) -> None:
         await self._release(store)

@@ -228,28 +228,30 @@ class Limiter:
         for shard in waiting:
             limiter = self._shards[shard]
             controller = limiter.controller
+            rising = False
             if controller is not None:
                 if now >= controller.next_sample:
                     counters = limiter.counters
                     controller.sample(now, counters.records_sent, counters.bytes_sent)
-                if limiter.fraction < 1.0 or controller.recovering(now):
-                    self._apply_fraction(limiter, controller.fraction(now), now)
-            if now < limiter.blocked_until:
-                next_wake = min(next_wake, limiter.blocked_until)
-                if controller is not None and limiter.fraction < 1.0:
-                    next_wake = min(next_wake, now + 4 * MIN_REFILL_WAIT)
-                continue
-            if limiter.lanes is None:
-                released += self._drain_queue(limiter, now, out, expired)
+                fraction = controller.fraction(now)
+                if fraction < 1.0 or limiter.fraction < 1.0:
+                    self._apply_fraction(limiter, fraction, now)
+                    rising = limiter.fraction < 1.0
+            if now >= limiter.blocked_until:
+                if limiter.lanes is None:
+                    released += self._drain_queue(limiter, now, out, expired)
+                else:
+                    released += self._drain_fair(limiter, now, out, expired)
+                if not limiter.queued():
+                    done.append(shard)
+                    continue
+                wake = min(limiter.blocked_until, limiter.next_expiry_scan)
             else:
-                released += self._drain_fair(limiter, now, out, expired)
-            if limiter.queued():
-                next_wake = min(next_wake, limiter.blocked_until, limiter.next_expiry_scan)
-                if controller is not None and limiter.fraction < 1.0:
-                    # wake to raise the rate even if no tokens are needed before then
-                    next_wake = min(next_wake, now + 4 * MIN_REFILL_WAIT)
-            else:
-                done.append(shard)
+                wake = limiter.blocked_until
+            if rising:
+                # a cut shard wakes to raise its rate even if it needs no tokens before then
+                wake = min(wake, now + 4 * MIN_REFILL_WAIT)
+            next_wake = min(next_wake, wake)
         for shard in done:
             self._waiting.discard(shard)
         self.queued -= released
