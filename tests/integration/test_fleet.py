@@ -16,7 +16,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -238,10 +238,46 @@ def closed_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@contextmanager
+def ignoring_aiohttp_write_resets(anyio_backend: str) -> Iterator[None]:
+    """When the proxy drops a connection while aiohttp is still writing a request, aiohttp's
+    own writer task fails with ClientConnectionResetError after the request has already
+    failed (and been counted by the worker); nobody retrieves that task's exception, and
+    anyio's test runner raises it (seen once in CI). Ignore just that one."""
+    if anyio_backend != "asyncio":
+        yield
+        return
+    import asyncio
+
+    from aiohttp.client_exceptions import ClientConnectionResetError
+
+    loop = asyncio.get_running_loop()
+    previous = loop.get_exception_handler()
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if isinstance(context.get("exception"), ClientConnectionResetError):
+            return
+        if previous is None:
+            loop.default_exception_handler(context)
+        else:
+            previous(loop, context)
+
+    loop.set_exception_handler(handler)
+    try:
+        yield
+    finally:
+        loop.set_exception_handler(previous)
+
+
 @pytest.mark.anyio
 async def test_a_worker_cut_off_from_s3_drops_to_the_safe_rate(
     moto_endpoint: str, bucket: str, s3: Any, anyio_backend: str
 ) -> None:
+    with ignoring_aiohttp_write_resets(anyio_backend):
+        await _cut_off_from_s3(moto_endpoint, bucket, s3, anyio_backend)
+
+
+async def _cut_off_from_s3(moto_endpoint: str, bucket: str, s3: Any, anyio_backend: str) -> None:
     async with tcp_proxy(moto_endpoint) as (proxied, cut):
         direct = Member(bucket, moto_endpoint, f"{anyio_backend}-direct", safe_fraction=0.5)
         far = Member(bucket, proxied, f"{anyio_backend}-far", safe_fraction=0.5)
