@@ -340,7 +340,7 @@ def test_aggregates_never_exceed_the_size_limit_and_decode_exactly(
     assert sorted(id(r) for kr in out for r in kr.records) == sorted(id(r) for r in records)
     for kr in out:
         assert 1 <= len(kr.records) <= max_count
-        assert kr.size == len(kr.data) + len(kr.partition_key)
+        assert kr.size == len(kr.data) + len(kr.partition_key.encode())  # UTF-8 bytes
         if len(kr.records) == 1:
             (record,) = kr.records
             assert kr.data == record.data

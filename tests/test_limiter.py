@@ -249,29 +249,32 @@ def tenant_record(tenant: str | None, *, size: int = 1000, deadline: float = 0.0
     return kr
 
 
-def test_a_throttle_cuts_the_shard_rate_and_it_recovers() -> None:
-    limiter = adaptive_limiter()
+def _throttle_round(limiter: Limiter, now: float, sent: int = 10, throttled: int = 10) -> None:
+    """One PutRecords outcome for SHARD, sent 0.1 s before ``now``."""
+    accepted = sent - throttled
+    limiter.outcome(SHARD, sent, throttled, accepted, 1000 * accepted, now - 0.1, now)
+
+
+def test_a_throttled_round_cuts_the_shard_rate_and_it_recovers() -> None:
+    limiter = adaptive_limiter(increase=0.005)
     limiter.put([make_kinesis_record()], 0.0, [])
     _drain(limiter, 0.0)
-    limiter.throttled(SHARD, 5, 0.0, 1.0)
+    _throttle_round(limiter, 1.0)
     records, nbytes = limiter.rates()[SHARD]
     assert records == pytest.approx(500)
     assert nbytes == pytest.approx(_limits.SHARD_BYTES_PER_SECOND / 2)
-    # one congestion event per window
-    limiter.throttled(SHARD, 5, 0.9, 1.1)
+    # requests sent before the cut belong to the same congestion event
+    limiter.outcome(SHARD, 10, 10, 0, 0, 0.95, 1.1)
     assert limiter.rates()[SHARD][0] == pytest.approx(500)
-    # recovery is applied when the shard drains
+    # recovery is applied when the shard drains: additive, no known-good rate to climb to
     limiter.put([make_kinesis_record()], 3.0, [])
     _drain(limiter, 3.0)
-    assert limiter.rates()[SHARD][0] == pytest.approx(500 + 1000 * 0.1 * 2 * 1.2)
-    limiter.put([make_kinesis_record()], 10.0, [])
-    _drain(limiter, 10.0)
-    assert limiter.rates()[SHARD][0] == pytest.approx(1000)
+    assert limiter.rates()[SHARD][0] == pytest.approx(500 + 1000 * 0.005 * 2 * 1.2)
     counters, controller, queued = limiter.shard_state()[SHARD]
     assert controller is not None
     assert controller.cuts == 1
-    assert controller.throttled == 10
-    assert counters.records_sent == 3
+    assert controller.throttled == 20
+    assert counters.records_sent == 2
     assert queued == 0
 
 
@@ -279,17 +282,47 @@ def test_a_cut_shard_wakes_to_raise_its_rate() -> None:
     limiter = adaptive_limiter()
     limiter.put([make_kinesis_record()], 0.0, [])
     _drain(limiter, 0.0)
-    limiter.throttled(SHARD, 1, 0.0, 0.0)
-    limiter.put([make_kinesis_record(size=600_000, deadline=i) for i in range(3)], 0.0, [])
-    _, _, wake = _drain(limiter, 0.0)
-    assert wake <= 4 * MIN_REFILL_WAIT
+    _throttle_round(limiter, 0.5)
+    limiter.put([make_kinesis_record(size=600_000, deadline=i) for i in range(3)], 0.5, [])
+    _, _, wake = _drain(limiter, 0.5)
+    assert wake <= 0.5 + 4 * MIN_REFILL_WAIT
 
 
 def test_throttles_without_adaptive_control_change_nothing() -> None:
     limiter = Limiter(rate_limit_percent=100)
     limiter.put([make_kinesis_record()], 0.0, [])
-    limiter.throttled(SHARD, 5, 0.0, 1.0)
-    limiter.throttled("unknown-shard", 5, 0.0, 1.0)
+    _throttle_round(limiter, 1.0)
+    limiter.outcome("unknown-shard", 5, 5, 0, 0, 0.0, 1.0)
+    assert limiter.rates()[SHARD][0] == pytest.approx(1000)
+
+
+def test_the_deadline_floor_raises_a_cut_shard_to_what_its_queue_needs() -> None:
+    """Politeness never makes a record expire: a cut shard whose queue needs more than the
+    cut rate to be released before its TTL gets that rate (bounded by the ceiling)."""
+    limiter = adaptive_limiter(decrease=0.1, floor=0.05)
+    limiter.put([make_kinesis_record()], 0.0, [])
+    _drain(limiter, 0.0)
+    _throttle_round(limiter, 1.0)  # cut to 10 % of the ceiling
+    assert limiter.rates()[SHARD][0] == pytest.approx(100)
+    # 500 records of 100 bytes that expire 3 s from now: 1 s of margin leaves 2 s, so the
+    # queue needs 250 records/s, a quarter of the ceiling
+    queue = [make_kinesis_record(size=100, deadline=1.0 + i / 1000) for i in range(500)]
+    for kr in queue:
+        kr.expiration = 4.0
+    limiter.put(queue, 1.0, [])
+    _drain(limiter, 1.0)
+    assert limiter.rates()[SHARD][0] == pytest.approx(250, rel=0.01)
+
+
+def test_the_deadline_floor_is_the_ceiling_when_the_queue_cannot_make_it() -> None:
+    limiter = adaptive_limiter(decrease=0.1, floor=0.05)
+    limiter.put([make_kinesis_record()], 0.0, [])
+    _drain(limiter, 0.0)
+    _throttle_round(limiter, 1.0)
+    queue = [make_kinesis_record(size=100, deadline=1.0)]
+    queue[0].expiration = 1.5  # less than the margin left
+    limiter.put(queue, 1.0, [])
+    _drain(limiter, 1.0)
     assert limiter.rates()[SHARD][0] == pytest.approx(1000)
 
 

@@ -1019,7 +1019,9 @@ async def test_statistics_show_each_shards_rate_cuts_throttles_and_waits(
             return (THROTTLED, "Rate exceeded for shard")
         return None
 
-    async with Producer(transport=fake_kinesis, adaptive=adaptive, **FAST) as producer:
+    # aggregation off: a round needs a few Kinesis records of the shard before it cuts
+    options = {**FAST, "aggregation_enabled": False}
+    async with Producer(transport=fake_kinesis, adaptive=adaptive, **options) as producer:
         await ready(producer)
         fake_kinesis.entry_error = throttle_shard_0_once
         pendings = [

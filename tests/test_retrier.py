@@ -537,26 +537,39 @@ def test_expiry_in_the_limiter_is_logged_once(caplog: pytest.LogCaptureFixture) 
 from anykpl._retrier import RetryBudget  # noqa: E402
 
 
-def test_throttles_are_reported_once_per_shard_per_outcome() -> None:
+def test_outcomes_are_reported_once_per_shard_per_response() -> None:
     h = Harness()
-    reports: list[tuple[str, int, float, float]] = []
-    h.retrier.on_throttled = lambda *report: reports.append(report)
+    reports: list[tuple[str, int, int, int, int, float, float]] = []
+    h.retrier.on_outcome = lambda *report: reports.append(report)
     krs = [make_kinesis_record([make_record()], SHARD_0) for _ in range(3)]
     krs += [make_kinesis_record([make_record(HALF + 5)], SHARD_1)]
     krs += [make_kinesis_record([make_record()], SHARD_0)]
     entries = [err(THROTTLED), err(THROTTLED), ok(), err(THROTTLED, "x"), err("InternalFailure")]
     h.retrier.handle(outcome(krs, entries, start=1.0, end=1.2), 2.0)
-    assert sorted(reports) == [(SHARD_0, 2, 1.0, 2.0), (SHARD_1, 1, 1.0, 2.0)]
+    # sent counts the accepted and the throttled records; the InternalFailure is in neither
+    assert sorted(reports) == [
+        (SHARD_0, 3, 2, 1, krs[2].size, 1.0, 2.0),
+        (SHARD_1, 1, 1, 0, 0, 1.0, 2.0),
+    ]
     assert h.retrier.throttled == {SHARD_0: 2, SHARD_1: 1}
+
+
+def test_a_clean_response_is_reported_too() -> None:
+    h = Harness()
+    reports: list[tuple[str, int, int, int, int, float, float]] = []
+    h.retrier.on_outcome = lambda *report: reports.append(report)
+    krs = [make_kinesis_record([make_record()], SHARD_0) for _ in range(2)]
+    h.retrier.handle(outcome(krs, [ok(), ok()], start=1.0, end=1.2), 2.0)
+    assert reports == [(SHARD_0, 2, 0, 2, krs[0].size + krs[1].size, 1.0, 2.0)]
 
 
 def test_a_whole_request_throttle_is_reported_too() -> None:
     h = Harness()
-    reports: list[tuple[str, int, float, float]] = []
-    h.retrier.on_throttled = lambda *report: reports.append(report)
+    reports: list[tuple[str, int, int, int, int, float, float]] = []
+    h.retrier.on_outcome = lambda *report: reports.append(report)
     krs = [make_kinesis_record([make_record()], SHARD_0) for _ in range(4)]
     h.retrier.handle(outcome(krs, None, code=THROTTLED), 2.0)
-    assert reports == [(SHARD_0, 4, 1.0, 2.0)]
+    assert reports == [(SHARD_0, 4, 4, 0, 0, 1.0, 2.0)]
 
 
 def test_backoff_time_is_counted_per_shard_in_user_record_seconds() -> None:

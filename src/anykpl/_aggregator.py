@@ -164,9 +164,9 @@ class Aggregator:
         if len(records) == 1:
             return KinesisRecord.single(records[0])
         first = records[0]
-        return KinesisRecord(
+        return KinesisRecord.aggregate(
             records,
-            agg.builder.serialize(),
+            agg.builder,
             self.container_partition_key,
             first.explicit_hash_key or str(first.hash_key),
             agg.shard,

@@ -63,6 +63,10 @@ FAIR_QUANTUM = 16 * 1024
 #: A change of the adaptive fraction smaller than this is not applied to the bucket yet.
 _RATE_STEP = 0.005
 
+#: The deadline floor plans for queued records to leave the Limiter this long before their
+#: expiration (the Collector's buffering and the request itself come after).
+DEADLINE_MARGIN = 1.0
+
 #: (deadline, tie-breaker, record, time queued)
 _Item = tuple[float, int, KinesisRecord, float]
 
@@ -99,7 +103,9 @@ class _ShardLimiter:
         "deficits",
         "fraction",
         "lanes",
+        "need",
         "next_expiry_scan",
+        "next_need_at",
         "queue",
         "turns",
     )
@@ -117,6 +123,9 @@ class _ShardLimiter:
         self.turns: deque[str | None] = deque()
         self.deficits: dict[str | None, float] = {}
         self.next_expiry_scan = -math.inf
+        # the deadline floor: the fraction the queue needs, planned again at next_need_at
+        self.need = 0.0
+        self.next_need_at = -math.inf
         # a saturated shard is not drained again before this, whatever arrives meanwhile
         self.blocked_until = -math.inf
 
@@ -124,6 +133,11 @@ class _ShardLimiter:
         if self.lanes is None:
             return len(self.queue)
         return sum(len(lane) for lane in self.lanes.values())
+
+    def all_items(self) -> list[_Item]:
+        if self.lanes is None:
+            return self.queue
+        return [item for lane in self.lanes.values() for item in lane]
 
 
 class Limiter:
@@ -187,6 +201,8 @@ class Limiter:
                 out.append(kr)
                 continue
             limiter = self._shard(shard, now)
+            if limiter.fraction < 1.0:
+                limiter.next_need_at = -math.inf  # the deadline floor must count it
             self._counter += 1
             item = (kr.deadline, self._counter, kr, now)
             if kr.tenant is None and limiter.lanes is None:
@@ -230,10 +246,9 @@ class Limiter:
             controller = limiter.controller
             rising = False
             if controller is not None:
-                if now >= controller.next_sample:
-                    counters = limiter.counters
-                    controller.sample(now, counters.records_sent, counters.bytes_sent)
                 fraction = controller.fraction(now)
+                if fraction < 1.0:
+                    fraction = self._deadline_floor(limiter, fraction, now)
                 if fraction < 1.0 or limiter.fraction < 1.0:
                     self._apply_fraction(limiter, fraction, now)
                     rising = limiter.fraction < 1.0
@@ -430,20 +445,66 @@ class Limiter:
         for limiter in self._shards.values():
             limiter.blocked_until = -math.inf
 
-    def throttled(self, shard: str, records: int, sent_at: float, now: float) -> None:
-        """``records`` Kinesis records predicted for ``shard``, sent at ``sent_at``, were
-        throttled: a congestion event for the shard's controller (see ``_adaptive.py``)."""
+    def _deadline_floor(self, limiter: _ShardLimiter, fraction: float, now: float) -> float:
+        """``fraction``, raised to what the shard's queued records need to be released before
+        their TTL (at most 1): politeness never makes a record expire."""
+        if now >= limiter.next_need_at:
+            limiter.next_need_at = now + EXPIRY_SCAN_INTERVAL
+            limiter.need = self._deadline_need(limiter, now)
+        return fraction if fraction > limiter.need else limiter.need
+
+    def _deadline_need(self, limiter: _ShardLimiter, now: float) -> float:
+        """The smallest fraction of the ceiling that releases every queued record of the shard
+        ``DEADLINE_MARGIN`` before its expiration (records in expiration order: the first
+        ``k`` of them need ``k`` records and their bytes within the time the ``k``-th has)."""
+        lanes = limiter.queue if limiter.lanes is None else limiter.all_items()
+        if not lanes:
+            return 0.0
+        pending = sorted((item[2].expiration, item[2].size) for item in lanes)
+        records_ceiling, bytes_ceiling = self.records_ceiling, self.bytes_ceiling
+        need = 0.0
+        total = 0
+        for count, (expiration, size) in enumerate(pending, 1):
+            total += size
+            left = expiration - now - DEADLINE_MARGIN
+            if left <= MIN_REFILL_WAIT:
+                return 1.0
+            rate = max(count / records_ceiling, total / bytes_ceiling) / left
+            if rate > need:
+                if rate >= 1.0:
+                    return 1.0
+                need = rate
+        return need
+
+    def outcome(
+        self,
+        shard: str,
+        sent: int,
+        throttled: int,
+        accepted_records: int,
+        accepted_bytes: int,
+        sent_at: float,
+        now: float,
+    ) -> None:
+        """A PutRecords outcome for the Kinesis records predicted for ``shard``: ``sent`` came
+        back, ``throttled`` of them ProvisionedThroughputExceeded, ``accepted_records``
+        (``accepted_bytes``) put. Adaptive control learns from it (``_adaptive.py``)."""
         limiter = self._shards.get(shard)
         if limiter is None or limiter.controller is None:
             return
         controller = limiter.controller
-        if controller.throttled_at(now, sent_at, records):
-            self._apply_fraction(limiter, controller.fraction(now), now)
+        if controller.outcome(now, sent_at, sent, throttled, accepted_records, accepted_bytes):
+            fraction = controller.fraction(now)
+            if fraction < 1.0:
+                limiter.next_need_at = -math.inf
+                fraction = self._deadline_floor(limiter, fraction, now)
+            self._apply_fraction(limiter, fraction, now)
             logger.debug(
-                "throttled on %s: rate cut to %.0f %% of the ceiling (cut %d)",
+                "rate of %s set to %.0f %% of the ceiling (cut %d, throttles: %s)",
                 shard,
                 100 * limiter.fraction,
                 controller.cuts,
+                controller.verdict or "undecided",
                 extra={"stream": self.stream, "shard": shard, "fraction": limiter.fraction},
             )
 

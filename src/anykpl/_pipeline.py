@@ -151,7 +151,7 @@ class Pipeline:
             backoff_initial=config.retry_backoff_initial,
             backoff_max=config.retry_backoff_max,
             observe=self._observe,
-            on_throttled=self.limiter.throttled,
+            on_outcome=self.limiter.outcome,
             retry_budget=(
                 None
                 if config.retry_budget is None

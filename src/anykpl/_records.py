@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import anyio
 
 from . import errors
+from ._wire import AggregateBuilder
 
 __all__ = ("Attempt", "KinesisRecord", "PendingRecord", "RecordResult")
 
@@ -294,7 +295,8 @@ class KinesisRecord:
     """
 
     __slots__ = (
-        "data",
+        "_builder",
+        "_data",
         "deadline",
         "expiration",
         "explicit_hash_key",
@@ -317,13 +319,15 @@ class KinesisRecord:
         expiration: float,
     ) -> None:
         self.records = records
-        self.data = data
+        self._data: bytes | None = data
+        self._builder: AggregateBuilder | None = None
         self.partition_key = partition_key
         self.explicit_hash_key = explicit_hash_key
         self.predicted_shard = predicted_shard
         self.deadline = deadline
         self.expiration = expiration
-        self.size = len(data) + len(partition_key)
+        # data + UTF-8 partition key, as the service counts a record against its limits
+        self.size = len(data) + _utf8_length(partition_key)
         # every user record of an aggregate has the same tenant (the Aggregator keeps tenants
         # apart), so the Limiter can queue the Kinesis record fairly by tenant
         self.tenant = records[0].tenant if records else None
@@ -332,9 +336,47 @@ class KinesisRecord:
 
     def __repr__(self) -> str:
         return (
-            f"<KinesisRecord {len(self.records)} user record(s) {len(self.data)} bytes "
+            f"<KinesisRecord {len(self.records)} user record(s) {self.size} bytes "
             f"predicted={self.predicted_shard}>"
         )
+
+    @classmethod
+    def aggregate(
+        cls,
+        records: list[PendingRecord],
+        builder: AggregateBuilder,
+        partition_key: str,
+        explicit_hash_key: str,
+        predicted_shard: str,
+        deadline: float,
+        expiration: float,
+    ) -> KinesisRecord:
+        """An aggregate of ``records``, built by ``builder``. Its bytes are made only when they
+        are sent (:attr:`data`): until then the user records' own bytes are the only copy of
+        the payload, so ``max_outstanding_bytes`` counts what is really held."""
+        kr = cls(
+            records, b"", partition_key, explicit_hash_key, predicted_shard, deadline, expiration
+        )
+        kr._data = None
+        kr._builder = builder
+        kr.size = builder.size + _utf8_length(partition_key)
+        return kr
+
+    @property
+    def data(self) -> bytes:
+        """The Kinesis record's bytes (an aggregate is serialized on first use)."""
+        data = self._data
+        if data is None:
+            assert self._builder is not None
+            data = self._data = self._builder.serialize()
+            self._builder = None
+        return data
+
+    def release(self) -> None:
+        """Drop the serialized bytes of an aggregate once its request is done (the user
+        records keep their own)."""
+        if self._builder is None and len(self.records) > 1:
+            self._data = b""
 
     @classmethod
     def single(cls, record: PendingRecord) -> KinesisRecord:
@@ -349,6 +391,10 @@ class KinesisRecord:
             record.deadline,
             record.expiration,
         )
+
+
+def _utf8_length(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode())
 
 
 def partition_key_hash(partition_key: str | bytes) -> int:

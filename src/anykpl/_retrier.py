@@ -21,8 +21,8 @@ Where we differ, and why:
   (``retry_backoff_initial`` doubling to ``retry_backoff_max``, reset by a success on that
   shard) before re-entering the aggregator. The KPL re-sends after RMBT/2 at most (KPL #35).
   Wrong Shard is not backed off: the refreshed map is the fix.
-- **Adaptive control**: the throttled Kinesis records of a response are reported to the
-  Limiter once per shard (``on_throttled``), where they cut that shard's rate
+- **Adaptive control**: each response is reported to the Limiter once per predicted shard
+  (``on_outcome``: records sent, throttled, accepted), where it steers that shard's rate
   (``_adaptive.py``).
 - **Retry budget**: retries spend from a per-stream budget refilled by successes
   (:class:`RetryBudget`); once it is spent, failed records wait ``retry_backoff_max`` before
@@ -54,8 +54,9 @@ Finish = Callable[[Sequence[PendingRecord], bool], None]
 Count = Callable[[str, int, str | None, str | None], None]
 #: (name, shard, error code, count, sum, min, max): a statistic set for the metrics
 Observe = Callable[[str, str | None, str | None, float, float, float, float], None]
-#: (shard, throttled Kinesis records, when their request was sent, now)
-Throttled = Callable[[str, int, float, float], None]
+#: (shard, Kinesis records sent, of them throttled, accepted records, accepted bytes, when
+#: their request was sent, now): one call per predicted shard of a PutRecords response
+ShardOutcome = Callable[[str, int, int, int, int, float, float], None]
 
 
 class RetryBudget:
@@ -113,7 +114,7 @@ class Retrier:
         backoff_max: float,
         rng: random.Random | None = None,
         observe: Observe | None = None,
-        on_throttled: Throttled | None = None,
+        on_outcome: ShardOutcome | None = None,
         retry_budget: RetryBudget | None = None,
     ) -> None:
         self.stream = stream
@@ -136,7 +137,7 @@ class Retrier:
         self._failed: dict[str, tuple[int, str]] = {}
         self._counter = 0
         self.delayed_records = 0
-        self.on_throttled = on_throttled
+        self.on_outcome = on_outcome
         self.retry_budget = retry_budget
         # per shard, whether the budget paid for this outcome's retries
         self._budget_spent: dict[str | None, bool] = {}
@@ -156,15 +157,10 @@ class Retrier:
             if self._failed:
                 self._log_failures()
             if self._throttles:
-                self._report_throttles(outcome.start, now)
-
-    def _report_throttles(self, sent_at: float, now: float) -> None:
-        throttled = self.throttled
-        for shard, count in self._throttles.items():
-            throttled[shard] = throttled.get(shard, 0) + count
-            if self.on_throttled is not None:
-                self.on_throttled(shard, count, sent_at, now)
-        self._throttles.clear()
+                throttled = self.throttled
+                for shard, count in self._throttles.items():
+                    throttled[shard] = throttled.get(shard, 0) + count
+                self._throttles.clear()
 
     def _log_failures(self) -> None:
         """One log line per error code for the records that just failed for good: never one
@@ -194,6 +190,10 @@ class Retrier:
             attempt = _AttemptRecord(outcome.start, outcome.end, False, code, message)
             for kr in records:
                 self._fail_or_retry(kr, attempt, now)
+            if self._throttles and self.on_outcome is not None:
+                # a whole request throttled: every record in it was sent and throttled
+                for throttled_shard, n in self._throttles.items():
+                    self.on_outcome(throttled_shard, n, n, 0, 0, outcome.start, now)
             return
         entries = outcome.response.get("Records", [])
         if len(entries) != len(records):
@@ -237,6 +237,23 @@ class Retrier:
                 self._succeed_if_correct_shard(
                     kr, entry["ShardId"], sequence_number, outcome, now, users
                 )
+        on_outcome = self.on_outcome
+        if on_outcome is not None:
+            # every shard's outcome, throttled or not: adaptive control learns from both
+            throttles = self._throttles
+            for predicted, stats in kinesis.items():
+                if predicted is not None:
+                    accepted, accepted_bytes = int(stats[0]), int(stats[2])
+                    throttled = throttles.get(predicted, 0)
+                    on_outcome(
+                        predicted,
+                        accepted + throttled,
+                        throttled,
+                        accepted,
+                        accepted_bytes,
+                        outcome.start,
+                        now,
+                    )
         observe = self.observe
         budget = self.retry_budget
         for shard, (put, failed, put_bytes, smallest, largest) in kinesis.items():

@@ -207,6 +207,9 @@ async def run_sender(
                 raise
             except Exception as exc:
                 code, message = error_code(exc)
+            del entries
+            for kr in batch:
+                kr.release()  # an aggregate's bytes: the user records keep their own
             outcome = Outcome(stream, batch, start, anyio.current_time(), response, code, message)
             try:
                 outcomes.send_nowait(outcome)
