@@ -29,6 +29,8 @@ def test_a_command_is_required(capsys: pytest.CaptureFixture[str]) -> None:
         (["emulator", "--storm", "demo:1"], "is not stream:shard:start:duration"),
         (["emulator", "--reshard", "demo:explode:*:1"], "reshard action"),
         (["emulator", "--port", "many"], "invalid int value"),
+        (["emulator", "--record-throttle-rate", "often"], "'often' is not a number"),
+        (["emulator", "--record-throttle-rate", "1.5"], "1.5 is not between 0 and 1"),
     ],
 )
 def test_bad_emulator_options_are_rejected_with_the_reason(

@@ -350,6 +350,7 @@ def test_defaults_beyond_the_kpl() -> None:
     assert config.max_outstanding_records == 100_000
     assert config.max_outstanding_bytes == 128 * 1024 * 1024
     assert config.admission_timeout is None
+    assert config.max_outstanding_time is None
     assert config.close_timeout == 30.0
     assert config.retry_backoff_initial == 0.05
     assert config.retry_backoff_max == 5.0
@@ -388,6 +389,8 @@ OUT_OF_RANGE = [
     ("max_outstanding_bytes", 1023, ">= 1024"),
     ("admission_timeout", 0, "> 0"),
     ("admission_timeout", -1.0, "> 0"),
+    ("max_outstanding_time", 0, "> 0"),
+    ("max_outstanding_time", -1.0, "> 0"),
     ("close_timeout", -0.1, ">= 0"),
     ("retry_backoff_initial", -0.01, "0..60"),
     ("retry_backoff_initial", 61, "0..60"),
@@ -455,6 +458,8 @@ AT_THE_BOUNDS = [
     ("max_outstanding_bytes", 1024),
     ("admission_timeout", 0.001),
     ("admission_timeout", math.inf),
+    ("max_outstanding_time", 0.5),
+    ("max_outstanding_time", math.inf),
     ("close_timeout", 0),
     ("close_timeout", math.inf),
     ("retry_backoff_initial", 0),
@@ -501,6 +506,7 @@ FLOAT_FIELDS = [
     "record_ttl",
     "metrics_upload_delay",
     "admission_timeout",
+    "max_outstanding_time",
     "close_timeout",
     "retry_backoff_initial",
     "retry_backoff_max",

@@ -50,6 +50,8 @@ def test_options_round_trip_through_json_and_reject_unknown_fields() -> None:
         (Faults, {"error_rate": 1.5}, "error_rate"),
         (Faults, {"latency": -1}, "latency"),
         (Faults, {"error_rate": 0.6, "reset_rate": 0.6}, "must not exceed 1"),
+        (Faults, {"record_throttle_rate": -0.1}, "record_throttle_rate"),
+        (Faults, {"record_failure_rate": 0.5, "record_throttle_rate": 0.6}, "must not exceed 1"),
         (Limits, {"records_per_second": 0}, "records_per_second"),
         (Storm, {"stream": "s", "duration": 0}, "duration"),
         (Storm, {"stream": "s", "duration": 1, "factor": 1.0}, "factor"),
@@ -60,6 +62,29 @@ def test_options_round_trip_through_json_and_reject_unknown_fields() -> None:
 def test_invalid_options_name_the_field(cls: Any, kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         cls(**kwargs)
+
+
+def test_spawn_command_line_carries_every_fault_to_the_emulator_options() -> None:
+    import argparse
+
+    from anykpl.emulator import command_line
+    from anykpl.emulator.__main__ import add_arguments
+
+    faults = Faults(
+        error_rate=0.1,
+        record_failure_rate=0.2,
+        record_throttle_rate=0.3,
+        latency=0.4,
+        latency_jitter=0.5,
+        reset_rate=0.6,
+        fault_after_write=0.7,
+        seed=8,
+    )
+    argv = command_line(port=4567, faults=faults)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(argv[3:])  # after python -m anykpl.emulator
+    assert Faults(**{name: getattr(args, name) for name in to_json(faults)}) == faults
 
 
 def test_command_line_specs_parse() -> None:
@@ -220,6 +245,42 @@ def test_record_failure_rate_fails_records_with_internal_failure() -> None:
     assert 100 < response["FailedRecordCount"] < 200
 
 
+def test_record_throttle_rate_throttles_records_whatever_the_rate() -> None:
+    stream = make_stream(name="demo")
+    path = WritePath(Limits(records_per_second=2), Faults(record_throttle_rate=1.0), now=0.0)
+    response = path.put_records(stream, ACCOUNT, [entry(size=6)] * 3, now=0.0)
+    assert codes(response) == ["ProvisionedThroughputExceededException"] * 3
+    assert response["FailedRecordCount"] == 3
+    assert response["Records"][0]["ErrorMessage"] == (
+        f"Rate exceeded for shard shardId-000000000000 in stream demo under account {ACCOUNT}."
+    )
+    # counted as throttles (data + key bytes), tallied apart, and no tokens were taken
+    totals = path.totals
+    assert (totals["throttled_records"], totals["throttled_bytes"]) == (3, 21)
+    assert totals["injected_throttled_records"] == 3
+    assert totals["failed_records"] == totals["accepted_records"] == 0
+    path.set_faults(Faults())
+    assert codes(path.put_records(stream, ACCOUNT, [entry()] * 3, now=0.0)) == [
+        "ok",
+        "ok",
+        "ProvisionedThroughputExceededException",
+    ]
+    assert path.totals["injected_throttled_records"] == 3
+    assert path.totals["throttled_records"] == 4
+    # a share of records, independent of the rate (limits off), and beside failures
+    path = WritePath(Limits.off(), Faults(record_throttle_rate=0.25, seed=1), now=0.0)
+    response = path.put_records(stream, ACCOUNT, [entry()] * 500, now=0.0)
+    assert 85 < response["FailedRecordCount"] < 165
+    path.set_faults(Faults(record_failure_rate=0.5, record_throttle_rate=0.5, seed=2))
+    response = path.put_records(stream, ACCOUNT, [entry()] * 500, now=0.0)
+    assert 200 < codes(response).count("InternalFailure") < 300
+    assert codes(response).count("ok") == 0
+    path.set_faults(Faults(record_throttle_rate=1.0))
+    with pytest.raises(KinesisError, match="Rate exceeded") as caught:
+        path.put_record(stream, ACCOUNT, entry(), now=0.0)
+    assert caught.value.status == 400
+
+
 def test_put_record_turns_a_throttle_into_a_request_error() -> None:
     stream = make_stream()
     path = WritePath(Limits(records_per_second=1), Faults(), now=0.0)
@@ -258,7 +319,7 @@ def test_statistics_count_per_shard_per_second() -> None:
     path.put_records(stream, ACCOUNT, [entry("k", 6)] * 3, now=100.5)
     path.put_records(stream, ACCOUNT, [entry("k", 6)] * 2, now=101.5)
     stats = path.stats[("s", "shardId-000000000000")]
-    assert stats.totals == [4, 28, 1, 7, 0]
+    assert stats.totals == [4, 28, 1, 7, 0, 0]
     assert stats.per_second == {0: [2, 14, 1, 7, 0], 1: [2, 14, 0, 0, 0]}
     path.reset_stats()
     assert path.stats == {}

@@ -7,6 +7,7 @@ tests whose logic is about time (rate limits, TTLs), so nothing here sleeps for 
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -952,10 +953,61 @@ class TestOnMockClock:
         assert len(shard_0.records) == 30  # one Kinesis record each
 
     @pytest.mark.timeout(15)
-    async def test_records_expire_in_the_limiter(self) -> None:
+    async def test_overload_waits_at_the_call_instead_of_expiring(self) -> None:
+        """10 records/s on the shard and a 0.5 s TTL: the stream may hold a quarter of a
+        second of its delivery (max_outstanding_time defaults to half the TTL), so submit
+        waits for room and every admitted record is delivered."""
         fake = FakeKinesis()
         async with Producer(
             transport=fake, aggregation_enabled=False, rate_limit=1.0, record_ttl=0.5, **FAST
+        ) as producer:
+            await ready(producer)
+            start = anyio.current_time()
+            pendings = [
+                await producer.submit(STREAM, b"%d" % i, partition_key="p", explicit_hash_key=0)
+                for i in range(30)
+            ]
+            stats = producer.statistics().streams[STREAM]
+            assert stats.outstanding_records <= 3
+            with anyio.fail_after(60):
+                await producer.flush()
+            elapsed = anyio.current_time() - start
+        assert all(p.result().success for p in pendings)
+        assert len(stored(fake)) == 30
+        assert elapsed >= 2.0  # 30 records at 10/s (less the bucket's first 5)
+
+    @pytest.mark.timeout(15)
+    async def test_overload_past_admission_timeout_raises_backpressure_timeout(self) -> None:
+        fake = FakeKinesis()
+        async with Producer(
+            transport=fake,
+            aggregation_enabled=False,
+            rate_limit=1.0,
+            record_ttl=0.5,
+            admission_timeout=0.05,
+            **FAST,
+        ) as producer:
+            await ready(producer)
+            outcomes = []
+            for i in range(30):
+                try:
+                    await producer.submit(STREAM, b"%d" % i, partition_key="p")
+                except errors.BackpressureTimeout as exc:
+                    outcomes.append(str(exc))
+            await producer.flush()
+        assert outcomes
+        assert "max_outstanding_time=0.25 s" in outcomes[0]
+
+    @pytest.mark.timeout(15)
+    async def test_records_expire_in_the_limiter(self) -> None:
+        fake = FakeKinesis()
+        async with Producer(
+            transport=fake,
+            aggregation_enabled=False,
+            rate_limit=1.0,
+            record_ttl=0.5,
+            max_outstanding_time=math.inf,  # admit more than the shard can send in time
+            **FAST,
         ) as producer:
             await ready(producer)
             pendings = [

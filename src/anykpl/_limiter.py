@@ -39,6 +39,7 @@ import heapq
 import logging
 import math
 from collections import deque
+from collections.abc import Sequence
 
 from . import _limits
 from ._adaptive import RateController
@@ -62,6 +63,9 @@ FAIR_QUANTUM = 16 * 1024
 
 #: A change of the adaptive fraction smaller than this is not applied to the bucket yet.
 _RATE_STEP = 0.005
+
+#: How much the latest interval weighs in a shard's share of the offered load.
+SHARE_SMOOTHING = 0.3
 
 #: The deadline floor plans for queued records to leave the Limiter this long before their
 #: expiration (the Collector's buffering and the request itself come after).
@@ -106,6 +110,8 @@ class _ShardLimiter:
         "need",
         "next_expiry_scan",
         "next_need_at",
+        "offered_bytes",
+        "offered_records",
         "queue",
         "turns",
     )
@@ -123,6 +129,9 @@ class _ShardLimiter:
         self.turns: deque[str | None] = deque()
         self.deficits: dict[str | None, float] = {}
         self.next_expiry_scan = -math.inf
+        # Kinesis records and bytes put for the shard (its share of the stream's load)
+        self.offered_records = 0
+        self.offered_bytes = 0
         # the deadline floor: the fraction the queue needs, planned again at next_need_at
         self.need = 0.0
         self.next_need_at = -math.inf
@@ -167,6 +176,13 @@ class Limiter:
         # Kinesis records (and bytes) put so far: the offered load a fleet worker reports
         self.offered_records = 0
         self.offered_bytes = 0
+        # Kinesis records released, and the user records they carried (the aggregation ratio
+        # that turns a rate in Kinesis records into one in user records, for admission)
+        self.released_kinesis_records = 0
+        self.released_user_records = 0
+        # each shard's share of the offered load, for deliverable()
+        self._offered_before: dict[str, tuple[int, int]] = {}
+        self._shares: dict[str, tuple[float, float]] = {}
 
     def __repr__(self) -> str:
         return f"<Limiter {len(self._shards)} shard(s) {self.queued} queued>"
@@ -201,6 +217,8 @@ class Limiter:
                 out.append(kr)
                 continue
             limiter = self._shard(shard, now)
+            limiter.offered_records += 1
+            limiter.offered_bytes += kr.size
             if limiter.fraction < 1.0:
                 limiter.next_need_at = -math.inf  # the deadline floor must count it
             self._counter += 1
@@ -235,6 +253,7 @@ class Limiter:
         next_wake = math.inf
         done: list[str] = []
         released = 0
+        already_out = len(out)
         waiting: list[str] | set[str] = self._waiting
         if self.shared is not None and len(waiting) > 1:
             # take turns at the shared bucket: the first shard drained could take all of it
@@ -270,6 +289,7 @@ class Limiter:
         for shard in done:
             self._waiting.discard(shard)
         self.queued -= released
+        self.released_kinesis_records += len(out) - already_out
         return next_wake
 
     def _take(self, limiter: _ShardLimiter, kr: KinesisRecord, now: float) -> bool:
@@ -299,9 +319,11 @@ class Limiter:
     def _release(self, limiter: _ShardLimiter, item: _Item, now: float) -> None:
         kr = item[2]
         counters = limiter.counters
+        users = len(kr.records)
         counters.records_sent += 1
         counters.bytes_sent += kr.size
-        counters.token_wait += (now - item[3]) * len(kr.records)
+        counters.token_wait += (now - item[3]) * users
+        self.released_user_records += users
 
     def _drain_queue(
         self,
@@ -328,9 +350,11 @@ class Limiter:
             if try_take(1, kr.size, now) if shared is None else self._take(limiter, kr, now):
                 heapq.heappop(queue)
                 out.append(kr)
+                users = len(kr.records)
                 counters.records_sent += 1
                 counters.bytes_sent += kr.size
-                counters.token_wait += (now - item[3]) * len(kr.records)
+                counters.token_wait += (now - item[3]) * users
+                self.released_user_records += users
                 released += 1
                 continue
             if shared is None:
@@ -507,6 +531,69 @@ class Limiter:
                 controller.verdict or "undecided",
                 extra={"stream": self.stream, "shard": shard, "fraction": limiter.fraction},
             )
+
+    def deliverable(self, shards: Sequence[str]) -> tuple[float, float]:
+        """(Kinesis records/s, bytes/s) the stream can deliver now over ``shards`` (its open
+        shards) with its records spread over them as they have been lately.
+
+        Each shard delivers its current rate (its ceiling if it has not been used yet) less
+        the share of its records throttled as noise. A shard that gets a share ``s`` of the
+        stream's records can carry the stream up to ``rate / s``; the least of these binds (a
+        hot shard's backlog is the one that would expire). Until the spread is known, the
+        records are taken as all going to one shard: the first quarter second admits at most
+        what one shard delivers in ``max_outstanding_time``. The shared (fleet) bucket bounds
+        the total."""
+        shares = self._update_shares()
+        records = nbytes = math.inf
+        spread = 1.0
+        for shard in shards:
+            limiter = self._shards.get(shard)
+            if limiter is None:
+                rates = (self.records_ceiling, self.bytes_ceiling)
+            else:
+                bucket, controller = limiter.bucket, limiter.controller
+                accepted = 1.0 if controller is None else 1.0 - controller.noise
+                rates = (bucket.records_per_second * accepted, bucket.bytes_per_second * accepted)
+            share = shares.get(shard) if shares else None
+            records_share, bytes_share = share if share is not None else (spread, spread)
+            if records_share > 0.0:
+                records = min(records, rates[0] / records_share)
+            if bytes_share > 0.0:
+                nbytes = min(nbytes, rates[1] / bytes_share)
+        if records == math.inf:  # nothing offered to these shards lately
+            records, nbytes = self.records_ceiling, self.bytes_ceiling
+        shared = self.shared
+        if shared is not None:
+            records = min(records, shared.records_per_second)
+            nbytes = min(nbytes, shared.bytes_per_second)
+        return records, nbytes
+
+    def _update_shares(self) -> dict[str, tuple[float, float]]:
+        """Each shard's share of the records and bytes offered since the last call, smoothed
+        (the share of the last call weighs ``SHARE_SMOOTHING``)."""
+        offered: dict[str, tuple[int, int]] = {
+            shard: (lim.offered_records, lim.offered_bytes) for shard, lim in self._shards.items()
+        }
+        previous = self._offered_before
+        self._offered_before = offered
+        deltas = {
+            shard: (r - previous.get(shard, (0, 0))[0], b - previous.get(shard, (0, 0))[1])
+            for shard, (r, b) in offered.items()
+        }
+        total_records = sum(d[0] for d in deltas.values())
+        total_bytes = sum(d[1] for d in deltas.values())
+        if not total_records or not total_bytes:
+            return self._shares
+        weight = SHARE_SMOOTHING if self._shares else 1.0
+        shares = {}
+        for shard, (r, b) in deltas.items():
+            old_r, old_b = self._shares.get(shard, (0.0, 0.0))
+            shares[shard] = (
+                (1.0 - weight) * old_r + weight * r / total_records,
+                (1.0 - weight) * old_b + weight * b / total_bytes,
+            )
+        self._shares = shares
+        return shares
 
     # -- introspection --------------------------------------------------------------------
 

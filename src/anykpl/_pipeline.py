@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -37,13 +37,21 @@ from ._collector import Collector
 from ._limiter import AdaptiveSettings, Limiter
 from ._metrics import Metrics
 from ._records import KinesisRecord, PendingRecord
-from ._retrier import Finish, Retrier, RetryBudget
+from ._retrier import Retrier, RetryBudget
 from ._sender import Transport, run_sender
 from ._shard_map import ShardMap, run_shard_map
 from ._token_bucket import TokenBucket
 from .config import ProducerConfig
 
 __all__ = ("Pipeline",)
+
+#: Resolves records and returns how many were still pending and their bytes (the producer's).
+ProducerFinish = Callable[[Sequence[PendingRecord], bool], tuple[int, int]]
+
+#: How often the stream's backlog limit is planned again (by the Limiter's task), and how
+#: many Kinesis records must have been released before their aggregation ratio is trusted.
+BACKLOG_INTERVAL = 0.25
+RATIO_SAMPLES = 100
 
 WAKE = "wake"
 FLUSH = "flush"
@@ -105,7 +113,7 @@ class Pipeline:
         config: ProducerConfig,
         transport: Transport,
         metrics: Metrics,
-        finish: Finish,
+        finish: ProducerFinish,
         shared_bucket: TokenBucket | None = None,
     ) -> None:
         self.stream = stream
@@ -140,10 +148,11 @@ class Pipeline:
             record_max_buffered_time=config.record_max_buffered_time,
             extend_deadlines=config.aggregation_enabled,
         )
+        self._producer_finish = finish
         self.retrier = Retrier(
             stream=stream,
             shard_map=self.shard_map,
-            finish=finish,
+            finish=self.finish,
             count=self._count,
             request_refresh=self._request_refresh,
             record_max_buffered_time=config.record_max_buffered_time,
@@ -169,6 +178,18 @@ class Pipeline:
         self.received = 0
         self.received_counted = 0
         self.in_flight = 0
+        # Admission by what the stream can deliver (``max_outstanding_time``): the records
+        # admitted for this stream and not yet terminal, and the most it may hold, planned
+        # again by the Limiter's task every BACKLOG_INTERVAL (see update_backlog_limit).
+        self.outstanding_records = 0
+        self.outstanding_bytes = 0
+        backlog_time = config.max_outstanding_time
+        self.backlog_time = config.record_ttl / 2 if backlog_time is None else backlog_time
+        self.backlog_records = math.inf
+        self.backlog_bytes = math.inf
+        self._next_backlog_update = -math.inf
+        self.on_room: Callable[[], None] | None = None  # the producer's wake-up for waiters
+        self.update_backlog_limit(-math.inf)
 
     def __repr__(self) -> str:
         return f"<Pipeline {self.stream!r} {self.shard_map!r} {self.aggregator!r}>"
@@ -186,6 +207,58 @@ class Pipeline:
 
     def flush(self) -> None:
         self.aggregator_send.send_nowait(FLUSH)
+
+    # -- admission by what the stream can deliver ----------------------------------------
+
+    def admit(self, size: int) -> None:
+        """Count a record admitted for this stream (its data + partition key bytes)."""
+        self.outstanding_records += 1
+        self.outstanding_bytes += size
+
+    def has_room(self, size: int) -> bool:
+        """Whether a record of ``size`` bytes fits in the stream's backlog limit (a stream
+        with nothing outstanding always takes one record)."""
+        return not self.outstanding_records or (
+            self.outstanding_records < self.backlog_records
+            and self.outstanding_bytes + size <= self.backlog_bytes
+        )
+
+    def finish(self, records: Sequence[PendingRecord], success: bool) -> None:
+        """Resolve records of this stream (the Retrier's, and the producer's when it fails
+        everything) and give their room back."""
+        count, nbytes = self._producer_finish(records, success)
+        self.outstanding_records -= count
+        self.outstanding_bytes -= nbytes
+
+    def update_backlog_limit(self, now: float) -> None:
+        """Plan the stream's backlog limit again: ``backlog_time`` seconds of what its open
+        shards deliver now (one shard's ceiling while the shard map is not ready), in bytes,
+        and in user records at the aggregation ratio seen so far."""
+        if now < self._next_backlog_update:
+            return
+        self._next_backlog_update = now + BACKLOG_INTERVAL
+        horizon = self.backlog_time
+        if horizon == math.inf:
+            return
+        limiter = self.limiter
+        shards = self.shard_map.open_shards if self.shard_map.ready else ()
+        if shards:
+            records_rate, bytes_rate = limiter.deliverable(shards)
+        else:
+            records_rate, bytes_rate = limiter.records_ceiling, limiter.bytes_ceiling
+        kinesis = limiter.released_kinesis_records
+        if kinesis >= RATIO_SAMPLES:
+            ratio = limiter.released_user_records / kinesis
+            records = records_rate * ratio * horizon
+        elif self.config.aggregation_enabled:
+            records = math.inf  # no ratio yet: the bytes and the producer's caps bound it
+        else:
+            records = records_rate * horizon
+        nbytes = bytes_rate * horizon
+        grew = records > self.backlog_records or nbytes > self.backlog_bytes
+        self.backlog_records, self.backlog_bytes = records, nbytes
+        if grew and self.on_room is not None:
+            self.on_room()
 
     def wake_limiter(self) -> None:
         """Make the Limiter plan every shard's wait again (a shared bucket got faster)."""
@@ -276,6 +349,7 @@ class Pipeline:
                     if message is not FLUSH and message is not END and message is not WAKE:
                         limiter.put(message, now, out)
                 wake = limiter.drain(now, out, expired)
+                self.update_backlog_limit(now)
                 if expired:
                     self.retrier.expire(expired, now)
                 if out:

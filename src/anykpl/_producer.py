@@ -97,6 +97,10 @@ class StreamStatistics:
         rates: (records/s, bytes/s) the limiter allows per shard.
         requests_in_flight: PutRecords requests sent and not yet classified.
         retry_backoff_records: user records waiting out a retry backoff.
+        outstanding_records: user records admitted for this stream and not yet terminal.
+        outstanding_bytes: their data + partition key bytes.
+        backlog_limit: (user records, bytes) the stream may hold now: ``max_outstanding_time``
+            seconds of what its shards deliver (``inf`` while unknown or turned off).
         user_records_received: user records admitted for this stream.
         shards: rate control per shard: rate, ceiling, cuts, throttles, waits.
         retry_budget_exhausted: retries that found the retry budget spent (and waited
@@ -111,6 +115,9 @@ class StreamStatistics:
     rates: Mapping[str, tuple[float, float]]
     requests_in_flight: int
     retry_backoff_records: int
+    outstanding_records: int
+    outstanding_bytes: int
+    backlog_limit: tuple[float, float]
     user_records_received: int
     shards: Mapping[str, ShardStatistics]
     retry_budget_exhausted: int
@@ -354,6 +361,7 @@ class Producer(anyio.AsyncContextManagerMixin):
             self._finish,
             shared_bucket=self._fleet_bucket,
         )
+        pipeline.on_room = self._wake_waiters
         self._pipelines[stream] = pipeline
         pipeline.start(self._task_group, self._guard)
         return pipeline
@@ -416,10 +424,12 @@ class Producer(anyio.AsyncContextManagerMixin):
         # the tenant's quota first: a record that waits for its tokens holds no room meanwhile
         reservation = None if tenant is None else await self._admit_tenant(record, tenant)
         try:
-            if len(self._outstanding) >= self._max_records or (
-                self._outstanding_bytes + record.size > self._max_bytes and self._outstanding
+            if (
+                len(self._outstanding) >= self._max_records
+                or (self._outstanding_bytes + record.size > self._max_bytes and self._outstanding)
+                or not pipeline.has_room(record.size)
             ):
-                await self._wait_for_room(record.size, reservation)
+                await self._wait_for_room(record.size, reservation, pipeline)
                 if self._state != "open":
                     raise self._not_open()
             else:
@@ -451,6 +461,7 @@ class Producer(anyio.AsyncContextManagerMixin):
         record.expiration = expiration
         self._outstanding.add(record)
         self._outstanding_bytes += record.size
+        pipeline.admit(record.size)
         pipeline.received += 1
         pipeline.put(record)
         return record
@@ -511,15 +522,21 @@ class Producer(anyio.AsyncContextManagerMixin):
             raise self._not_open()
         return reservation
 
-    async def _wait_for_room(self, size: int, reservation: Reservation | None = None) -> None:
+    async def _wait_for_room(
+        self, size: int, reservation: Reservation | None, pipeline: Pipeline
+    ) -> None:
+        """Wait until the record fits under the producer's caps and its stream's backlog
+        limit (``max_outstanding_time``)."""
         timeout = self.config.admission_timeout
         limit = math.inf if timeout is None else timeout
         if reservation is not None:
             limit = max(0.0, limit - reservation.wait)  # admission_timeout bounds both waits
         try:
             with anyio.fail_after(limit):
-                while len(self._outstanding) >= self._max_records or (
-                    self._outstanding_bytes + size > self._max_bytes and self._outstanding
+                while (
+                    len(self._outstanding) >= self._max_records
+                    or (self._outstanding_bytes + size > self._max_bytes and self._outstanding)
+                    or not pipeline.has_room(size)
                 ):
                     if self._state != "open":
                         raise self._not_open()
@@ -527,22 +544,38 @@ class Producer(anyio.AsyncContextManagerMixin):
                         self._room = anyio.Event()
                     await self._room.wait()
         except TimeoutError:
+            if pipeline.has_room(size):
+                held = (
+                    f"{len(self._outstanding)} records / {self._outstanding_bytes} bytes "
+                    "outstanding in the producer"
+                )
+            else:
+                held = (
+                    f"stream {pipeline.stream!r} holds {pipeline.outstanding_records} records / "
+                    f"{pipeline.outstanding_bytes} bytes, about max_outstanding_time="
+                    f"{pipeline.backlog_time:g} s of what its shards deliver now"
+                )
             raise errors.BackpressureTimeout(
-                f"no room for the record within admission_timeout={timeout} s "
-                f"({len(self._outstanding)} records / {self._outstanding_bytes} bytes "
-                "outstanding)"
+                f"no room for the record within admission_timeout={timeout} s ({held})"
             ) from None
 
-    def _finish(self, records: Sequence[PendingRecord], success: bool) -> None:
-        """Resolve records (called by the Retrier, and when failing everything)."""
+    def _finish(self, records: Sequence[PendingRecord], success: bool) -> tuple[int, int]:
+        """Resolve records (for the pipelines: the Retrier's, and when failing everything);
+        return how many were still pending, and their bytes."""
         outstanding = self._outstanding
-        released = 0
+        released = count = 0
         for record in records:
             if not record._state:  # still pending: resolve exactly once
                 outstanding.discard(record)
                 released += record.size
+                count += 1
                 record._resolve(success)
         self._outstanding_bytes -= released
+        self._wake_waiters()
+        return count, released
+
+    def _wake_waiters(self) -> None:
+        """Wake the submits waiting for room (records finished, or a stream's limit grew)."""
         room = self._room
         if room is not None:
             self._room = None
@@ -571,7 +604,15 @@ class Producer(anyio.AsyncContextManagerMixin):
         for stream, failed in per_stream.items():
             metrics.add("UserRecordsFailed", failed, stream, None, code)
             metrics.observe("UserRecordsPut", stream, None, None, failed, 0, 0, 0)  # KPL's zeros
-        self._finish(records, False)
+        by_stream: dict[str, list[PendingRecord]] = {}
+        for record in records:
+            by_stream.setdefault(record.stream, []).append(record)
+        for stream, failing in by_stream.items():
+            owner = self._pipelines.get(stream)
+            if owner is None:
+                self._finish(failing, False)
+            else:
+                owner.finish(failing, False)
 
     # -- flushing -------------------------------------------------------------------------
 
@@ -639,6 +680,9 @@ class Producer(anyio.AsyncContextManagerMixin):
                 rates=rates,
                 requests_in_flight=p.in_flight,
                 retry_backoff_records=p.retrier.delayed_records,
+                outstanding_records=p.outstanding_records,
+                outstanding_bytes=p.outstanding_bytes,
+                backlog_limit=(p.backlog_records, p.backlog_bytes),
                 user_records_received=p.received,
                 shards=shards,
                 retry_budget_exhausted=0 if budget is None else budget.exhausted,

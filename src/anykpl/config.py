@@ -258,6 +258,14 @@ class ProducerConfig:
             least 1. No KPL property (the KPL's buffer is unbounded).
         max_outstanding_bytes: Most bytes of user data admitted and not yet finished. Default
             134217728 (128 MiB), at least 1024. No KPL property.
+        max_outstanding_time: Seconds of a stream's delivery that may be admitted and not yet
+            finished: ``submit`` and ``put_record`` wait while a stream's outstanding records
+            would take longer than this to deliver at the rate its shards accept now (the
+            Limiter's current rates, less throttles judged to be noise, summed over the open
+            shards). This is what turns sustained overload into backpressure at the call rather
+            than expiry later: a backlog the stream cannot send before ``record_ttl`` is never
+            admitted. Default ``None``: half of ``record_ttl``. Greater than 0; ``math.inf``
+            turns it off. No KPL property.
         admission_timeout: Seconds ``submit`` and ``put_record`` wait for room under the
             outstanding limits, and for their tenant's quota (``tenant_quotas``), before
             raising :class:`~anykpl.errors.BackpressureTimeout`; a put whose quota wait alone
@@ -343,6 +351,7 @@ class ProducerConfig:
     # Beyond the KPL
     max_outstanding_records: int = 100_000
     max_outstanding_bytes: int = 128 * 1024 * 1024
+    max_outstanding_time: float | None = None
     admission_timeout: float | None = None
     close_timeout: float = 30.0
     retry_backoff_initial: float = 0.05
@@ -401,6 +410,8 @@ class ProducerConfig:
         # Beyond the KPL
         _check_int(self, "max_outstanding_records", 1, None)
         _check_int(self, "max_outstanding_bytes", 1024, None)
+        if self.max_outstanding_time is not None:
+            _check_number(self, "max_outstanding_time", 0.0, None, allow_inf=True, open_low=True)
         if self.admission_timeout is not None:
             _check_number(self, "admission_timeout", 0.0, None, allow_inf=True, open_low=True)
         _check_number(self, "close_timeout", 0.0, None, allow_inf=True)

@@ -194,6 +194,32 @@ async def test_per_record_internal_failures(
     assert {r["ErrorCode"] for r in response["Records"]} == {"InternalFailure"}
 
 
+async def test_per_record_throttles_whatever_the_rate(
+    emulator: tuple[str, EmulatorClient], control: EmulatorClient
+) -> None:
+    stream = new_stream(control)
+    assert control.set_faults(record_throttle_rate=1.0)["record_throttle_rate"] == 1.0
+    assert control.faults()["error_rate"] == 0.0  # the other fields kept
+    async with kinesis(emulator[0]) as client:
+        response = await client.put_records(StreamName=stream, Records=records(4))
+        assert response["FailedRecordCount"] == 4
+        assert {r["ErrorCode"] for r in response["Records"]} == {
+            "ProvisionedThroughputExceededException"
+        }
+        assert response["Records"][0]["ErrorMessage"].startswith("Rate exceeded for shard ")
+        with pytest.raises(ClientError) as caught:
+            await client.put_record(StreamName=stream, Data=b"x", PartitionKey="k")
+        assert caught.value.response["Error"]["Code"] == "ProvisionedThroughputExceededException"
+        control.set_faults(record_throttle_rate=0.0)
+        response = await client.put_records(StreamName=stream, Records=records(4))
+        assert response["FailedRecordCount"] == 0
+    shard = next(s for s in control.stats()["shards"] if s["stream"] == stream)
+    assert shard["throttled_records"] == shard["injected_throttled_records"] == 5
+    assert shard["accepted_records"] == 4
+    with pytest.raises(EmulatorControlError):
+        control.set_faults(record_throttle_rate=1.5)
+
+
 async def test_connection_resets(
     emulator: tuple[str, EmulatorClient], control: EmulatorClient
 ) -> None:
@@ -281,12 +307,13 @@ def test_spawned_process_gets_every_option() -> None:
     with spawn(
         streams={"opts": 3},
         limits=Limits(records_per_second=50, bytes_per_second=5000),
-        faults=Faults(error_rate=0.25, latency=0.01, seed=4),
+        faults=Faults(error_rate=0.25, record_throttle_rate=0.125, latency=0.01, seed=4),
         storms=[Storm("opts", duration=60, start=30, factor=0.5)],
     ) as url:
         stats = EmulatorClient(url).stats()
     assert stats["limits"] == {"enabled": True, "records_per_second": 50, "bytes_per_second": 5000}
     assert stats["faults"]["error_rate"] == 0.25
+    assert stats["faults"]["record_throttle_rate"] == 0.125
     assert stats["faults"]["seed"] == 4
     assert [s["stream"] for s in stats["storms"]] == ["opts"]
     assert sorted(s["shard_id"] for s in stats["shards"]) == [

@@ -185,6 +185,7 @@ def command_line(
     for name in (
         "error_rate",
         "record_failure_rate",
+        "record_throttle_rate",
         "latency",
         "latency_jitter",
         "reset_rate",

@@ -26,6 +26,17 @@ def _streams(spec: str) -> dict[str, int]:
     return streams
 
 
+def _share(text: str) -> float:
+    """A share of requests or records: a number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not between 0 and 1")
+    return value
+
+
 def _spec(parse: Callable[[str], _T]) -> Callable[[str], _T]:
     """``parse``, with its ValueError's message kept (argparse would only say "invalid
     parse value")."""
@@ -66,24 +77,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     faults = parser.add_argument_group("faults (PutRecord and PutRecords only)")
     faults.add_argument(
-        "--error-rate", type=float, default=0.0, help="share of requests answered 500/503"
+        "--error-rate", type=_share, default=0.0, help="share of requests answered 500/503"
     )
     faults.add_argument(
         "--record-failure-rate",
-        type=float,
+        type=_share,
         default=0.0,
         help="share of records answered InternalFailure",
+    )
+    faults.add_argument(
+        "--record-throttle-rate",
+        type=_share,
+        default=0.0,
+        help="share of records answered ProvisionedThroughputExceededException, whatever the rate",
     )
     faults.add_argument("--latency", type=float, default=0.0, help="seconds added to each request")
     faults.add_argument(
         "--latency-jitter", type=float, default=0.0, help="up to this many seconds more, at random"
     )
     faults.add_argument(
-        "--reset-rate", type=float, default=0.0, help="share of requests whose connection is reset"
+        "--reset-rate", type=_share, default=0.0, help="share of requests whose connection is reset"
     )
     faults.add_argument(
         "--fault-after-write",
-        type=float,
+        type=_share,
         default=0.5,
         help="share of request errors and resets that happen after storing",
     )
@@ -122,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
     faults = Faults(
         error_rate=args.error_rate,
         record_failure_rate=args.record_failure_rate,
+        record_throttle_rate=args.record_throttle_rate,
         latency=args.latency,
         latency_jitter=args.latency_jitter,
         reset_rate=args.reset_rate,

@@ -53,6 +53,10 @@ class Faults:
         error_rate: share of write requests answered with a whole-request 500 or 503
             (``InternalFailure`` / ``ServiceUnavailable``), chosen evenly.
         record_failure_rate: share of records answered with a per-record ``InternalFailure``.
+        record_throttle_rate: share of records answered with a per-record
+            ``ProvisionedThroughputExceededException``, whatever the rate: throttles that are
+            noise, not a sign of a full shard. They cost no shard tokens and are counted as
+            throttled records (and as ``injected_throttled_records``).
         latency: seconds added before each write request is answered.
         latency_jitter: up to this many seconds more, uniformly at random.
         reset_rate: share of write requests whose connection is reset with no answer.
@@ -64,6 +68,7 @@ class Faults:
 
     error_rate: float = 0.0
     record_failure_rate: float = 0.0
+    record_throttle_rate: float = 0.0
     latency: float = 0.0
     latency_jitter: float = 0.0
     reset_rate: float = 0.0
@@ -71,7 +76,13 @@ class Faults:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("error_rate", "record_failure_rate", "reset_rate", "fault_after_write"):
+        for name in (
+            "error_rate",
+            "record_failure_rate",
+            "record_throttle_rate",
+            "reset_rate",
+            "fault_after_write",
+        ):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
                 raise ValueError(f"Faults.{name} must be between 0 and 1, got {value!r}")
@@ -81,6 +92,10 @@ class Faults:
                 raise ValueError(f"Faults.{name} must be between 0 and 60 seconds, got {value!r}")
         if self.error_rate + self.reset_rate > 1.0:
             raise ValueError("Faults.error_rate + Faults.reset_rate must not exceed 1")
+        if self.record_failure_rate + self.record_throttle_rate > 1.0:
+            raise ValueError(
+                "Faults.record_failure_rate + Faults.record_throttle_rate must not exceed 1"
+            )
 
 
 @dataclass(frozen=True)

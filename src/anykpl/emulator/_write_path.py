@@ -5,7 +5,8 @@ moto accepts any rate and routes records after a split to the closed parent shar
 hash key as exclusive). This module replaces moto's write path and nothing else: it routes each
 record to the **open** shard whose (inclusive) hash range holds its hash key, charges the shard's
 token buckets, answers throttled records with ``ProvisionedThroughputExceededException`` in the
-service's message format, and appends stored records to moto's shard objects so that moto's
+service's message format, rolls the per-record fault dice (``InternalFailure``, and throttles
+whatever the rate), and appends stored records to moto's shard objects so that moto's
 GetShardIterator and GetRecords read them back unchanged.
 
 It is synchronous and clock-injected (``now`` is passed in), so the limits and routing are
@@ -42,6 +43,8 @@ RECORD_COUNTERS = (
     "throttled_records",
     "throttled_bytes",
     "failed_records",
+    # of the throttled records, those the ``record_throttle_rate`` dice chose
+    "injected_throttled_records",
 )
 
 _INTERNAL_FAILURE = {"ErrorCode": "InternalFailure", "ErrorMessage": "Internal service failure."}
@@ -67,8 +70,9 @@ class ShardStats:
     __slots__ = ("per_second", "totals")
 
     def __init__(self) -> None:
-        # accepted records, accepted bytes, throttled records, throttled bytes, failed records
-        self.totals = [0, 0, 0, 0, 0]
+        # accepted records, accepted bytes, throttled records, throttled bytes, failed records,
+        # injected throttled records (``RECORD_COUNTERS``); a row keeps the first five
+        self.totals = [0, 0, 0, 0, 0, 0]
         self.per_second: dict[int, list[int]] = {}
 
     def row(self, second: int) -> list[int]:
@@ -155,7 +159,7 @@ class WritePath:
     @property
     def totals(self) -> dict[str, int]:
         """Every counter: the request-level ones and the shards' record counters summed."""
-        sums = [0, 0, 0, 0, 0]
+        sums = [0] * len(RECORD_COUNTERS)
         for shard in self.stats.values():
             for index, value in enumerate(shard.totals):
                 sums[index] += value
@@ -306,16 +310,28 @@ class WritePath:
                     next_sequence,
                 ]
             bucket, rates, stats, row, records, sequence = state
-            if faults.record_failure_rate and dice() < faults.record_failure_rate:
-                stats.totals[4] += 1
-                row[4] += 1
-                results.append(_INTERNAL_FAILURE)
-                continue
-            if bucket is not None and not bucket.try_take(size, rates[0], rates[1], now):
+            # one roll per record for both per-record faults: a failure below
+            # record_failure_rate, an injected throttle in the next record_throttle_rate
+            injected_throttle = False
+            if faults.record_failure_rate or faults.record_throttle_rate:
+                roll = dice()
+                if roll < faults.record_failure_rate:
+                    stats.totals[4] += 1
+                    row[4] += 1
+                    results.append(_INTERNAL_FAILURE)
+                    continue
+                injected_throttle = roll < faults.record_failure_rate + faults.record_throttle_rate
+            # an injected throttle is answered and counted as a limit throttle, and like one
+            # costs no tokens
+            if injected_throttle or (
+                bucket is not None and not bucket.try_take(size, rates[0], rates[1], now)
+            ):
                 stats.totals[2] += 1
                 stats.totals[3] += size
                 row[2] += 1
                 row[3] += size
+                if injected_throttle:
+                    stats.totals[5] += 1
                 results.append(
                     {
                         "ErrorCode": "ProvisionedThroughputExceededException",

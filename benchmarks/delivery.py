@@ -1,0 +1,587 @@
+"""Delivery under throttling: adaptive rate control against the static limiter, three scenarios.
+
+Each scenario runs twice in one invocation, with the defaults (``adaptive=True``) and with
+``adaptive=False`` (everything else at its default: ``record_ttl`` 30 s, the retry budget on,
+``max_outstanding_records`` 100,000), each run on a fresh emulator (``anykpl.emulator.spawn``,
+limits on, its own process) and in a fresh producer process, so memory and a stuck run cannot
+leak from one run into the next:
+
+- ``noise``: a 4-shard stream whose emulator throttles a quarter of the records whatever the rate
+  (``Faults(record_throttle_rate=0.25)``); ``--records`` records of 100 B..2 KiB with random keys,
+  submitted as fast as admission allows, then a flush. Throttles that are noise, not a full shard:
+  adaptive control should not read them as congestion.
+- ``storm``: a 1-shard stream, ``--records`` records of 1 KiB; about 1 s after the first submit
+  the shard's limits drop to 0.3 for 10 s (a throttle storm). Also measured: the seconds after
+  the storm until the producer's rate for the shard is back at 90 % of its ceiling (sampled from
+  ``statistics()`` every 0.1 s while records wait; only while records wait, as the limiter
+  applies a recovering rate when it drains), and the shard's use per second.
+- ``overload``: a 2-shard stream offered 5× its capacity (10 MiB/s of 1 KiB records against 2 ×
+  1 MiB/s) for ``--overload-duration`` seconds by a loop that submits on that schedule (and so
+  waits when ``submit`` waits, then catches up), then a flush. Each record's data is its own
+  ``bytes`` object, so the producer's peak RSS reflects a real workload.
+
+Every record's result is checked and counted by the final attempt's error code (``Expired``
+split by where it expired). Reported per run: wall time from the first submit to the last record
+terminal, delivered / expired / failed records, Kinesis records throttled (the emulator's count,
+and the injected ones apart), the producer's throttles and cuts, ``submit`` waits (max, p99),
+delivery latency (p50, p99), peak RSS of the producer process. The tables show both modes and
+their ratio. ::
+
+    python benchmarks/delivery.py                                  # all three, asyncio
+    python benchmarks/delivery.py --scenario storm --backend trio
+    python benchmarks/delivery.py --scenario overload --overload-duration 30 --json overload.json
+    python benchmarks/delivery.py --scenario noise --static-only --records 5000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from array import array
+from collections import Counter, deque
+from typing import Any
+
+REGION = "us-east-1"
+SCENARIOS = ("noise", "storm", "overload")
+SHARDS = {"noise": 4, "storm": 1, "overload": 2}
+NOISE_THROTTLE_RATE = 0.25
+NOISE_SIZES = (100, 2048)
+RECORD_SIZE = 1024
+STORM_START = 1.0
+STORM_DURATION = 10.0
+STORM_FACTOR = 0.3
+RECOVERED = 0.9  # share of the ceiling that counts as recovered
+OVERLOAD = 5.0  # offered load, in multiples of the stream's byte capacity
+SAMPLE_INTERVAL = 0.1
+RSS_INTERVAL = 0.5
+#: seconds a run may take beyond its traffic before the producer process is told to stop
+#: (it then closes, failing what is left within ``close_timeout``), and then killed
+RUN_LIMIT = 180.0
+KILL_GRACE = 90.0
+
+
+# -- the producer process ---------------------------------------------------------------------
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now (Linux), or its peak so far elsewhere."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def quantile(values: array[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+
+
+class Outcomes:
+    """Every record's result, counted by the final attempt's error code."""
+
+    def __init__(self) -> None:
+        self.delivered = 0
+        self.failed: Counter[str] = Counter()
+        self.expired_where: Counter[str] = Counter()
+        self.latencies: array[float] = array("d")
+        self.attempts = 0
+        self.settled = 0
+
+    def settle(self, pending: Any) -> None:
+        from anykpl import errors
+
+        self.settled += 1
+        try:
+            result = pending.result()
+        except errors.RecordFailedError as failure:
+            code = failure.error_code or "none"
+            self.failed[code] += 1
+            attempts = failure.result.attempts
+            self.attempts += len(attempts)
+            if code == errors.EXPIRED:
+                # where it expired: waiting in the limiter, or after a failed attempt; and whether
+                # Kinesis had ever seen it
+                sent = sum(1 for a in attempts if a.duration > 0)
+                sends = "never sent" if not sent else "sent once" if sent == 1 else "sent 2+"
+                self.expired_where[f"{attempts[-1].error_message} ({sends})"] += 1
+            return
+        except RuntimeError:  # not terminal: cannot happen after the producer closed
+            self.failed["not terminal"] += 1
+            return
+        self.delivered += 1
+        self.attempts += len(result.attempts)
+        self.latencies.append(sum(a.delay + a.duration for a in result.attempts))
+
+
+async def produce(opts: argparse.Namespace) -> dict[str, Any]:
+    import anyio
+    import anyio.to_thread
+
+    import anykpl
+    from anykpl import Producer, ProducerConfig, errors
+    from anykpl.emulator import EmulatorClient
+
+    config = ProducerConfig(
+        region=REGION,
+        endpoint_url=opts.endpoint,
+        aws_access_key_id="bench",
+        aws_secret_access_key="bench",
+        adaptive=opts.adaptive,
+    )
+    stream, scenario = opts.stream, opts.scenario
+    rng = random.Random(opts.seed)
+    source = os.urandom(8 * 1024 * 1024)
+    view = memoryview(source)
+
+    def make(size: int) -> tuple[bytes, str]:
+        start = rng.randrange(len(source) - size)
+        return bytes(view[start : start + size]), f"{rng.getrandbits(64):016x}"
+
+    outcomes = Outcomes()
+    waits: array[float] = array("d")
+    backpressure_timeouts = 0
+    window: deque[Any] = deque()
+    samples: list[tuple[float, float]] = []  # (seconds since t0, lowest rate share of ceiling)
+    peak = {"rss": rss_bytes(), "outstanding": 0}
+    t0 = math.inf
+
+    async def sample(producer: Producer) -> None:
+        tick = 0
+        while True:
+            statistics = producer.statistics()
+            peak["outstanding"] = max(peak["outstanding"], statistics.outstanding_records)
+            shards = statistics.streams[stream].shards if stream in statistics.streams else {}
+            if shards and t0 < math.inf:
+                share = min(s.rate[1] / s.ceiling[1] for s in shards.values())
+                samples.append((time.perf_counter() - t0, share))
+            if tick % round(RSS_INTERVAL / SAMPLE_INTERVAL) == 0:
+                peak["rss"] = max(peak["rss"], rss_bytes())
+            tick += 1
+            await anyio.sleep(SAMPLE_INTERVAL)
+
+    async def submit(producer: Producer, size: int) -> None:
+        nonlocal backpressure_timeouts
+        data, key = make(size)
+        started = time.perf_counter()
+        try:
+            pending = await producer.submit(stream, data, partition_key=key)
+        except errors.BackpressureTimeout:
+            backpressure_timeouts += 1
+            return
+        finally:
+            waits.append(time.perf_counter() - started)
+        window.append(pending)
+        while window and window[0].done():
+            outcomes.settle(window.popleft())
+
+    timed_out = False
+    submitted_at = flushed_at = math.nan
+    offered = 0
+    traffic = opts.overload_duration if scenario == "overload" else 0.0
+    async with Producer(config) as producer, anyio.create_task_group() as tasks:
+        # the shard map and the connections ready before the clock starts
+        await producer.put_record(stream, b"warm-up", partition_key="warm-up")
+        tasks.start_soon(sample, producer)
+        if scenario == "storm":
+            client = EmulatorClient(opts.endpoint)
+            await anyio.to_thread.run_sync(
+                lambda: client.storm(
+                    stream, duration=STORM_DURATION, factor=STORM_FACTOR, start=STORM_START
+                )
+            )
+        t0 = time.perf_counter()
+        t0_wall = time.time()
+        with anyio.move_on_after(traffic + RUN_LIMIT) as scope:
+            if scenario == "noise":
+                for _ in range(opts.records):
+                    await submit(producer, rng.randint(*NOISE_SIZES))
+            elif scenario == "storm":
+                for _ in range(opts.records):
+                    await submit(producer, RECORD_SIZE)
+            else:
+                # the schedule: OVERLOAD × the stream's bytes per second in RECORD_SIZE records;
+                # a submit that waits puts the loop behind, and it then catches up
+                rate = OVERLOAD * SHARDS["overload"] * 1024 * 1024 / RECORD_SIZE
+                end = t0 + opts.overload_duration
+                while (now := time.perf_counter()) < end:
+                    due = min(int((now - t0) * rate) + 1, int(opts.overload_duration * rate))
+                    if offered >= due:
+                        await anyio.sleep(0.002)
+                        continue
+                    while offered < due and time.perf_counter() < end:
+                        offered += 1
+                        await submit(producer, RECORD_SIZE)
+            submitted_at = time.perf_counter() - t0
+            await producer.flush()
+            flushed_at = time.perf_counter() - t0
+        timed_out = scope.cancelled_caught
+        peak["rss"] = max(peak["rss"], rss_bytes())
+        final = producer.statistics()
+        tasks.cancel_scope.cancel()
+    closed_at = time.perf_counter() - t0
+    # closed: every record is terminal now (what the close could not flush failed)
+    while window:
+        outcomes.settle(window.popleft())
+    shards = final.streams[stream].shards if stream in final.streams else {}
+    if scenario != "overload":
+        offered = opts.records
+    admitted = len(waits) - backpressure_timeouts
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "anykpl": os.path.dirname(anykpl.__file__),
+        "scenario": scenario,
+        "adaptive": opts.adaptive,
+        "backend": opts.backend,
+        "record_ttl": config.record_ttl,
+        "retry_budget": config.retry_budget,
+        "t0_wall": t0_wall,
+        "timed_out": timed_out,
+        "offered": offered,
+        "scheduled": round(
+            OVERLOAD * SHARDS["overload"] * 1024 * 1024 / RECORD_SIZE * opts.overload_duration
+        )
+        if scenario == "overload"
+        else opts.records,
+        "admitted": admitted,
+        "backpressure_timeouts": backpressure_timeouts,
+        "settled": outcomes.settled,
+        "delivered": outcomes.delivered,
+        "failed_by_code": dict(outcomes.failed.most_common()),
+        "expired": outcomes.failed.get(errors.EXPIRED, 0),
+        "expired_share": round(outcomes.failed.get(errors.EXPIRED, 0) / max(1, admitted), 4),
+        "expired_where": dict(outcomes.expired_where.most_common()),
+        "submit_seconds": None if math.isnan(submitted_at) else round(submitted_at, 3),
+        # timed out: until the close had failed what was left
+        "wall_seconds": round(closed_at if timed_out else flushed_at, 3),
+        "delivered_per_second": round(
+            outcomes.delivered / (closed_at if timed_out else flushed_at), 1
+        ),
+        "submit_wait_total": round(sum(waits), 3),
+        "submit_wait_max": round(max(waits, default=0.0), 4),
+        "submit_wait_p99": round(quantile(waits, 0.99) or 0.0, 4),
+        "latency_p50": round(quantile(outcomes.latencies, 0.5) or 0.0, 3),
+        "latency_p99": round(quantile(outcomes.latencies, 0.99) or 0.0, 3),
+        "latency_max": round(max(outcomes.latencies, default=0.0), 3),
+        "attempts_per_record": round(outcomes.attempts / max(1, outcomes.settled), 3),
+        "producer_throttled_records": sum(s.throttled_records for s in shards.values()),
+        "cuts": sum(s.cuts for s in shards.values()),
+        "records_sent": sum(s.records_sent for s in shards.values()),
+        "errors_by_code": dict(final.errors_by_code),
+        "retry_budget_exhausted": final.streams[stream].retry_budget_exhausted
+        if stream in final.streams
+        else 0,
+        "peak_outstanding": peak["outstanding"],
+        "peak_rss_mib": round(peak["rss"] / 2**20, 1),
+        "maxrss_mib": round(usage.ru_maxrss / 1024, 1),
+        "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 2),
+        # the storm was scheduled just before t0, to start STORM_START later
+        "storm_scheduled": 0.0 if scenario == "storm" else None,
+        "rate_samples": [(round(t, 2), round(share, 4)) for t, share in samples],
+    }
+
+
+def run_child(opts: argparse.Namespace) -> None:
+    import logging
+
+    import anyio
+
+    # the producer logs each batch of expired records; the tables count them
+    logging.getLogger("anykpl").setLevel(logging.ERROR)
+    result = anyio.run(produce, opts, backend=opts.backend)
+    print(json.dumps(result), flush=True)
+
+
+# -- the orchestrating process ----------------------------------------------------------------
+
+
+def storm_recovery(result: dict[str, Any]) -> dict[str, Any]:
+    """From the rate samples: the rate when the storm ended, and the seconds
+    after it ended until the rate was back at ``RECOVERED`` of the ceiling (``None`` without
+    adaptive control, which never cuts, or if it had not recovered by the last sample)."""
+    samples = result.pop("rate_samples")
+    storm_end = result["storm_scheduled"] + STORM_START + STORM_DURATION
+    at_end = next((share for t, share in samples if t >= storm_end), None)
+    recovery = None
+    if result["adaptive"]:
+        recovery = next(
+            (
+                round(max(0.0, t - storm_end), 2)
+                for t, share in samples
+                if t >= storm_end and share >= RECOVERED
+            ),
+            None,
+        )
+    last = samples[-1][0] if samples else None
+    per_second: dict[int, float] = {}
+    for t, share in samples:
+        per_second.setdefault(int(t), share)
+    return {
+        "rate_at_storm_end": at_end,
+        "recovery_seconds": recovery,
+        "last_sample_after_storm_end": None if last is None else round(last - storm_end, 2),
+        "rate_per_second": [per_second[s] for s in sorted(per_second)],
+    }
+
+
+def emulator_figures(
+    stats: dict[str, Any], stream: str, t0_wall: float, origin: float
+) -> dict[str, Any]:
+    """The emulator's counters for ``stream``, and its use per second of the run (the busier
+    of records and bytes, as a share of the unstormed limits of all its shards)."""
+    from anykpl.emulator import Limits
+
+    shards = [s for s in stats["shards"] if s["stream"] == stream]
+    limits = Limits()
+    use: dict[int, float] = {}
+    throttled_per_second: dict[int, int] = {}
+    for shard in shards:
+        for second, records, nbytes, throttled, _tb in shard["per_second"]:
+            # the emulator's second `second` began at origin + second; seconds since t0
+            offset = round(origin + second - t0_wall)
+            share = max(records / limits.records_per_second, nbytes / limits.bytes_per_second)
+            use[offset] = use.get(offset, 0.0) + share / len(shards)
+            throttled_per_second[offset] = throttled_per_second.get(offset, 0) + throttled
+    accepted = sum(s["accepted_records"] for s in shards)
+    throttled = sum(s["throttled_records"] for s in shards)
+    return {
+        "emulator_accepted_records": accepted,
+        "emulator_throttled_records": throttled,
+        "throttled_share": round(throttled / max(1, accepted + throttled), 4),
+        "emulator_injected_throttles": sum(s.get("injected_throttled_records", 0) for s in shards),
+        "emulator_failed_records": sum(s["failed_records"] for s in shards),
+        "use_per_second": [
+            [s, round(use[s], 3), throttled_per_second[s]] for s in sorted(use) if s >= 0
+        ],
+    }
+
+
+def run_one(scenario: str, adaptive: bool, args: argparse.Namespace) -> dict[str, Any]:
+    from anykpl.emulator import EmulatorClient, Faults, spawn
+
+    faults = Faults(record_throttle_rate=NOISE_THROTTLE_RATE) if scenario == "noise" else None
+    stream = f"delivery-{scenario}"
+    traffic = args.overload_duration if scenario == "overload" else 0.0
+    with spawn(faults=faults) as endpoint:
+        client = EmulatorClient(endpoint)
+        client.create_stream(stream, SHARDS[scenario])
+        argv = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--child",
+            "--endpoint",
+            endpoint,
+            "--stream",
+            stream,
+            "--scenario",
+            scenario,
+            "--backend",
+            args.backend,
+            "--records",
+            str(args.records),
+            "--overload-duration",
+            repr(args.overload_duration),
+            "--seed",
+            str(args.seed),
+        ]
+        if not adaptive:
+            argv.append("--static-only")
+        child = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        try:
+            output, _ = child.communicate(timeout=traffic + RUN_LIMIT + KILL_GRACE)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.communicate()
+            return {
+                "scenario": scenario,
+                "adaptive": adaptive,
+                "error": "killed: no result in time",
+            }
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        if child.returncode:
+            return {"scenario": scenario, "adaptive": adaptive, "error": f"exit {child.returncode}"}
+        result: dict[str, Any] = json.loads(output.strip().splitlines()[-1])
+        before = time.time()
+        stats = client.stats()
+        origin = (before + time.time()) / 2 - stats["uptime"]
+    result.update(emulator_figures(stats, stream, result["t0_wall"], origin))
+    shares = [share for _, share in result["rate_samples"]]
+    result["rate_lowest"] = min(shares, default=None)
+    result["rate_mean"] = round(sum(shares) / len(shares), 4) if shares else None
+    if scenario == "storm":
+        result.update(storm_recovery(result))
+    else:
+        result.pop("rate_samples")
+    return result
+
+
+ROWS: dict[str, list[tuple[str, str]]] = {
+    "common": [
+        ("wall_seconds", "wall s (first submit → last terminal)"),
+        ("submit_seconds", "submit loop s"),
+        ("scheduled", "records due (overload: on the schedule)"),
+        ("offered", "records offered (submit called)"),
+        ("admitted", "records admitted"),
+        ("delivered", "delivered"),
+        ("expired", "expired"),
+        ("expired_share", "expired / admitted"),
+        ("failed_other", "failed, other codes"),
+        ("delivered_per_second", "delivered / s"),
+        ("emulator_accepted_records", "Kinesis records accepted (emulator)"),
+        ("emulator_throttled_records", "Kinesis records throttled (emulator)"),
+        ("throttled_share", "throttled / (accepted + throttled)"),
+        ("emulator_injected_throttles", "… of which injected"),
+        ("producer_throttled_records", "throttled (producer's count)"),
+        ("cuts", "rate cuts"),
+        ("retry_budget_exhausted", "retry budget exhausted"),
+        ("attempts_per_record", "attempts per record"),
+        ("submit_wait_total", "submit wait total s"),
+        ("submit_wait_max", "submit wait max s"),
+        ("submit_wait_p99", "submit wait p99 s"),
+        ("backpressure_timeouts", "BackpressureTimeout"),
+        ("latency_p50", "delivery latency p50 s"),
+        ("latency_p99", "delivery latency p99 s"),
+        ("rate_lowest", "lowest rate / ceiling (sampled every 0.1 s)"),
+        ("rate_mean", "mean rate / ceiling"),
+        ("peak_outstanding", "peak outstanding records"),
+        ("peak_rss_mib", "peak RSS MiB"),
+        ("cpu_seconds", "producer process CPU s"),
+    ],
+    "storm": [
+        ("rate_at_storm_end", "rate / ceiling at storm end"),
+        ("recovery_seconds", "s after storm to ≥ 90 % of ceiling"),
+        ("last_sample_after_storm_end", "last rate sample, s after storm"),
+    ],
+}
+
+
+def cell(value: Any) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:,.4g}" if abs(value) < 1 else f"{value:,.2f}"
+    return str(value)
+
+
+def table(scenario: str, runs: dict[str, dict[str, Any]], backend: str) -> str:
+    modes = [mode for mode in ("adaptive", "static") if mode in runs]
+    lines = [f"### {scenario} ({backend}, {SHARDS[scenario]} shard(s))", ""]
+    for mode in modes:
+        if "error" in runs[mode]:
+            lines.append(f"- {mode}: {runs[mode]['error']}")
+    modes = [mode for mode in modes if "error" not in runs[mode]]
+    if not modes:
+        return "\n".join(lines)
+    for run in runs.values():
+        if "error" not in run:
+            run["failed_other"] = sum(
+                n for code, n in run["failed_by_code"].items() if code != "Expired"
+            )
+    header = (
+        "| metric | " + " | ".join(modes) + (" | adaptive / static |" if len(modes) == 2 else " |")
+    )
+    lines += [header, "|---" * (len(modes) + 1 + (len(modes) == 2)) + "|"]
+    rows = ROWS["common"] + (ROWS["storm"] if scenario == "storm" else [])
+    for key, label in rows:
+        values = [runs[mode].get(key) for mode in modes]
+        line = f"| {label} | " + " | ".join(cell(v) for v in values) + " |"
+        if len(modes) == 2:
+            a, s = values
+            numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+            ratio = f"{a / s:.2f}" if numbers and s else "–"
+            line += f" {ratio} |"
+        lines.append(line)
+    lines.append("")
+    for mode in modes:
+        run = runs[mode]
+        details = [f"failed by code {run['failed_by_code'] or {}}"]
+        if run["expired_where"]:
+            details.append(f"expired where {run['expired_where']}")
+        if run["timed_out"]:
+            details.append("TIMED OUT (the close failed what was left)")
+        lines.append(f"- {mode}: " + "; ".join(details))
+        if scenario == "storm":
+            use = " ".join(f"{u:.2f}" for _, u, _ in run["use_per_second"])
+            rate = " ".join(f"{r:.2f}" for r in run["rate_per_second"])
+            lines.append(f"  - shard use per second (of 1 MiB/s or 1000 rec/s): {use}")
+            lines.append(f"  - producer rate / ceiling per second: {rate}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--scenario", choices=(*SCENARIOS, "all"), default="all")
+    parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
+    parser.add_argument("--records", type=int, default=20_000, help="records of noise and storm")
+    parser.add_argument(
+        "--overload-duration", type=float, default=60.0, help="seconds of overload (60)"
+    )
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--adaptive-only", action="store_true", help="only adaptive=True")
+    modes.add_argument("--static-only", action="store_true", help="only adaptive=False")
+    parser.add_argument("--seed", type=int, default=1, help="seed of sizes, keys and payloads")
+    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--endpoint", help=argparse.SUPPRESS)
+    parser.add_argument("--stream", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        args.adaptive = not args.static_only
+        run_child(args)
+        return
+    import anykpl
+
+    print(f"anykpl from {os.path.dirname(anykpl.__file__)}, backend {args.backend}", flush=True)
+    scenarios = SCENARIOS if args.scenario == "all" else (args.scenario,)
+    modes_run = ["static"] if args.static_only else ["adaptive"]
+    if not (args.static_only or args.adaptive_only):
+        modes_run.append("static")
+    report: dict[str, Any] = {
+        "backend": args.backend,
+        "records": args.records,
+        "overload_duration": args.overload_duration,
+        "anykpl": os.path.dirname(anykpl.__file__),
+        "runs": {},
+    }
+    for scenario in scenarios:
+        runs = {}
+        for mode in modes_run:
+            started = time.perf_counter()
+            print(f"{scenario} {mode} ...", end=" ", flush=True)
+            runs[mode] = run_one(scenario, mode == "adaptive", args)
+            print(f"{time.perf_counter() - started:.0f} s", flush=True)
+        report["runs"][scenario] = runs
+        print()
+        print(table(scenario, runs, args.backend), flush=True)
+        print()
+        if args.json:  # after each scenario, so a later failure keeps the earlier results
+            with open(args.json, "w") as handle:
+                json.dump(report, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()
