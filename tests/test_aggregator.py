@@ -211,11 +211,29 @@ def test_records_go_out_raw_when_the_shard_map_never_comes() -> None:
     assert agg.next_deadline == math.inf
 
 
-def test_a_flush_sends_records_waiting_for_the_shard_map_raw() -> None:
+def test_a_flush_leaves_records_waiting_for_the_shard_map_to_wait() -> None:
+    """A flush does not force records out raw and past the limiter while the shard map is
+    not ready: they go when it is (aggregated), or raw when their own wait ends."""
+    ready = False
+    agg = make_aggregator(predict=lambda _: "shardId-000000000000" if ready else None)
+    out: list[KinesisRecord] = []
+    agg.put(make_record("a", deadline=1.0), out)
+    agg.put(make_record("b", deadline=1.0), out)
+    agg.flush_all(out)
+    assert out == []
+    assert agg.waiting_for_shard_map == 2
+    ready = True
+    agg.flush_all(out)
+    assert [len(kr.records) for kr in out] == [2]  # one aggregate
+    assert agg.waiting_for_shard_map == 0
+
+
+def test_records_waiting_for_the_shard_map_go_raw_when_their_wait_ends() -> None:
     agg = make_aggregator(predict=lambda _: None)
     out: list[KinesisRecord] = []
-    agg.put(make_record("a"), out)
+    agg.put(make_record("a", deadline=1.0), out)
     agg.flush_all(out)
+    agg.flush_due(1.0 + SHARD_MAP_WAIT, out)
     assert [len(kr.records) for kr in out] == [1]
     assert agg.waiting_for_shard_map == 0
 
