@@ -62,14 +62,17 @@ __all__ = ("CONGESTION", "NOISE", "RateController")
 
 #: A round (the outcomes of requests sent since the last change of rate) needs this many
 #: Kinesis records, and ``window`` seconds, before it can change the rate.
-ROUND_RECORDS = 5
+ROUND_RECORDS = 1
 
 #: The log-likelihood ratio at which the noise explanation of a period's throttles wins.
 EVIDENCE = 5.0
+#: Pooled with other shards' evidence, the bar rises by this share of ``EVIDENCE`` per shard
+#: pooled: a sum over more shards crosses a fixed bar by chance more often.
+POOLED_PENALTY = 0.5
 #: ... and once the period has sent at rates this far apart (the lowest a share of the highest):
 #: a cut from a rate to 0.7 of it moves the throttled share little when others share the shard
 #: and hold their rates, but a cut to half of it does.
-NOISE_SPREAD = 0.5
+NOISE_SPREAD = 0.7
 #: ... and counted this many records.
 NOISE_RECORDS = 20
 #: Rates are counted in steps of this share of the ceiling for the evidence.
@@ -106,7 +109,7 @@ GOOD_SHARE = 0.9
 CLIMB_STEP = 0.02
 CLIMB_DOUBLING = 0.25
 PROBE_DELAY = 0.5
-PROBE_DELAY_MAX = 1.0
+PROBE_DELAY_MAX = 2.0
 
 #: The additive increase doubles after this many seconds without a cut, triples after twice as
 #: long, and so on.
@@ -191,6 +194,8 @@ class RateController:
         "_high",
         "_last_throttle_at",
         "_noise_counts",
+        "_pooled",
+        "_pooled_shards",
         "_probe_after",
         "_probe_at",
         "_probe_delay",
@@ -253,6 +258,8 @@ class RateController:
         self._probe_at = math.inf
         self._probe_after: list[int] | None = None
         self.evidence = 0.0  # the period's log-likelihood ratio, noise over congestion
+        self._pooled = 0.0  # the other shards' (see outcome)
+        self._pooled_shards = 0
         self.noise = 0.0  # the share of records throttled whatever the rate
         self.cuts = 0
         self.throttled = 0
@@ -262,6 +269,12 @@ class RateController:
             f"<RateController cuts={self.cuts} throttled={self.throttled} "
             f"verdict={self.verdict} noise={self.noise:.2f}>"
         )
+
+    @property
+    def noise_share(self) -> float:
+        """The share of the shard's records throttled whatever the rate (0 unless the
+        throttles of the current period were judged to be noise)."""
+        return self.noise if self.verdict == NOISE else 0.0
 
     # -- the curve ------------------------------------------------------------------------
 
@@ -317,11 +330,19 @@ class RateController:
         throttled: int,
         accepted_records: int,
         accepted_bytes: int,
+        pooled: float = 0.0,
+        pooled_shards: int = 0,
     ) -> bool:
         """``sent`` Kinesis records of a request sent at ``sent_at`` came back, ``throttled``
         of them ProvisionedThroughputExceeded, the others accepted (``accepted_records`` and
-        ``accepted_bytes``; records failed for other reasons are in neither). Returns whether
-        the fraction changed."""
+        ``accepted_bytes``; records failed for other reasons are in neither). ``pooled`` is
+        the evidence for noise of the stream's other shards in a throttled period (their
+        log-likelihood ratios added up: noise that comes whatever the rate usually spans a
+        stream, and a shard that sends ten Kinesis records a second gathers evidence slowly
+        on its own), ``pooled_shards`` how many shards that is. Returns whether the fraction
+        changed."""
+        self._pooled = pooled
+        self._pooled_shards = pooled_shards
         if accepted_records:
             self._accepted.append((now, accepted_records, accepted_bytes))
         if not sent:
@@ -410,7 +431,12 @@ class RateController:
         evidence, share = noise_evidence(self._bins)
         self.evidence = evidence
         if (
-            evidence >= EVIDENCE
+            evidence >= 0.0
+            and (
+                evidence >= EVIDENCE
+                or evidence + self._pooled
+                >= EVIDENCE * (1.0 + POOLED_PENALTY * self._pooled_shards)
+            )
             and min(self._bins) <= NOISE_SPREAD * max(self._bins)
             and sum(n for n, _ in self._bins.values()) >= NOISE_RECORDS
         ):

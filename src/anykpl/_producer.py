@@ -71,6 +71,9 @@ class ShardStatistics:
             records: 10 records waiting 0.1 s each make 1.0).
         backoff: user-record seconds spent waiting out retry backoff.
         queued: Kinesis records waiting for tokens now.
+        noise: the share of the shard's records the service throttles whatever the rate, as
+            adaptive control judges it (0 unless its throttles are judged to be noise; only
+            throttles beyond it cut the rate). See docs/adaptive.md.
     """
 
     rate: tuple[float, float]
@@ -82,6 +85,7 @@ class ShardStatistics:
     token_wait: float
     backoff: float
     queued: int
+    noise: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -667,6 +671,7 @@ class Producer(anyio.AsyncContextManagerMixin):
                     token_wait=counters.token_wait,
                     backoff=retrier.backoff_time.get(shard, 0.0),
                     queued=queued,
+                    noise=0.0 if controller is None else controller.noise_share,
                 )
                 for shard, (counters, controller, queued) in limiter.shard_state().items()
             }

@@ -1,0 +1,143 @@
+"""Delivery first, against the emulator's shard limits and faults (issue 10), on both backends.
+
+Each case that broke delivery with the first adaptive controller: throttles that come whatever
+the rate, a throttle storm, and sustained overload. Each runs with the defaults through the
+public API; every admitted record must succeed (nothing expired), and every one is read back
+from the stream and deaggregated (``check_read_back``), not counted by callbacks.
+"""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import boto3
+import pytest
+
+from anykpl import PendingRecord, Producer
+from anykpl.emulator import Emulator, EmulatorClient, Faults
+
+from .conftest import CREDENTIALS, REGION
+from .test_end_to_end import Sent, assert_success, check_read_back, make_sent, read_stream_async
+
+pytestmark = pytest.mark.anyio
+
+
+def _stream(prefix: str) -> str:
+    return f"{prefix}-{random.randrange(1 << 32):08x}"  # in-process emulators share moto
+
+
+async def _read_back_everything(url: str, stream: str, sent: dict[int, Sent]) -> None:
+    client = boto3.client("kinesis", region_name=REGION, endpoint_url=url, **CREDENTIALS)
+    arrived = check_read_back(await read_stream_async(client, stream), sent)
+    missing = set(sent) - set(arrived)
+    assert not missing, f"{len(missing)} acknowledged records missing from {stream}"
+
+
+@pytest.mark.timeout(120)
+async def test_throttles_that_come_whatever_the_rate_expire_nothing() -> None:
+    """A quarter of the records throttled at random, on a 2-shard stream: the first adaptive
+    controller read this as congestion, cut every shard to its floor and let 44 % of 20,000
+    records expire. Now everything is delivered, at (nearly) the static limiter's pace."""
+    stream = _stream("noise")
+    faults = Faults(record_throttle_rate=0.25, seed=7)
+    with Emulator(streams={stream: 2}, faults=faults) as url:
+        sent: dict[int, Sent] = {}
+        async with Producer(region=REGION, endpoint_url=url, **CREDENTIALS) as producer:
+            handles: list[PendingRecord] = []
+            for uid in range(6000):
+                record = sent[uid] = make_sent(uid, f"k{uid}", size=800)
+                handles.append(await producer.submit(stream, record.data, record.partition_key))
+            await producer.flush()
+            for handle in handles:
+                assert_success(await handle)
+            throttled = sum(
+                s["injected_throttled_records"] for s in EmulatorClient(url).stats()["shards"]
+            )
+            assert throttled > 0  # the fault was on
+        await _read_back_everything(url, stream, sent)
+
+
+@pytest.mark.timeout(120)
+async def test_after_a_storm_the_rate_is_back_within_three_seconds() -> None:
+    """The shard's limit drops to 30 % for 3 s while a backlog waits: the producer cuts, then
+    is back at >= 90 % of its ceiling within 3 s of the storm's end, and delivers all."""
+    stream = _stream("storm")
+    with Emulator(streams={stream: 1}) as url:
+        control = EmulatorClient(url)
+        sent: dict[int, Sent] = {}
+        rates: list[tuple[float, float]] = []
+        async with Producer(region=REGION, endpoint_url=url, **CREDENTIALS) as producer:
+            handles: list[PendingRecord] = []
+            for uid in range(300):  # the map ready and the rate measured before the storm
+                record = sent[uid] = make_sent(uid, f"k{uid}", size=1000)
+                handles.append(await producer.submit(stream, record.data, record.partition_key))
+            await producer.flush()
+            await anyio.to_thread.run_sync(
+                lambda: control.storm(stream, duration=3.0, factor=0.3, start=0.0)
+            )
+            storm_end = anyio.current_time() + 3.0
+
+            async def watch() -> None:
+                while True:
+                    shards = producer.statistics().streams[stream].shards
+                    for shard in shards.values():
+                        rates.append((anyio.current_time(), shard.rate[1] / shard.ceiling[1]))
+                    await anyio.sleep(0.05)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch)
+                # 7 MB: 3 s at 30 % of 1 MiB/s, then about 6 s at the full rate
+                for uid in range(300, 7300):
+                    record = sent[uid] = make_sent(uid, f"k{uid}", size=1000)
+                    handle = await producer.submit(stream, record.data, record.partition_key)
+                    handles.append(handle)
+                await producer.flush()
+                tg.cancel_scope.cancel()
+            for handle in handles:
+                assert_success(await handle)
+        assert min(rate for _, rate in rates) < 0.6, "it never cut during the storm"
+        back = [t for t, rate in rates if t >= storm_end and rate >= 0.9]
+        assert back, "the rate never came back to 90 % of the ceiling"
+        assert back[0] - storm_end <= 3.0, back[0] - storm_end
+        await _read_back_everything(url, stream, sent)
+
+
+@pytest.mark.timeout(120)
+async def test_overload_waits_at_the_call_and_expires_nothing() -> None:
+    """Offered five times a 1-shard stream's capacity for 6 s with a 6 s TTL: ``submit``
+    waits (backpressure at the call), the stream never holds more than it can send in
+    ``max_outstanding_time`` (3 s here), and every admitted record is delivered."""
+    stream = _stream("overload")
+    with Emulator(streams={stream: 1}) as url:
+        sent: dict[int, Sent] = {}
+        waits: list[float] = []
+        peak_bytes = 0
+        async with Producer(
+            region=REGION, endpoint_url=url, record_ttl=6.0, **CREDENTIALS
+        ) as producer:
+            handles: list[PendingRecord] = []
+            size, offered = 1000, 5 * 1024 * 1024  # bytes per second
+            start = anyio.current_time()
+            uid = 0
+            while anyio.current_time() - start < 6.0:
+                due = int((anyio.current_time() - start) * offered / size)
+                while uid < due:
+                    record = sent[uid] = make_sent(uid, f"k{uid}", size=size)
+                    before = anyio.current_time()
+                    handles.append(await producer.submit(stream, record.data, record.partition_key))
+                    waits.append(anyio.current_time() - before)
+                    uid += 1
+                stats = producer.statistics().streams[stream]
+                peak_bytes = max(peak_bytes, stats.outstanding_bytes)
+                await anyio.sleep(0.01)
+            limit = producer.statistics().streams[stream].backlog_limit[1]
+            await producer.flush()
+            for handle in handles:
+                assert_success(await handle)  # nothing expired
+        assert max(waits) > 0.1  # the overload showed at the call
+        assert uid < 6.0 * offered / size / 2  # far less was admitted than offered
+        # at most 3 s of a shard's 1 MiB/s held (and a record over, as it is admitted)
+        assert peak_bytes <= 3.0 * 1024 * 1024 + 2 * size
+        assert limit == pytest.approx(3.0 * 1024 * 1024, rel=0.05)
+        await _read_back_everything(url, stream, sent)
