@@ -10,8 +10,9 @@ leak from one run into the next:
   (``Faults(record_throttle_rate=0.25)``); ``--records`` records of 100 B..2 KiB with random keys,
   submitted as fast as admission allows, then a flush. Throttles that are noise, not a full shard:
   adaptive control should not read them as congestion.
-- ``storm``: a 1-shard stream, ``--records`` records of 1 KiB; about 1 s after the first submit
-  the shard's limits drop to 0.3 for 10 s (a throttle storm). Also measured: the seconds after
+- ``storm``: a 1-shard stream, ``--records`` records of 1 KiB; 5 s after the first submit (a
+  producer that has held its rate for a while) the shard's limits drop to 0.3 for 10 s (a
+  throttle storm). Also measured: the seconds after
   the storm until the producer's rate for the shard is back at 90 % of its ceiling (sampled from
   ``statistics()`` every 0.1 s while records wait; only while records wait, as the limiter
   applies a recovering rate when it drains), and the shard's use per second.
@@ -53,7 +54,7 @@ SHARDS = {"noise": 4, "storm": 1, "overload": 2}
 NOISE_THROTTLE_RATE = 0.25
 NOISE_SIZES = (100, 2048)
 RECORD_SIZE = 1024
-STORM_START = 1.0
+STORM_START = 5.0
 STORM_DURATION = 10.0
 STORM_FACTOR = 0.3
 RECOVERED = 0.9  # share of the ceiling that counts as recovered

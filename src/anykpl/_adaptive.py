@@ -56,7 +56,6 @@ simulation, its scenarios and the figures behind each constant are in docs/adapt
 from __future__ import annotations
 
 import math
-from collections import deque
 
 __all__ = ("CONGESTION", "NOISE", "RateController")
 
@@ -72,13 +71,10 @@ EVIDENCE = 5.0
 #: to each of them the throttled share no longer depends on its own rate.
 NOISE_MAX = 0.5
 
-#: Pooled with other shards' evidence, the bar rises by this share of ``EVIDENCE`` per shard
-#: pooled: a sum over more shards crosses a fixed bar by chance more often.
-POOLED_PENALTY = 0.5
 #: ... and once the period has sent at rates this far apart (the lowest a share of the highest):
 #: a cut from a rate to 0.7 of it moves the throttled share little when others share the shard
 #: and hold their rates, but a cut to half of it does.
-NOISE_SPREAD = 0.7
+NOISE_SPREAD = 0.5
 #: ... and counted this many records.
 NOISE_RECORDS = 20
 #: Rates are counted in steps of this share of the ceiling for the evidence.
@@ -109,9 +105,9 @@ PROBE_SIGNIFICANCE = 0.01
 #: The known-good rate: held this long without a throttle, remembered this long. The climb
 #: after a cut goes back to ``GOOD_SHARE`` of it once the probe delay has passed: first by
 #: ``CLIMB_STEP`` of the rate, the step doubling every ``CLIMB_DOUBLING`` seconds.
-GOOD_HOLD = 1.0
+GOOD_HOLD = 3.0
 GOOD_MEMORY = 60.0
-GOOD_SHARE = 0.9
+GOOD_SHARE = 0.95
 CLIMB_STEP = 0.02
 CLIMB_DOUBLING = 0.25
 PROBE_DELAY = 0.5
@@ -120,9 +116,6 @@ PROBE_DELAY_MAX = 2.0
 #: The additive increase doubles after this many seconds without a cut, triples after twice as
 #: long, and so on.
 ACCELERATION = 10.0
-
-#: The accepted rate is measured over about this many seconds of outcomes.
-ACCEPT_WINDOW = 1.0
 
 NOISE = "noise"
 CONGESTION = "congestion"
@@ -190,8 +183,6 @@ class RateController:
     """The rate control state of one shard. Rates are fractions of the shard's ceiling."""
 
     __slots__ = (
-        "_accepted",
-        "_accepted_since",
         "_bins",
         "_clean_sent",
         "_ended",
@@ -200,8 +191,6 @@ class RateController:
         "_high",
         "_last_throttle_at",
         "_noise_counts",
-        "_pooled",
-        "_pooled_shards",
         "_probe_after",
         "_probe_at",
         "_probe_delay",
@@ -240,9 +229,6 @@ class RateController:
         # the curve: the latest segment rules now, the one before says what the fraction was
         # for requests sent before the latest change
         self._segments: list[_Segment] = []
-        # (time, records, bytes) accepted, for the accepted rate over the last second
-        self._accepted: deque[tuple[float, int, int]] = deque()
-        self._accepted_since = math.inf  # the first outcome
         # the known-good rate and when it was last confirmed
         self._good = 0.0
         self._good_at = -math.inf
@@ -264,8 +250,6 @@ class RateController:
         self._probe_at = math.inf
         self._probe_after: list[int] | None = None
         self.evidence = 0.0  # the period's log-likelihood ratio, noise over congestion
-        self._pooled = 0.0  # the other shards' (see outcome)
-        self._pooled_shards = 0
         self.noise = 0.0  # the share of records throttled whatever the rate
         self.cuts = 0
         self.throttled = 0
@@ -298,10 +282,6 @@ class RateController:
                 return segment.at(when)
         return segments[0].low if segments else 1.0
 
-    def recovering(self, now: float) -> bool:
-        """Whether the rate is below the ceiling at ``now`` (the caller re-applies it)."""
-        return self.fraction(now) < 1.0
-
     def _set(self, now: float, low: float, *, flat: bool = False) -> None:
         """Change the rate to ``low`` at ``now``; it grows from there unless ``flat``."""
         low = max(low, self.floor)
@@ -310,21 +290,6 @@ class RateController:
         segment = _Segment(now, low, GOOD_SHARE * good, self._probe_delay, increase)
         self._segments = [*self._segments[-1:], segment]
         self._round_sent = self._round_throttled = 0
-
-    # -- measurements ---------------------------------------------------------------------
-
-    def accepted(self, now: float) -> float:
-        """The fraction of the ceiling the shard accepted from us over about the last second:
-        the larger of the records and bytes fractions (0 without outcomes)."""
-        samples = self._accepted
-        while samples and samples[0][0] < now - ACCEPT_WINDOW:
-            samples.popleft()
-        if not samples:
-            return 0.0
-        records = sum(s[1] for s in samples)
-        nbytes = sum(s[2] for s in samples)
-        span = min(ACCEPT_WINDOW, max(0.25, now - self._accepted_since))
-        return max(records / self.records_ceiling, nbytes / self.bytes_ceiling) / span
 
     # -- outcomes -------------------------------------------------------------------------
 
@@ -336,26 +301,16 @@ class RateController:
         throttled: int,
         accepted_records: int,
         accepted_bytes: int,
-        pooled: float = 0.0,
-        pooled_shards: int = 0,
     ) -> bool:
         """``sent`` Kinesis records of a request sent at ``sent_at`` came back, ``throttled``
         of them ProvisionedThroughputExceeded, the others accepted (``accepted_records`` and
-        ``accepted_bytes``; records failed for other reasons are in neither). ``pooled`` is
-        the evidence for noise of the stream's other shards in a throttled period (their
-        log-likelihood ratios added up: noise that comes whatever the rate usually spans a
-        stream, and a shard that sends ten Kinesis records a second gathers evidence slowly
-        on its own), ``pooled_shards`` how many shards that is. Returns whether the fraction
-        changed."""
-        self._pooled = pooled
-        self._pooled_shards = pooled_shards
-        if accepted_records:
-            self._accepted.append((now, accepted_records, accepted_bytes))
+        ``accepted_bytes``; records failed for other reasons are in neither). Returns whether
+        the fraction changed."""
         if not sent:
             return False
-        if self._accepted_since == math.inf:
-            # the first outcome: nothing was held before it
-            self._accepted_since = self._last_throttle_at = now
+        if self._last_throttle_at == -math.inf:
+            # the first outcome: nothing was held without a throttle before it
+            self._last_throttle_at = now
         self.throttled += throttled
         current = self._segments[-1].start if self._segments else -math.inf
         this_round = sent_at >= current
@@ -437,13 +392,8 @@ class RateController:
         evidence, share = noise_evidence(self._bins)
         self.evidence = evidence
         if (
-            evidence >= 0.0
+            evidence >= EVIDENCE
             and share < NOISE_MAX
-            and (
-                evidence >= EVIDENCE
-                or evidence + self._pooled
-                >= EVIDENCE * (1.0 + POOLED_PENALTY * self._pooled_shards)
-            )
             and min(self._bins) <= NOISE_SPREAD * max(self._bins)
             and sum(n for n, _ in self._bins.values()) >= NOISE_RECORDS
         ):

@@ -39,8 +39,11 @@ from ._wire import AggregateBuilder
 __all__ = ("SHARD_MAP_WAIT", "Aggregator")
 
 #: How long past its deadline a record waits for a shard map that is not READY before it is
-#: sent raw and unlimited (the KPL's behaviour, without the wait).
-SHARD_MAP_WAIT = 1.0
+#: sent raw and unlimited (the KPL's behaviour, without the wait). The first ListShards of a
+#: cold client against a cold endpoint took more than a second here; with a one-second wait a
+#: start-up burst of 5,000 records went out raw and 3,000 of them were throttled (and the
+#: throttles cut the shard's adaptive rate before it had sent anything of its own).
+SHARD_MAP_WAIT = 5.0
 
 
 class _OpenAggregate:

@@ -517,18 +517,7 @@ class Limiter:
         if limiter is None or limiter.controller is None:
             return
         controller = limiter.controller
-        pooled = 0.0
-        pooled_shards = 0
-        if throttled or controller.verdict is not None:
-            # the other shards' evidence for noise, while they are in a throttled period
-            for other in self._shards.values():
-                c = other.controller
-                if c is not None and c is not controller and c.verdict is not None:
-                    pooled += c.evidence
-                    pooled_shards += 1
-        if controller.outcome(
-            now, sent_at, sent, throttled, accepted_records, accepted_bytes, pooled, pooled_shards
-        ):
+        if controller.outcome(now, sent_at, sent, throttled, accepted_records, accepted_bytes):
             fraction = controller.fraction(now)
             if fraction < 1.0:
                 limiter.next_need_at = -math.inf

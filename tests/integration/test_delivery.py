@@ -15,7 +15,7 @@ import boto3
 import pytest
 
 from anykpl import PendingRecord, Producer
-from anykpl.emulator import Emulator, EmulatorClient, Faults
+from anykpl.emulator import Emulator, EmulatorClient, Faults, spawn
 
 from .conftest import CREDENTIALS, REGION
 from .test_end_to_end import Sent, assert_success, check_read_back, make_sent, read_stream_async
@@ -63,13 +63,15 @@ async def test_after_a_storm_the_rate_is_back_within_three_seconds() -> None:
     """The shard's limit drops to 30 % for 3 s while a backlog waits: the producer cuts, then
     is back at >= 90 % of its ceiling within 3 s of the storm's end, and delivers all."""
     stream = _stream("storm")
-    with Emulator(streams={stream: 1}) as url:
+    # its own process, as in the benchmarks: timing is what this test is about
+    with spawn(streams={stream: 1}) as url:
         control = EmulatorClient(url)
         sent: dict[int, Sent] = {}
         rates: list[tuple[float, float]] = []
         async with Producer(region=REGION, endpoint_url=url, **CREDENTIALS) as producer:
             handles: list[PendingRecord] = []
-            for uid in range(300):  # the map ready and the rate measured before the storm
+            # 5 s at the shard's limit first: a rate held clean (3 s) is what it climbs back to
+            for uid in range(5000):
                 record = sent[uid] = make_sent(uid, f"k{uid}", size=1000)
                 handles.append(await producer.submit(stream, record.data, record.partition_key))
             await producer.flush()
@@ -88,7 +90,7 @@ async def test_after_a_storm_the_rate_is_back_within_three_seconds() -> None:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(watch)
                 # 7 MB: 3 s at 30 % of 1 MiB/s, then about 6 s at the full rate
-                for uid in range(300, 7300):
+                for uid in range(5000, 12000):
                     record = sent[uid] = make_sent(uid, f"k{uid}", size=1000)
                     handle = await producer.submit(stream, record.data, record.partition_key)
                     handles.append(handle)
@@ -128,14 +130,15 @@ async def test_overload_waits_at_the_call_and_expires_nothing() -> None:
                     handles.append(await producer.submit(stream, record.data, record.partition_key))
                     waits.append(anyio.current_time() - before)
                     uid += 1
-                stats = producer.statistics().streams[stream]
-                peak_bytes = max(peak_bytes, stats.outstanding_bytes)
+                stats = producer.statistics().streams.get(stream)
+                if stats is not None:
+                    peak_bytes = max(peak_bytes, stats.outstanding_bytes)
                 await anyio.sleep(0.01)
             limit = producer.statistics().streams[stream].backlog_limit[1]
             await producer.flush()
             for handle in handles:
                 assert_success(await handle)  # nothing expired
-        assert max(waits) > 0.1  # the overload showed at the call
+        assert sum(waits) > 2.0  # the overload showed at the call: seconds of the 6 s waiting
         assert uid < 6.0 * offered / size / 2  # far less was admitted than offered
         # at most 3 s of a shard's 1 MiB/s held (and a record over, as it is admitted)
         assert peak_bytes <= 3.0 * 1024 * 1024 + 2 * size
