@@ -39,6 +39,13 @@ FAST: dict[str, Any] = {
 }
 
 
+def _ten_records_a_second(fake: FakeKinesis, **overrides: Any) -> Producer:
+    """A producer whose shards take 10 records/s (1 % of the limit), records unaggregated,
+    with a 0.5 s TTL."""
+    options = {"aggregation_enabled": False, "rate_limit": 1.0, "record_ttl": 0.5, **FAST}
+    return Producer(transport=fake, **{**options, **overrides})
+
+
 def fast(**overrides: Any) -> dict[str, Any]:
     return {**FAST, **overrides}
 
@@ -958,9 +965,7 @@ class TestOnMockClock:
         second of its delivery (max_outstanding_time defaults to half the TTL), so submit
         waits for room and every admitted record is delivered."""
         fake = FakeKinesis()
-        async with Producer(
-            transport=fake, aggregation_enabled=False, rate_limit=1.0, record_ttl=0.5, **FAST
-        ) as producer:
+        async with _ten_records_a_second(fake) as producer:
             await ready(producer)
             start = anyio.current_time()
             pendings = [
@@ -979,14 +984,7 @@ class TestOnMockClock:
     @pytest.mark.timeout(15)
     async def test_overload_past_admission_timeout_raises_backpressure_timeout(self) -> None:
         fake = FakeKinesis()
-        async with Producer(
-            transport=fake,
-            aggregation_enabled=False,
-            rate_limit=1.0,
-            record_ttl=0.5,
-            admission_timeout=0.05,
-            **FAST,
-        ) as producer:
+        async with _ten_records_a_second(fake, admission_timeout=0.05) as producer:
             await ready(producer)
             outcomes = []
             for i in range(30):
@@ -1001,14 +999,8 @@ class TestOnMockClock:
     @pytest.mark.timeout(15)
     async def test_records_expire_in_the_limiter(self) -> None:
         fake = FakeKinesis()
-        async with Producer(
-            transport=fake,
-            aggregation_enabled=False,
-            rate_limit=1.0,
-            record_ttl=0.5,
-            max_outstanding_time=math.inf,  # admit more than the shard can send in time
-            **FAST,
-        ) as producer:
+        # max_outstanding_time off: admit more than the shard can send in time
+        async with _ten_records_a_second(fake, max_outstanding_time=math.inf) as producer:
             await ready(producer)
             pendings = [
                 await producer.submit(STREAM, b"%d" % i, partition_key="p", explicit_hash_key=0)

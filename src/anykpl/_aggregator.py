@@ -193,6 +193,12 @@ class Aggregator:
             else:
                 self.put(record, out)
 
+    def stop_waiting_for_shard_map(self) -> None:
+        """The map will not come (ListShards failed for good): the records waiting for it go
+        out raw at the next :meth:`flush_due`."""
+        if self._unmapped:
+            self._unmapped_until = -math.inf
+
     def flush_due(self, now: float, out: list[KinesisRecord]) -> None:
         """Seal every aggregate whose deadline has passed; release records that waited for the
         shard map once it is ready."""

@@ -32,13 +32,14 @@ import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from . import errors
 from ._aggregator import Aggregator
 from ._collector import Collector
 from ._limiter import AdaptiveSettings, Limiter
 from ._metrics import Metrics
 from ._records import KinesisRecord, PendingRecord
 from ._retrier import Retrier, RetryBudget
-from ._sender import Transport, run_sender
+from ._sender import Transport, error_code, run_sender
 from ._shard_map import ShardMap, run_shard_map
 from ._token_bucket import TokenBucket
 from .config import ProducerConfig
@@ -306,7 +307,16 @@ class Pipeline:
             self.transport.list_shards,
             self._new_refresh_event,
             self._shard_map_ready,
+            self._shard_map_failed,
         )
+
+    def _shard_map_failed(self, exc: BaseException) -> None:
+        # A stream that does not exist (or that we may not read) will not get a map: the
+        # records waiting for it go now, raw, and fail fast with the service's error code.
+        code, _ = error_code(exc)
+        if not errors.is_retriable(code) and self.aggregator.waiting_for_shard_map:
+            self.aggregator.stop_waiting_for_shard_map()
+            self.aggregator_send.send_nowait(WAKE)
 
     def _shard_map_ready(self) -> None:
         # records that waited for the map can be aggregated now

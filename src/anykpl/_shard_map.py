@@ -187,11 +187,12 @@ async def run_shard_map(
     list_shards: ListShards,
     wake: Callable[[], anyio.Event],
     on_ready: Callable[[], None] = lambda: None,
+    on_failure: Callable[[BaseException], None] = lambda exc: None,
 ) -> None:
     """Keep ``shard_map`` fresh for ``stream``: refresh when requested, retry with backoff.
 
     ``wake()`` returns the event that is set when somebody requests a refresh; ``on_ready()``
-    is called after every successful refresh.
+    is called after every successful refresh, ``on_failure(exc)`` after every failed one.
     """
     while True:
         if shard_map.refresh_requested and shard_map.begin_update():
@@ -207,6 +208,7 @@ async def run_shard_map(
                 raise
             except Exception as exc:
                 delay = shard_map.fail_update()
+                on_failure(exc)
                 logger.warning(
                     "ListShards for %s failed (%s); retrying in %.1f s",
                     stream,

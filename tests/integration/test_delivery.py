@@ -111,7 +111,7 @@ async def test_overload_waits_at_the_call_and_expires_nothing() -> None:
     waits (backpressure at the call), the stream never holds more than it can send in
     ``max_outstanding_time`` (3 s here), and every admitted record is delivered."""
     stream = _stream("overload")
-    with Emulator(streams={stream: 1}) as url:
+    with spawn(streams={stream: 1}) as url:  # its own process and moto state
         sent: dict[int, Sent] = {}
         waits: list[float] = []
         peak_bytes = 0
@@ -124,7 +124,7 @@ async def test_overload_waits_at_the_call_and_expires_nothing() -> None:
             uid = 0
             while anyio.current_time() - start < 6.0:
                 due = int((anyio.current_time() - start) * offered / size)
-                while uid < due:
+                while uid < due and anyio.current_time() - start < 6.0:
                     record = sent[uid] = make_sent(uid, f"k{uid}", size=size)
                     before = anyio.current_time()
                     handles.append(await producer.submit(stream, record.data, record.partition_key))
