@@ -93,7 +93,7 @@ def run(
                 p.delivered += accepted
                 p.backlog -= accepted
                 if p.controller is not None:
-                    p.controller.outcome(now, sent_at, n, throttled, accepted, accepted * 25_000)
+                    p.controller.outcome(now, sent_at, n, throttled)
                 if p.backlog <= 0 and p.finished_at is None:
                     p.finished_at = now
         if on_step is not None:

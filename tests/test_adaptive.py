@@ -38,7 +38,7 @@ def feed(c: RateController, start: float, end: float, sent: int, throttled: int)
     now = start
     while now < end:
         now += 0.25
-        c.outcome(now, now - 0.1, sent, throttled, sent - throttled, 25_000 * (sent - throttled))
+        c.outcome(now, now - 0.1, sent, throttled)
     return now
 
 
@@ -55,15 +55,15 @@ def test_starts_at_the_ceiling_and_stays_there_without_throttles() -> None:
 
 def test_a_throttled_round_cuts_by_the_decrease_factor_once_per_round() -> None:
     c = make(decrease=0.7)
-    c.outcome(1.0, 0.9, 10, 3, 7, 7000)
+    c.outcome(1.0, 0.9, 10, 3)
     assert c.fraction(1.0) == pytest.approx(0.7)
     # sent before the cut: the same congestion event
-    c.outcome(1.05, 0.95, 10, 10, 0, 0)
+    c.outcome(1.05, 0.95, 10, 10)
     assert c.fraction(1.05) == pytest.approx(0.7, abs=1e-3)
     # a new round, but before the window has passed
-    c.outcome(1.2, 1.05, 10, 10, 0, 0)
+    c.outcome(1.2, 1.05, 10, 10)
     assert c.cuts == 1
-    c.outcome(1.3, 1.1, 10, 10, 0, 0)
+    c.outcome(1.3, 1.1, 10, 10)
     assert c.cuts == 2
     assert c.verdict == CONGESTION
 
@@ -100,7 +100,7 @@ def test_fraction_stays_between_floor_and_ceiling(rounds: list[tuple[float, int,
     now = 0.0
     for gap, sent, throttled in rounds:
         now += gap
-        c.outcome(now, now - 0.05, sent, min(sent, throttled), 0, 0)
+        c.outcome(now, now - 0.05, sent, min(sent, throttled))
         assert 0.05 <= c.fraction(now) <= 1.0
 
 

@@ -63,20 +63,19 @@ __all__ = ("CONGESTION", "NOISE", "RateController")
 #: Kinesis records, and ``window`` seconds, before it can change the rate.
 ROUND_RECORDS = 1
 
-#: The log-likelihood ratio at which the noise explanation of a period's throttles wins.
+#: The log-likelihood ratio at which the noise explanation of a period's throttles wins...
 EVIDENCE = 5.0
-#: Throttles of half the records or more are never taken for noise. Producers that share a
-#: shard and each take the others' throttles for noise would otherwise settle where the KPL's
-#: static limiter does (measured: 56 % throttled with four producers on two shards), since
-#: to each of them the throttled share no longer depends on its own rate.
-NOISE_MAX = 0.5
-
-#: ... and once the period has sent at rates this far apart (the lowest a share of the highest):
+#: ... once the period has sent at rates this far apart (the lowest a share of the highest):
 #: a cut from a rate to 0.7 of it moves the throttled share little when others share the shard
 #: and hold their rates, but a cut to half of it does.
 NOISE_SPREAD = 0.5
 #: ... and counted this many records.
 NOISE_RECORDS = 20
+#: Throttles of half the records or more are never taken for noise. Producers that share a
+#: shard and each take the others' throttles for noise would otherwise settle where the KPL's
+#: static limiter does (measured: 56 % throttled with four producers on two shards), since
+#: to each of them the throttled share no longer depends on its own rate.
+NOISE_MAX = 0.5
 #: Rates are counted in steps of this share of the ceiling for the evidence.
 _BIN = 0.02
 _EPSILON = 0.01
@@ -293,19 +292,10 @@ class RateController:
 
     # -- outcomes -------------------------------------------------------------------------
 
-    def outcome(
-        self,
-        now: float,
-        sent_at: float,
-        sent: int,
-        throttled: int,
-        accepted_records: int,
-        accepted_bytes: int,
-    ) -> bool:
+    def outcome(self, now: float, sent_at: float, sent: int, throttled: int) -> bool:
         """``sent`` Kinesis records of a request sent at ``sent_at`` came back, ``throttled``
-        of them ProvisionedThroughputExceeded, the others accepted (``accepted_records`` and
-        ``accepted_bytes``; records failed for other reasons are in neither). Returns whether
-        the fraction changed."""
+        of them ProvisionedThroughputExceeded (records failed for other reasons are not in
+        ``sent``). Returns whether the fraction changed."""
         if not sent:
             return False
         if self._last_throttle_at == -math.inf:

@@ -176,9 +176,8 @@ class Limiter:
         # Kinesis records (and bytes) put so far: the offered load a fleet worker reports
         self.offered_records = 0
         self.offered_bytes = 0
-        # Kinesis records released, and the user records they carried (the aggregation ratio
-        # that turns a rate in Kinesis records into one in user records, for admission)
-        self.released_kinesis_records = 0
+        # user records carried by the Kinesis records released (with the shards' records_sent,
+        # the aggregation ratio that turns a rate in Kinesis records into one in user records)
         self.released_user_records = 0
         # each shard's share of the offered load, for deliverable()
         self._offered_before: dict[str, tuple[int, int]] = {}
@@ -253,7 +252,6 @@ class Limiter:
         next_wake = math.inf
         done: list[str] = []
         released = 0
-        already_out = len(out)
         waiting: list[str] | set[str] = self._waiting
         if self.shared is not None and len(waiting) > 1:
             # take turns at the shared bucket: the first shard drained could take all of it
@@ -289,7 +287,6 @@ class Limiter:
         for shard in done:
             self._waiting.discard(shard)
         self.queued -= released
-        self.released_kinesis_records += len(out) - already_out
         return next_wake
 
     def _take(self, limiter: _ShardLimiter, kr: KinesisRecord, now: float) -> bool:
@@ -481,10 +478,10 @@ class Limiter:
         """The smallest fraction of the ceiling that releases every queued record of the shard
         ``DEADLINE_MARGIN`` before its expiration (records in expiration order: the first
         ``k`` of them need ``k`` records and their bytes within the time the ``k``-th has)."""
-        lanes = limiter.queue if limiter.lanes is None else limiter.all_items()
-        if not lanes:
+        items = limiter.all_items()
+        if not items:
             return 0.0
-        pending = sorted((item[2].expiration, item[2].size) for item in lanes)
+        pending = sorted((item[2].expiration, item[2].size) for item in items)
         records_ceiling, bytes_ceiling = self.records_ceiling, self.bytes_ceiling
         need = 0.0
         total = 0
@@ -512,12 +509,13 @@ class Limiter:
     ) -> None:
         """A PutRecords outcome for the Kinesis records predicted for ``shard``: ``sent`` came
         back, ``throttled`` of them ProvisionedThroughputExceeded, ``accepted_records``
-        (``accepted_bytes``) put. Adaptive control learns from it (``_adaptive.py``)."""
+        (``accepted_bytes``) put. Adaptive control learns from what was sent and throttled
+        (``_adaptive.py``); the accepted counts complete the Retrier's report."""
         limiter = self._shards.get(shard)
         if limiter is None or limiter.controller is None:
             return
         controller = limiter.controller
-        if controller.outcome(now, sent_at, sent, throttled, accepted_records, accepted_bytes):
+        if controller.outcome(now, sent_at, sent, throttled):
             fraction = controller.fraction(now)
             if fraction < 1.0:
                 limiter.next_need_at = -math.inf
@@ -532,6 +530,10 @@ class Limiter:
                 extra={"stream": self.stream, "shard": shard, "fraction": limiter.fraction},
             )
 
+    def released_kinesis_records(self) -> int:
+        """Kinesis records the shards released so far."""
+        return sum(lim.counters.records_sent for lim in self._shards.values())
+
     def deliverable(self, shards: Sequence[str]) -> tuple[float, float]:
         """(Kinesis records/s, bytes/s) the stream can deliver now over ``shards`` (its open
         shards) with its records spread over them as they have been lately.
@@ -545,7 +547,6 @@ class Limiter:
         the total."""
         shares = self._update_shares()
         records = nbytes = math.inf
-        spread = 1.0
         for shard in shards:
             limiter = self._shards.get(shard)
             if limiter is None:
@@ -554,8 +555,7 @@ class Limiter:
                 bucket, controller = limiter.bucket, limiter.controller
                 accepted = 1.0 if controller is None else 1.0 - controller.noise
                 rates = (bucket.records_per_second * accepted, bucket.bytes_per_second * accepted)
-            share = shares.get(shard) if shares else None
-            records_share, bytes_share = share if share is not None else (spread, spread)
+            records_share, bytes_share = shares.get(shard, (1.0, 1.0))
             if records_share > 0.0:
                 records = min(records, rates[0] / records_share)
             if bytes_share > 0.0:

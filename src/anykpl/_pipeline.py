@@ -247,7 +247,7 @@ class Pipeline:
             records_rate, bytes_rate = limiter.deliverable(shards)
         else:
             records_rate, bytes_rate = limiter.records_ceiling, limiter.bytes_ceiling
-        kinesis = limiter.released_kinesis_records
+        kinesis = limiter.released_kinesis_records()
         if kinesis >= RATIO_SAMPLES:
             ratio = limiter.released_user_records / kinesis
             records = records_rate * ratio * horizon

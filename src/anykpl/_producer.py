@@ -595,23 +595,19 @@ class Producer(anyio.AsyncContextManagerMixin):
             return
         now = anyio.current_time() if self._task_group is not None else 0.0
         attempt = _AttemptRecord(now, now, False, code, message)
-        records = list(self._outstanding)
-        per_stream: dict[str, int] = {}
-        for record in records:
+        by_stream: dict[str, list[PendingRecord]] = {}
+        for record in self._outstanding:
             record._add_attempt(attempt)
-            per_stream[record.stream] = per_stream.get(record.stream, 0) + 1
+            by_stream.setdefault(record.stream, []).append(record)
         for pipeline in self._pipelines.values():
             pipeline.aggregator.take_all_records()
             pipeline.limiter.take_all()
             pipeline.retrier.take_all()
         metrics = self._metrics
-        for stream, failed in per_stream.items():
+        for stream, failing in by_stream.items():
+            failed = len(failing)
             metrics.add("UserRecordsFailed", failed, stream, None, code)
             metrics.observe("UserRecordsPut", stream, None, None, failed, 0, 0, 0)  # KPL's zeros
-        by_stream: dict[str, list[PendingRecord]] = {}
-        for record in records:
-            by_stream.setdefault(record.stream, []).append(record)
-        for stream, failing in by_stream.items():
             owner = self._pipelines.get(stream)
             if owner is None:
                 self._finish(failing, False)

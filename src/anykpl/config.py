@@ -260,9 +260,10 @@ class ProducerConfig:
             134217728 (128 MiB), at least 1024. No KPL property.
         max_outstanding_time: Seconds of a stream's delivery that may be admitted and not yet
             finished: ``submit`` and ``put_record`` wait while a stream's outstanding records
-            would take longer than this to deliver at the rate its shards accept now (the
-            Limiter's current rates, less throttles judged to be noise, summed over the open
-            shards). This is what turns sustained overload into backpressure at the call rather
+            would take longer than this to deliver at the rate its shards accept now (each
+            open shard's current rate in the Limiter, less throttles judged to be noise, with
+            the records spread over the shards as they have been lately: the busiest shard
+            binds). This is what turns sustained overload into backpressure at the call rather
             than expiry later: a backlog the stream cannot send before ``record_ttl`` is never
             admitted. Default ``None``: half of ``record_ttl``. Greater than 0; ``math.inf``
             turns it off. No KPL property.

@@ -27,6 +27,21 @@ def _stream(prefix: str) -> str:
     return f"{prefix}-{random.randrange(1 << 32):08x}"  # in-process emulators share moto
 
 
+async def _submit(
+    producer: Producer,
+    stream: str,
+    uids: range,
+    size: int,
+    sent: dict[int, Sent],
+    handles: list[PendingRecord],
+) -> None:
+    """Submit a record of ``size`` bytes for each uid (key ``k<uid>``), as fast as admission
+    allows, noting what was sent and its handle."""
+    for uid in uids:
+        record = sent[uid] = make_sent(uid, f"k{uid}", size=size)
+        handles.append(await producer.submit(stream, record.data, record.partition_key))
+
+
 async def _read_back_everything(url: str, stream: str, sent: dict[int, Sent]) -> None:
     client = boto3.client("kinesis", region_name=REGION, endpoint_url=url, **CREDENTIALS)
     arrived = check_read_back(await read_stream_async(client, stream), sent)
@@ -45,9 +60,7 @@ async def test_throttles_that_come_whatever_the_rate_expire_nothing() -> None:
         sent: dict[int, Sent] = {}
         async with Producer(region=REGION, endpoint_url=url, **CREDENTIALS) as producer:
             handles: list[PendingRecord] = []
-            for uid in range(6000):
-                record = sent[uid] = make_sent(uid, f"k{uid}", size=800)
-                handles.append(await producer.submit(stream, record.data, record.partition_key))
+            await _submit(producer, stream, range(6000), 800, sent, handles)
             await producer.flush()
             for handle in handles:
                 assert_success(await handle)
@@ -71,9 +84,7 @@ async def test_after_a_storm_the_rate_is_back_within_three_seconds() -> None:
         async with Producer(region=REGION, endpoint_url=url, **CREDENTIALS) as producer:
             handles: list[PendingRecord] = []
             # 5 s at the shard's limit first: a rate held clean (3 s) is what it climbs back to
-            for uid in range(5000):
-                record = sent[uid] = make_sent(uid, f"k{uid}", size=1000)
-                handles.append(await producer.submit(stream, record.data, record.partition_key))
+            await _submit(producer, stream, range(5000), 1000, sent, handles)
             await producer.flush()
             await anyio.to_thread.run_sync(
                 lambda: control.storm(stream, duration=3.0, factor=0.3, start=0.0)
@@ -90,10 +101,7 @@ async def test_after_a_storm_the_rate_is_back_within_three_seconds() -> None:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(watch)
                 # 7 MB: 3 s at 30 % of 1 MiB/s, then about 6 s at the full rate
-                for uid in range(5000, 12000):
-                    record = sent[uid] = make_sent(uid, f"k{uid}", size=1000)
-                    handle = await producer.submit(stream, record.data, record.partition_key)
-                    handles.append(handle)
+                await _submit(producer, stream, range(5000, 12000), 1000, sent, handles)
                 await producer.flush()
                 tg.cancel_scope.cancel()
             for handle in handles:
