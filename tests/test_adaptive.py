@@ -115,13 +115,15 @@ def _static_and_adaptive(seed: int, backlog: int, **run: object) -> tuple[float,
     return times[0], times[1]
 
 
-@pytest.mark.parametrize(("noise", "bound"), [(0.25, 1.2), (0.4, 1.2)])
+@pytest.mark.parametrize(("noise", "bound"), [(0.1, 1.3), (0.25, 1.2), (0.4, 1.2)])
 def test_rate_independent_throttles_cost_little(noise: float, bound: float) -> None:
     """A share of records throttled whatever the rate (a noisy neighbour): the first version
     cut every shard to its floor and kept it there. Now the likelihood guard sees that the
     share does not fall with the rate, undoes the cuts and ignores the noise: the backlog is
     delivered in at most 1.2 times the static limiter's time (1.05-1.16 here; what the
-    evidence costs is the rounds cut before it is in)."""
+    evidence costs is the rounds cut before it is in). Rare throttles (a tenth) pause long
+    enough to end a throttled period: the next one keeps its evidence (it was thrown away,
+    and the rate cut again from scratch: 1.35 times here)."""
     ratios = []
     for seed in SEEDS:
         static, adaptive = _static_and_adaptive(seed, 600, noise=noise)

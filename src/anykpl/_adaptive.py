@@ -82,7 +82,8 @@ _EPSILON = 0.01
 
 #: A throttled period ends after this many seconds without a throttle, with at least
 #: ``CLEAN_RECORDS`` records sent meanwhile; one that starts within ``PERIOD_MEMORY`` seconds
-#: of the last one's end keeps that one's highest rate, and its verdict if it was noise.
+#: of the last one's end keeps that one's highest rate, its records per rate (the evidence) and
+#: its verdict if it was noise.
 CLEAN_TIME = 1.0
 CLEAN_RECORDS = 20
 PERIOD_MEMORY = 5.0
@@ -242,7 +243,7 @@ class RateController:
         self.verdict: str | None = None
         self._bins: dict[int, list[int]] = {}
         self._high = 1.0
-        self._ended: tuple[float, float, str | None, float] | None = None
+        self._ended: tuple[float, float, str | None, float, dict[int, list[int]]] | None = None
         # under a noise verdict: the records since the last check, and the probe (when it is
         # due, and its records so far, None while not probing)
         self._noise_counts = [0, 0]
@@ -357,15 +358,17 @@ class RateController:
         if ended is not None and now - ended[0] <= PERIOD_MEMORY:
             # Throttles paused for a second, at a low rate: the last period's highest rate
             # stays the rate a noise verdict goes back to (noise that pauses by chance must
-            # not leave the rate it was cut to as the new normal), and its verdict carries on
-            # if it was noise.
-            _, high, verdict, noise = ended
+            # not leave the rate it was cut to as the new normal), its records keep counting
+            # as evidence (rare throttles pause often: each pause used to restart the cuts
+            # from nothing), and its verdict carries on if it was noise.
+            _, high, verdict, noise, bins = ended
             self._high = max(self._high, high)
+            self._bins = bins
             if verdict == NOISE:
                 self._to_noise(now, noise)
 
     def _end_period(self, now: float) -> None:
-        self._ended = (now, self._high, self.verdict, self.noise)
+        self._ended = (now, self._high, self.verdict, self.noise, self._bins)
         self.verdict = None
         self.evidence = 0.0
         self.noise = 0.0

@@ -299,7 +299,6 @@ class _Member:
             self.config,
             "s3",
             max_pool_connections=READ_CONCURRENCY,
-            max_attempts=1,
             endpoint_url=self.fleet.endpoint_url,
         )
 

@@ -3,8 +3,11 @@
 The transport is aiobotocore. Under asyncio it uses its default aiohttp session; under trio
 (detected at start, or chosen with ``http_backend="httpx"``) it uses ``HttpxSession``, which
 aiobotocore ≥ 3.9 runs on trio through anyio. The SDK's own retries are turned off
-(``max_attempts=1``), as the KPL builds its client with ``DefaultRetryStrategy(0)``: the
-Retrier owns retrying.
+(``total_max_attempts=1``: one attempt per call), as the KPL builds its client with
+``DefaultRetryStrategy(0)``: the Retrier owns retrying. botocore's ``max_attempts`` counts
+*retries* after the first attempt, so ``max_attempts=1`` (what this module used to pass) let
+the SDK repeat every call once on a 5xx, a throttling code, a timeout or a reset, unseen by the
+attempt history, the backoff, the retry budget and adaptive control.
 
 This module is the **only** place botocore and HTTP errors are seen: :func:`error_code` turns
 them into an error code and message at this boundary, so everything downstream works on codes.
@@ -123,14 +126,14 @@ def create_client(
     service: str,
     *,
     max_pool_connections: int,
-    max_attempts: int,
     region: str | None = None,
     endpoint_url: str | None = None,
 ) -> AbstractAsyncContextManager[Any]:
     """An aiobotocore client for ``service`` with the producer's settings: credentials,
     profile, region, certificate check, timeouts and HTTP backend (aiohttp under asyncio,
-    httpx under trio, unless ``http_backend`` says otherwise). The Kinesis transport and the
-    CloudWatch metrics sink both use it."""
+    httpx under trio, unless ``http_backend`` says otherwise). The SDK makes exactly one
+    attempt per call (see the module's docstring): whoever calls it owns retrying. The Kinesis
+    transport, the fleet coordinator's S3 client and the CloudWatch metrics sink all use it."""
     from aiobotocore.config import AioConfig
     from aiobotocore.session import AioSession
 
@@ -141,7 +144,8 @@ def create_client(
         "max_pool_connections": max_pool_connections,
         "connect_timeout": config.connect_timeout,
         "read_timeout": config.request_timeout,
-        "retries": {"max_attempts": max_attempts, "mode": "standard"},
+        # total_max_attempts counts the first attempt; max_attempts would count retries
+        "retries": {"total_max_attempts": 1, "mode": "standard"},
     }
     if backend == "httpx":
         from aiobotocore.httpxsession import HttpxSession
@@ -168,7 +172,6 @@ async def open_transport(config: ProducerConfig) -> AsyncIterator[Transport]:
         config,
         "kinesis",
         max_pool_connections=config.max_connections,
-        max_attempts=1,
         endpoint_url=config.endpoint_url,
     )
     async with client_context as client:

@@ -420,7 +420,6 @@ class CloudWatchSink:
             config,
             "cloudwatch",
             max_pool_connections=2,
-            max_attempts=3,
             region=self.region,
             endpoint_url=self.endpoint_url,
         ) as client:
@@ -441,8 +440,8 @@ class CloudWatchSink:
             try:
                 await self._client.put_metric_data(Namespace=self._namespace, MetricData=batch)
             except (ConnectionError, HTTPClientError) as exc:
-                # the endpoint is unreachable (botocore has retried already): the rest of this
-                # upload would only fail the same way, one log line each
+                # the endpoint is unreachable: the rest of this upload would only fail the
+                # same way, one log line each (the next upload tries again)
                 dropped = sum(len(rest) for rest in batches[number:])
                 self.failures += 1
                 self.data_dropped += dropped
