@@ -434,13 +434,29 @@ def test_landing_in_a_child_with_every_record_in_range_succeeds_and_invalidates(
     assert h.refreshes == 1  # predicted < actual: the map is stale, help it converge
 
 
-def test_wrong_shard_with_an_unknown_actual_range_is_retried() -> None:
+def test_an_aggregate_of_several_keys_in_an_unknown_shard_is_retried() -> None:
     h = Harness()
-    record = make_record(5)
-    kr = make_kinesis_record([record], SHARD_0)
+    records = [make_record(5), make_record(6)]
+    kr = make_kinesis_record(records, SHARD_0)
     h.retrier.handle(outcome([kr], [ok(shard="shardId-000000000099")], start=1.0), 1.5)
     assert h.finished == []
-    assert codes(record) == [errors.WRONG_SHARD]
+    assert codes(records[0]) == codes(records[1]) == [errors.WRONG_SHARD]
+    assert h.refreshes == 1
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_records_of_one_hash_key_in_an_unknown_shard_succeed(count: int) -> None:
+    """The service routes a Kinesis record by its explicit hash key: a raw record (or an
+    aggregate of one key) is stored in the shard that holds its key, known to the map or not
+    (a child the map has not seen yet). Retrying it stored a second copy."""
+    h = Harness()
+    records = [make_record(5) for _ in range(count)]
+    kr = make_kinesis_record(records, SHARD_0)
+    child = "shardId-000000000099"
+    h.retrier.handle(outcome([kr], [ok(shard=child)], start=1.0), 1.5)
+    assert h.finished == [(records, True)]
+    assert [r.result().shard_id for r in records] == [child] * count
+    assert h.refreshes == 1  # the map is stale all the same: help it converge
 
 
 def test_wrong_shard_from_a_request_older_than_the_map_does_not_refresh() -> None:

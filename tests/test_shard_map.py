@@ -181,6 +181,22 @@ def test_invalidate_requests_a_refresh() -> None:
     assert shard_map.refresh_requested
 
 
+def test_an_invalidated_map_predicts_nothing_until_refreshed() -> None:
+    """As the KPL's: records must not go to the stale ranges while the refresh task has not
+    run yet (on trio it may not run for a while), which sent them to the wrong shard again."""
+    shard_map = _ready_map(_even_shards(2), now=10.0)
+    assert shard_map.shard_id(5) == "shardId-000000000000"
+    assert shard_map.invalidate(10.5, "shardId-000000000000")
+    assert shard_map.state is ShardMapState.INVALID
+    assert shard_map.shard_id(5) is None
+    # a second failure meanwhile asks for nothing more
+    assert not shard_map.invalidate(10.6, "shardId-000000000000")
+    assert shard_map.begin_update()
+    shard_map.apply_page(_even_shards(4))
+    shard_map.finish_update(11.0)
+    assert shard_map.shard_id(5) == "shardId-000000000000"
+
+
 def test_invalidate_without_prediction_requests_a_refresh() -> None:
     shard_map = _ready_map(_even_shards(2), now=10.0)
     assert shard_map.invalidate(10.5, None)

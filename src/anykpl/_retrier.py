@@ -326,10 +326,7 @@ class Retrier:
     ) -> None:
         predicted = kr.predicted_shard
         if predicted is not None and predicted != actual:
-            hash_range = self.shard_map.hash_range(actual)
-            if hash_range is None or any(
-                not (hash_range[0] <= r.hash_key <= hash_range[1]) for r in kr.records
-            ):
+            if not self._readable_in(kr, actual):
                 logger.warning(
                     "Kinesis record predicted for %s landed in %s; this usually means the "
                     "shard map has changed",
@@ -375,6 +372,24 @@ class Retrier:
                 stats[3] = size
         self._streaks.pop(predicted, None)
         self.finish(kr.records, True)
+
+    def _readable_in(self, kr: KinesisRecord, actual: str) -> bool:
+        """Whether every user record of ``kr``, stored in shard ``actual``, is where a reader
+        expects it: in the shard whose hash range holds its hash key. The service routes a
+        Kinesis record by its explicit hash key, so a record whose user records all have that
+        hash key (a raw record, or an aggregate of one key) is always where it belongs, known
+        shard or not; an aggregate of several keys is, if its shard's range holds them all
+        (the KCL drops the sub-records outside the range of the shard it reads).
+
+        Where we differ: the KPL's retrier.cc retries every record whose shard differs from the
+        prediction ("Wrong Shard"). A record that is already readable would then be stored a
+        second time; anykpl accepts it."""
+        hash_range = self.shard_map.hash_range(actual)
+        if hash_range is not None:
+            start, end = hash_range
+            return all(start <= record.hash_key <= end for record in kr.records)
+        routed = int(kr.explicit_hash_key)
+        return all(record.hash_key == routed for record in kr.records)
 
     def _fail_or_retry(self, kr: KinesisRecord, attempt: _AttemptRecord, now: float) -> None:
         code = attempt.code or ""

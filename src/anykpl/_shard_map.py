@@ -9,7 +9,9 @@ Mirrors aws/kinesis/core/shard_map.{h,cc}:
 - On failure the refresh is retried after a backoff that starts at 1 s and grows ×1.5 to 30 s.
 - :meth:`ShardMap.invalidate` refreshes only if the failing request *started* after the last
   refresh, the map is READY, and the predicted shard is absent or still open — the guard that
-  stops a storm of refreshes caused by records predicted against a replaced shard.
+  stops a storm of refreshes caused by records predicted against a replaced shard. An
+  invalidated map is INVALID at once: it predicts nothing until the refresh is in, so no
+  record is sent to the stale ranges meanwhile (the refresh task may not run for a while).
 - Hash ranges of shards are cached by shard id and kept for closed shards for 60 s after a
   refresh, so the Retrier can still judge where a record predicted for a parent landed.
 - Prediction: the first open shard (sorted by ending hash key) whose ending key ≥ hash key,
@@ -167,6 +169,10 @@ class ShardMap:
             and self.state is ShardMapState.READY
             and (predicted_shard is None or predicted_shard in self._open)
         ):
+            # as the KPL's ShardMap::invalidate: the map predicts nothing until refreshed,
+            # so records keep out of the stale ranges (they wait for the new map)
+            self.state = ShardMapState.INVALID
+            self.ready = False
             self.refresh_requested = True
             return True
         return False
