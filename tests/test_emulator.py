@@ -11,7 +11,8 @@ import pytest
 from moto.kinesis.models import Stream
 
 from anykpl._limits import MAX_HASH_KEY, SHARD_BYTES_PER_SECOND
-from anykpl.emulator import Faults, Limits, Reshard, Storm
+from anykpl.emulator import Faults, HttpLimits, Limits, Reshard, Storm
+from anykpl.emulator._list_shards import ShardLister
 from anykpl.emulator._options import from_json, to_json
 from anykpl.emulator._server import _patch_moto_resharding
 from anykpl.emulator._write_path import KinesisError, WritePath
@@ -57,6 +58,10 @@ def test_options_round_trip_through_json_and_reject_unknown_fields() -> None:
         (Storm, {"stream": "s", "duration": 1, "factor": 1.0}, "factor"),
         (Reshard, {"stream": "s", "action": "scale"}, "target"),
         (Reshard, {"stream": "s", "action": "explode"}, "action"),
+        (HttpLimits, {"max_body_bytes": 1024}, "max_body_bytes"),
+        (HttpLimits, {"max_body_bytes": -1}, "max_body_bytes"),
+        (HttpLimits, {"read_timeout": 0}, "read_timeout"),
+        (HttpLimits, {"read_timeout": float("inf")}, "read_timeout"),
     ],
 )
 def test_invalid_options_name_the_field(cls: Any, kwargs: dict[str, Any], message: str) -> None:
@@ -80,11 +85,15 @@ def test_spawn_command_line_carries_every_fault_to_the_emulator_options() -> Non
         fault_after_write=0.7,
         seed=8,
     )
-    argv = command_line(port=4567, faults=faults)
+    http = HttpLimits(max_body_bytes=64 * 1024 * 1024, read_timeout=2.5)
+    argv = command_line(port=4567, faults=faults, http=http)
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(argv[3:])  # after python -m anykpl.emulator
     assert Faults(**{name: getattr(args, name) for name in to_json(faults)}) == faults
+    assert HttpLimits(**{name: getattr(args, name) for name in to_json(http)}) == http
+    defaults = parser.parse_args([])
+    assert HttpLimits(**{name: getattr(defaults, name) for name in to_json(http)}) == HttpLimits()
 
 
 def test_command_line_specs_parse() -> None:
@@ -324,3 +333,170 @@ def test_statistics_count_per_shard_per_second() -> None:
     path.reset_stats()
     assert path.stats == {}
     assert path.totals["accepted_records"] == 0
+
+
+@pytest.mark.parametrize(
+    "ehk",
+    ["9" * 5000, "1" + "0" * 39, "-1", "1e3", " 1", "0x10", "²"],
+    ids=["5000-digits", "40-digits", "negative", "exponent", "space", "hex", "superscript"],
+)
+def test_explicit_hash_keys_outside_the_range_are_invalid_arguments(ehk: str) -> None:
+    stream = make_stream()
+    path = WritePath(Limits.off(), Faults(), now=0.0)
+    for put in (
+        lambda e: path.put_records(stream, ACCOUNT, [e], now=0.0),
+        lambda e: path.put_record(stream, ACCOUNT, e, now=0.0),
+    ):
+        with pytest.raises(KinesisError) as caught:
+            put({**entry(), "ExplicitHashKey": ehk})
+        assert (caught.value.status, caught.value.error_type) == (400, "InvalidArgumentException")
+        assert len(caught.value.message) < 300  # a 5,000-digit key is not echoed whole
+    # leading zeros are still a number in range, as the service reads them
+    response = path.put_records(
+        stream, ACCOUNT, [{**entry(), "ExplicitHashKey": "0" * 60 + "7"}], 0.0
+    )
+    assert response["FailedRecordCount"] == 0
+
+
+# -- ListShards -----------------------------------------------------------------------------
+
+
+class Lister:
+    """A ShardLister over moto stream objects kept in a dict, with a clock the test moves."""
+
+    def __init__(self, *streams: Any) -> None:
+        self.lister = ShardLister()
+        self.streams = {s.stream_name: s for s in streams}
+        self.now = 1000.0
+
+    def __call__(self, **payload: Any) -> dict[str, Any]:
+        return self.lister.list_shards(
+            payload, (ACCOUNT, "us-east-1"), lambda account, region: self.streams, self.now
+        )
+
+
+def list_error(call: Any) -> tuple[str, str]:
+    with pytest.raises(KinesisError) as caught:
+        call()
+    assert caught.value.status == 400
+    return caught.value.error_type, caught.value.message
+
+
+def test_list_shards_pages_a_thousand_shards_at_a_time_with_next_token_alone() -> None:
+    stream = make_stream(2500, name="big")
+    lister = Lister(stream)
+    first = lister(StreamName="big")
+    assert [s["ShardId"] for s in first["Shards"]] == [f"shardId-{i:012d}" for i in range(1000)]
+    # a MaxResults above 1,000 is accepted and still answers 1,000
+    assert len(lister(StreamARN=stream.arn, MaxResults=10000)["Shards"]) == 1000
+    second = lister(NextToken=first["NextToken"], MaxResults=1000)
+    third = lister(NextToken=second["NextToken"])
+    assert [s["ShardId"] for s in second["Shards"] + third["Shards"]] == [
+        f"shardId-{i:012d}" for i in range(1000, 2500)
+    ]
+    assert "NextToken" not in third
+    # a smaller MaxResults makes smaller pages, a token included
+    small = lister(StreamName="big", MaxResults=2)
+    assert len(lister(NextToken=small["NextToken"], MaxResults=3)["Shards"]) == 3
+
+
+def test_list_shards_filters_open_shards_and_keeps_the_filter_across_pages() -> None:
+    _patch_moto_resharding()
+    stream = make_stream(3, name="f")
+    stream.split_shard(
+        "shardId-000000000001", str(stream.shards["shardId-000000000001"].starting_hash + 1)
+    )
+    lister = Lister(stream)
+    every = [s["ShardId"] for s in lister(StreamName="f")["Shards"]]
+    assert every == [f"shardId-{i:012d}" for i in range(5)]
+    first = lister(StreamName="f", ShardFilter={"Type": "AT_LATEST"}, MaxResults=2)
+    rest = lister(NextToken=first["NextToken"], MaxResults=2)
+    assert [s["ShardId"] for s in first["Shards"] + rest["Shards"]] == [
+        "shardId-000000000000",
+        "shardId-000000000002",
+        "shardId-000000000003",
+        "shardId-000000000004",
+    ]
+    after = lister(StreamName="f", ShardFilter={"Type": "AFTER_SHARD_ID", "ShardId": every[2]})
+    assert [s["ShardId"] for s in after["Shards"]] == every[3:]
+    assert (
+        lister(StreamName="f", ExclusiveStartShardId=every[3])["Shards"][0]["ShardId"] == every[4]
+    )
+
+
+@pytest.mark.parametrize(
+    "member",
+    [
+        {"StreamName": "big"},
+        {"StreamARN": "arn:aws:kinesis:us-east-1:123456789012:stream/big"},
+        {"ExclusiveStartShardId": "shardId-000000000001"},
+        {"ShardFilter": {"Type": "AT_LATEST"}},
+    ],
+    ids=lambda m: next(iter(m)),
+)
+def test_list_shards_refuses_a_next_token_with_a_stream(member: dict[str, Any]) -> None:
+    lister = Lister(make_stream(3, name="big"))
+    token = lister(StreamName="big", MaxResults=1)["NextToken"]
+    name = next(iter(member))
+    assert list_error(lambda: lister(NextToken=token, **member)) == (
+        "InvalidArgumentException",
+        f"NextToken and {name} cannot be provided together.",
+    )
+
+
+def test_list_shards_tokens_expire_after_300_seconds_and_are_the_emulators_own() -> None:
+    stream = make_stream(3, name="t")
+    lister = Lister(stream)
+    token = lister(StreamName="t", MaxResults=1)["NextToken"]
+    lister.now += 300
+    assert len(lister(NextToken=token)["Shards"]) == 2
+    lister.now += 1
+    assert list_error(lambda: lister(NextToken=token))[0] == "ExpiredNextTokenException"
+    # a token of another emulator (one since restarted) is expired too; garbage is invalid
+    other = Lister(stream)
+    assert list_error(lambda: other(NextToken=token))[0] == "ExpiredNextTokenException"
+    for garbage in ("x", "e30=", "W10=", "9" * 5000):
+        assert list_error(lambda g=garbage: lister(NextToken=g)) == (
+            "InvalidArgumentException",
+            "Invalid NextToken.",
+        )
+
+
+@pytest.mark.parametrize(
+    ("payload", "error_type", "message"),
+    [
+        ({"StreamName": "v", "MaxResults": 0}, "ValidationException", "greater than or equal to 1"),
+        (
+            {"StreamName": "v", "MaxResults": 10001},
+            "ValidationException",
+            "less than or equal to 10000",
+        ),
+        ({"StreamName": "v", "MaxResults": "5"}, "SerializationException", "MaxResults"),
+        (
+            {"StreamName": "v", "ShardFilter": {"Type": "SOON"}},
+            "ValidationException",
+            "shardFilter.type",
+        ),
+        (
+            {"StreamName": "v", "ShardFilter": {"Type": "AFTER_SHARD_ID"}},
+            "InvalidArgumentException",
+            "ShardId",
+        ),
+        ({}, "InvalidArgumentException", "StreamName or StreamARN"),
+        ({"StreamName": "nope"}, "ResourceNotFoundException", "Stream nope under account"),
+    ],
+)
+def test_list_shards_validates_like_the_service(
+    payload: dict[str, Any], error_type: str, message: str
+) -> None:
+    lister = Lister(make_stream(1, name="v"))
+    found_type, found_message = list_error(lambda: lister(**payload))
+    assert found_type == error_type
+    assert message in found_message
+
+
+def test_a_listing_of_a_deleted_stream_ends_with_resource_not_found() -> None:
+    lister = Lister(make_stream(2, name="d"))
+    token = lister(StreamName="d", MaxResults=1)["NextToken"]
+    lister.streams["d"] = make_stream(2, name="d")  # deleted and created again
+    assert list_error(lambda: lister(NextToken=token))[0] == "ResourceNotFoundException"

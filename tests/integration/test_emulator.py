@@ -4,6 +4,7 @@ and the options reaching a spawned process."""
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -13,16 +14,19 @@ import anyio
 import pytest
 from botocore.exceptions import ClientError
 
-from anykpl._limits import MAX_HASH_KEY
+from anykpl import Producer
+from anykpl._limits import MAX_HASH_KEY, PUT_RECORDS_MAX_BYTES, PUT_RECORDS_MAX_RECORDS
 from anykpl.emulator import (
     Emulator,
     EmulatorClient,
     EmulatorControlError,
     Faults,
+    HttpLimits,
     Limits,
     Storm,
     spawn,
 )
+from anykpl.emulator._options import LARGEST_PUT_RECORDS_BODY
 
 from .conftest import CREDENTIALS, REGION
 
@@ -309,8 +313,10 @@ def test_spawned_process_gets_every_option() -> None:
         limits=Limits(records_per_second=50, bytes_per_second=5000),
         faults=Faults(error_rate=0.25, record_throttle_rate=0.125, latency=0.01, seed=4),
         storms=[Storm("opts", duration=60, start=30, factor=0.5)],
+        http=HttpLimits(max_body_bytes=10_000_000, read_timeout=7.5),
     ) as url:
         stats = EmulatorClient(url).stats()
+    assert stats["http"] == {"max_body_bytes": 10_000_000, "read_timeout": 7.5}
     assert stats["limits"] == {"enabled": True, "records_per_second": 50, "bytes_per_second": 5000}
     assert stats["faults"]["error_rate"] == 0.25
     assert stats["faults"]["record_throttle_rate"] == 0.125
@@ -435,6 +441,21 @@ def test_put_record_by_stream_arn_and_bad_hash_keys(
     with pytest.raises(ClientError) as caught:
         client.put_record(StreamName=stream, Data=b"a", PartitionKey="k", ExplicitHashKey="²")
     assert caught.value.response["Error"]["Code"] == "InvalidArgumentException"
+    # more digits than Python's int() converts (4,300) is the service's 400, not a 500
+    huge = "9" * 5000
+    for put in (
+        lambda: client.put_record(
+            StreamName=stream, Data=b"a", PartitionKey="k", ExplicitHashKey=huge
+        ),
+        lambda: client.put_records(
+            StreamName=stream,
+            Records=[{"Data": b"a", "PartitionKey": "k", "ExplicitHashKey": huge}],
+        ),
+    ):
+        with pytest.raises(ClientError) as caught:
+            put()
+        assert caught.value.response["ResponseMetadata"]["HTTPStatusCode"] == 400
+        assert caught.value.response["Error"]["Code"] == "InvalidArgumentException"
 
 
 def test_s3_head_object_reports_the_object_length(emulator: tuple[str, EmulatorClient]) -> None:
@@ -472,3 +493,171 @@ def test_a_second_in_process_emulator_names_the_shared_stream() -> None:
     with Emulator(streams={name: 1}), pytest.raises(RuntimeError) as caught:
         Emulator(streams={name: 1}).start()
     assert "already exists" in str(caught.value.__cause__)
+
+
+# -- ListShards pages ------------------------------------------------------------------------
+
+
+async def test_list_shards_pages_like_the_service(
+    emulator: tuple[str, EmulatorClient], control: EmulatorClient
+) -> None:
+    stream = new_stream(control, 1200)
+    async with kinesis(emulator[0]) as client:
+        first = await client.list_shards(StreamName=stream)
+        assert len(first["Shards"]) == 1000
+        # later pages carry the token alone: it names the stream
+        second = await client.list_shards(NextToken=first["NextToken"], MaxResults=10000)
+        assert "NextToken" not in second
+        listed = [s["ShardId"] for s in first["Shards"] + second["Shards"]]
+        assert listed == [f"shardId-{i:012d}" for i in range(1200)]
+        with pytest.raises(ClientError) as caught:
+            await client.list_shards(NextToken=first["NextToken"], StreamName=stream)
+        assert caught.value.response["Error"] == {
+            "Code": "InvalidArgumentException",
+            "Message": "NextToken and StreamName cannot be provided together.",
+        }
+        with pytest.raises(ClientError) as caught:
+            await client.list_shards(NextToken="not-a-token")
+        assert caught.value.response["Error"]["Code"] == "InvalidArgumentException"
+
+
+async def test_the_producer_maps_a_stream_of_more_than_a_thousand_shards(
+    emulator: tuple[str, EmulatorClient], control: EmulatorClient
+) -> None:
+    stream = new_stream(control, 1200)
+    async with Producer(region=REGION, endpoint_url=emulator[0], **CREDENTIALS) as producer:
+        await producer.put_record(stream, b"x", partition_key="k")
+        with anyio.fail_after(10):
+            while producer.statistics().streams[stream].shard_map_state != "READY":  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        open_shards = producer.statistics().streams[stream].open_shards
+    assert sorted(open_shards) == [f"shardId-{i:012d}" for i in range(1200)]
+
+
+# -- HTTP hardening ----------------------------------------------------------------------------
+
+
+def exchange_until_close(url: str, payload: bytes, timeout: float = 5.0) -> bytes:
+    """Send raw bytes; return the whole answer, which must end with the server closing."""
+    import socket
+    import urllib.parse
+
+    address = urllib.parse.urlsplit(url)
+    with socket.create_connection((address.hostname, address.port), timeout=timeout) as sock:
+        sock.sendall(payload)
+        received = b""
+        while chunk := sock.recv(65536):  # a TimeoutError here: the server kept it open
+            received += chunk
+    return received
+
+
+def unhandled(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+HEAD = b"POST / HTTP/1.1\r\nHost: x\r\nX-Amz-Target: Kinesis_20131202.PutRecords\r\n"
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (HEAD + b"Content-Length: -5\r\n\r\n", 400),
+        (HEAD + b"Content-Length: +5\r\n\r\n{}", 400),
+        (HEAD + b"Content-Length: 2\r\nContent-Length: 3\r\n\r\n{}", 400),
+        (HEAD + b"Content-Length: 99999999999999999999999\r\n\r\n", 413),
+        (HEAD + b"Content-Length: " + b"9" * 5000 + b"\r\n\r\n", 413),
+        (HEAD + b"Content-Length: %d\r\n\r\n" % (32 * 1024 * 1024 + 1), 413),
+        (HEAD + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
+        (HEAD + b"Transfer-Encoding: chunked\r\n\r\n-5\r\n", 400),
+        (HEAD + b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}XX0\r\n\r\n", 400),
+        (HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + b"f" * 20 + b"\r\n", 413),
+    ],
+    ids=[
+        "negative-length",
+        "signed-length",
+        "two-lengths",
+        "huge-length",
+        "5000-digit-length",
+        "over-the-cap",
+        "bad-chunk-size",
+        "negative-chunk-size",
+        "no-crlf-after-chunk",
+        "huge-chunk",
+    ],
+)
+def test_bad_framing_is_answered_then_the_connection_closed(
+    emulator: tuple[str, EmulatorClient],
+    control: EmulatorClient,
+    caplog: pytest.LogCaptureFixture,
+    request_bytes: bytes,
+    status: int,
+) -> None:
+    answer = exchange_until_close(emulator[0], request_bytes)
+    assert answer.startswith(b"HTTP/1.1 %d " % status), answer[:200]
+    assert b"Connection: close" in answer
+    assert control.health()["ok"]  # served after the connection's task has ended
+    assert unhandled(caplog) == []
+
+
+def test_a_body_over_the_cap_is_refused_while_the_client_sends_it() -> None:
+    # the smallest cap allowed: the largest valid PutRecords request still fits
+    limits = HttpLimits(max_body_bytes=LARGEST_PUT_RECORDS_BODY)
+    name = f"cap-{uuid.uuid4().hex[:8]}"
+    with Emulator(streams={name: 1}, limits=Limits.off(), http=limits) as url:
+        import boto3
+
+        client = boto3.client("kinesis", region_name=REGION, endpoint_url=url, **CREDENTIALS)
+        key = "é" * 256  # 256 characters, 512 bytes, sent as 1,536 bytes of \\u escapes
+        size = PUT_RECORDS_MAX_BYTES // PUT_RECORDS_MAX_RECORDS - len(key.encode())
+        largest = [
+            {"Data": b"x" * size, "PartitionKey": key, "ExplicitHashKey": str(MAX_HASH_KEY)}
+            for _ in range(PUT_RECORDS_MAX_RECORDS)
+        ]
+        assert client.put_records(StreamName=name, Records=largest)["FailedRecordCount"] == 0
+        body = b"x" * (LARGEST_PUT_RECORDS_BODY + 1)
+        answer = exchange_until_close(url, HEAD + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    assert answer.startswith(b"HTTP/1.1 413 ")
+    assert b"HttpLimits.max_body_bytes" in answer
+
+
+def test_idle_and_half_open_connections_are_closed_and_do_not_starve_clients(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import socket
+    import time
+    import urllib.parse
+
+    import boto3
+
+    # the server runs on its own thread and real clock: no mock clock reaches it, so the read
+    # timeout is short and every wait below ends on the server's action, bounded by a timeout
+    name = f"idle-{uuid.uuid4().hex[:8]}"
+    with Emulator(streams={name: 1}, http=HttpLimits(read_timeout=0.5)) as url:
+        address = urllib.parse.urlsplit(url)
+        idle, stalled = [], []
+        for i in range(300):
+            sock = socket.create_connection((address.hostname, address.port), timeout=5)
+            if i % 2:  # a head that promises a body that never comes
+                sock.sendall(HEAD + b"Content-Length: 100\r\n\r\n{")
+                stalled.append(sock)
+            else:
+                idle.append(sock)
+        started = time.monotonic()
+        client = boto3.client("kinesis", region_name=REGION, endpoint_url=url, **CREDENTIALS)
+        assert client.put_record(StreamName=name, Data=b"a", PartitionKey="k")["SequenceNumber"]
+        assert time.monotonic() - started < 2.0
+        try:
+            for sock in idle:
+                assert sock.recv(65536) == b""  # closed, not left open
+            for sock in stalled:
+                answer = b""
+                while chunk := sock.recv(65536):
+                    answer += chunk
+                assert answer.startswith(b"HTTP/1.1 408 Request Timeout"), answer[:100]
+        finally:
+            for sock in idle + stalled:
+                sock.close()
+        # a keep-alive client that waits past the timeout simply reconnects
+        time.sleep(0.6)  # the real clock: the server is on its own thread
+        assert client.put_record(StreamName=name, Data=b"b", PartitionKey="k")["SequenceNumber"]
+    assert unhandled(caplog) == []

@@ -1,9 +1,10 @@
 """``anykpl emulator``: a local Kinesis (and S3) endpoint that enforces shard limits.
 
-moto's backends own streams, shards, sequence numbers, GetRecords, ListShards, resharding, S3 and
-every other API; this package owns the HTTP server (``_server.py``: one event loop, so moto is
-never entered concurrently) and the write path (``_write_path.py``: per-shard limits like the
-service, routing to open shards, fault injection). ``docs/emulator.md`` is the user's guide.
+moto's backends own streams, shards, sequence numbers, GetRecords, resharding, S3 and every other
+API; this package owns the HTTP server (``_server.py``: one event loop, so moto is never entered
+concurrently, with the limits of ``HttpLimits``), the write path (``_write_path.py``: per-shard
+limits like the service, routing to open shards, fault injection) and ListShards paging
+(``_list_shards.py``). ``docs/emulator.md`` is the user's guide.
 
 Three ways to run it, all on 127.0.0.1 by default:
 
@@ -32,13 +33,14 @@ from contextlib import contextmanager
 from types import TracebackType
 
 from ._client import EmulatorClient, EmulatorControlError
-from ._options import Faults, Limits, Reshard, Storm
+from ._options import Faults, HttpLimits, Limits, Reshard, Storm
 
 __all__ = (
     "Emulator",
     "EmulatorClient",
     "EmulatorControlError",
     "Faults",
+    "HttpLimits",
     "Limits",
     "Reshard",
     "Storm",
@@ -65,6 +67,7 @@ class Emulator:
         region: str = "us-east-1",
         host: str = "127.0.0.1",
         port: int = 0,
+        http: HttpLimits | None = None,
     ) -> None:
         self.streams = dict(streams or {})
         self.limits = limits or Limits()
@@ -74,6 +77,7 @@ class Emulator:
         self.region = region
         self.host = host
         self.port = port
+        self.http = http or HttpLimits()
         self.url = ""
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -123,7 +127,9 @@ class Emulator:
 
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        server = EmulatorServer(limits=self.limits, faults=self.faults, region=self.region)
+        server = EmulatorServer(
+            limits=self.limits, faults=self.faults, region=self.region, http=self.http
+        )
         server.set_up(self.streams, self.storms, self.reshards)
         port = await server.start(self.host, self.port)
         self.url = f"http://{self.host}:{port}"
@@ -170,6 +176,7 @@ def command_line(
     storms: Sequence[Storm] = (),
     reshards: Sequence[Reshard] = (),
     region: str = "us-east-1",
+    http: HttpLimits | None = None,
 ) -> list[str]:
     """The ``python -m anykpl.emulator`` command line for these options."""
     argv = [sys.executable, "-m", "anykpl.emulator", "--host", host, "--port", str(port)]
@@ -200,6 +207,9 @@ def command_line(
     for reshard in reshards:
         what = str(reshard.target) if reshard.action == "scale" else (reshard.shard_id or "*")
         argv += ["--reshard", f"{reshard.stream}:{reshard.action}:{what}:{reshard.at}"]
+    http = http or HttpLimits()
+    argv += ["--max-body-bytes", str(http.max_body_bytes)]
+    argv += ["--read-timeout", repr(http.read_timeout)]
     return argv
 
 
@@ -213,6 +223,7 @@ def spawn(
     reshards: Sequence[Reshard] = (),
     region: str = "us-east-1",
     startup_timeout: float = 60.0,
+    http: HttpLimits | None = None,
 ) -> Iterator[str]:
     """Run the emulator in its own process on a free 127.0.0.1 port; yields its URL and stops
     the process on exit. Its log goes to a temporary file, shown if it fails to start."""
@@ -227,6 +238,7 @@ def spawn(
         storms=storms,
         reshards=reshards,
         region=region,
+        http=http,
     )
     # stderr to a file, not a pipe: nobody reads a pipe while the emulator runs, and a full one
     # would block its logging and so the emulator itself

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import TypeVar
 
-from ._options import Faults, Limits, Reshard, Storm
+from ._options import Faults, HttpLimits, Limits, Reshard, Storm
 
 _T = TypeVar("_T")
 
@@ -121,6 +121,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="STREAM:split|merge:SHARD|*:AT or STREAM:scale:N:AT",
         help="reshard at AT seconds after start",
     )
+    http = parser.add_argument_group("HTTP server")
+    http.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=HttpLimits.max_body_bytes,
+        help="largest request body accepted; a larger one is answered 413 (33554432)",
+    )
+    http.add_argument(
+        "--read-timeout",
+        type=float,
+        default=HttpLimits.read_timeout,
+        help="seconds before an idle connection is closed or a stalled request answered 408 (60)",
+    )
     parser.add_argument("--verbose", "-v", action="store_true", help="log control events")
 
 
@@ -147,8 +160,14 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
 
+    try:
+        http = HttpLimits(max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout)
+    except ValueError as exc:
+        print(f"anykpl emulator: {exc}", file=sys.stderr)
+        return 2
+
     async def serve() -> None:
-        server = EmulatorServer(limits=limits, faults=faults, region=args.region)
+        server = EmulatorServer(limits=limits, faults=faults, region=args.region, http=http)
         server.set_up(args.streams, args.storm, args.reshard)
         port = await server.start(args.host, args.port)
         stop = asyncio.Event()

@@ -1,4 +1,5 @@
-"""What the emulator can be told: shard limits, faults, throttle storms and scheduled reshards.
+"""What the emulator can be told: shard limits, faults, throttle storms, scheduled reshards and
+the HTTP server's own limits.
 
 Each is a small frozen dataclass that travels three ways: as Python arguments (``Emulator``,
 ``spawn``), as JSON over the control endpoint (``EmulatorClient``), and as command-line specs
@@ -13,9 +14,14 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from .._limits import SHARD_BYTES_PER_SECOND, SHARD_RECORDS_PER_SECOND
+from .._limits import (
+    PUT_RECORDS_MAX_BYTES,
+    PUT_RECORDS_MAX_RECORDS,
+    SHARD_BYTES_PER_SECOND,
+    SHARD_RECORDS_PER_SECOND,
+)
 
-__all__ = ("Faults", "Limits", "Reshard", "Storm", "from_json", "to_json")
+__all__ = ("Faults", "HttpLimits", "Limits", "Reshard", "Storm", "from_json", "to_json")
 
 _T = TypeVar("_T")
 
@@ -96,6 +102,56 @@ class Faults:
             raise ValueError(
                 "Faults.record_failure_rate + Faults.record_throttle_rate must not exceed 1"
             )
+
+
+#: The largest valid PutRecords body: 5 MiB of data in base64 (4/3 of it), and per record its
+#: JSON around it (``{"Data":"","PartitionKey":"","ExplicitHashKey":""},``: 50 bytes), a
+#: 256-character partition key written as ``\uXXXX`` escapes (1,536 bytes) and a 39-digit
+#: explicit hash key. About 7.4 MiB.
+LARGEST_PUT_RECORDS_BODY = -(-PUT_RECORDS_MAX_BYTES * 4 // 3) + PUT_RECORDS_MAX_RECORDS * (
+    50 + 256 * 6 + 39
+)
+#: The default request body cap: four times the largest valid PutRecords body, rounded to 32 MiB.
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """What the emulator's HTTP server tolerates from a client.
+
+    Attributes:
+        max_body_bytes: the largest request body accepted (Content-Length, or the chunks of a
+            chunked body, summed); a larger one is answered 413 and its connection closed. The
+            default, 32 MiB, is four times the largest valid PutRecords request (5 MiB of data
+            is about 7.4 MiB of JSON) and holds any S3 object the project writes.
+        read_timeout: seconds a connection may wait before a request's first byte (idle
+            keep-alive connections are then closed), and seconds a request's head and body may
+            take to arrive after it (it is then answered 408 and its connection closed). Idle or
+            half-open connections cannot pile up.
+    """
+
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    read_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not (
+            isinstance(self.max_body_bytes, int)
+            and not isinstance(self.max_body_bytes, bool)
+            and self.max_body_bytes >= LARGEST_PUT_RECORDS_BODY
+        ):
+            raise ValueError(
+                f"HttpLimits.max_body_bytes must be an integer of at least "
+                f"{LARGEST_PUT_RECORDS_BODY} (the largest valid PutRecords body), got "
+                f"{self.max_body_bytes!r}"
+            )
+        value = self.read_timeout
+        if not (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+            and value > 0
+        ):
+            raise ValueError(f"HttpLimits.read_timeout must be positive seconds, got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,17 @@ runs every request on one event loop thread, so moto's backend is never entered 
 
 - ``PutRecord`` / ``PutRecords`` (the ``X-Amz-Target`` header says which) go to the write path
   (``_write_path.py``), through the fault dice;
+- ``ListShards`` is paged as the service pages it (``_list_shards.py``);
 - ``/_anykpl/...`` is the control endpoint (statistics, faults, limits, storms, reshards);
 - everything else — every other Kinesis API, S3, any other service moto serves — is handed to
   moto's WSGI application in-line, as moto's server would.
 
 The server speaks just enough HTTP/1.1 for AWS SDKs: keep-alive, Content-Length and chunked
-bodies, ``Expect: 100-continue`` (aiohttp waits for it before sending an S3 body).
+bodies, ``Expect: 100-continue`` (aiohttp waits for it before sending an S3 body). It defends
+itself as a server on a shared port must (``HttpLimits``): a malformed request line,
+Content-Length or chunk size is answered 400, a body over the cap 413, a request that stalls 408,
+each followed by a clean close; a connection idle past the read timeout is closed, so idle and
+half-open connections cannot pile up.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 from urllib.parse import unquote
 
-from ._options import Faults, Limits, Reshard, Storm, from_json, to_json
+from ._list_shards import ShardLister
+from ._options import Faults, HttpLimits, Limits, Reshard, Storm, from_json, to_json
 from ._write_path import RECORD_COUNTERS, KinesisError, WritePath
 
 __all__ = ("EmulatorServer",)
@@ -47,8 +53,11 @@ _REASONS = {
     400: "Bad Request",
     403: "Forbidden",
     404: "Not Found",
+    408: "Request Timeout",
     409: "Conflict",
     412: "Precondition Failed",
+    413: "Content Too Large",
+    431: "Request Header Fields Too Large",
     500: "Internal Server Error",
     503: "Service Unavailable",
 }
@@ -69,7 +78,12 @@ class _Reset(Exception):
 
 
 class _BadRequest(Exception):
-    """A request the server cannot parse: answered 400, then the connection is closed."""
+    """A request the server cannot take: answered ``status`` (400 malformed, 408 too slow, 413
+    body too large, 431 head too large), then the connection is closed."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 _Response = tuple[int, list[tuple[str, str]], bytes]
@@ -84,12 +98,31 @@ def _json_response(status: int, body: Any, content_type: str = "application/json
     )
 
 
-def _bad_request(message: str) -> bytes:
-    body = json.dumps({"error": message}).encode()
+def _bad_request(error: _BadRequest) -> bytes:
+    body = json.dumps({"error": str(error)}).encode()
+    status = f"{error.status} {_REASONS[error.status]}".encode()
     return (
-        b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n"
-        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        b"HTTP/1.1 %s\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (status, len(body), body)
     )
+
+
+_DIGITS = re.compile(rb"[0-9]+")
+_HEX_DIGITS = re.compile(rb"[0-9A-Fa-f]+")
+#: how long a closing connection keeps reading what the client still sends, so that the client
+#: reads the 4xx answer instead of a reset (a close with unread data sends RST)
+_LINGER = 1.0
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    """A request's JSON object, or the service's SerializationException."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise KinesisError(400, "SerializationException", str(exc)[:200]) from None
+    if not isinstance(payload, dict):
+        raise KinesisError(400, "SerializationException", "the request is not an object")
+    return payload
 
 
 def _patch_moto_resharding() -> None:
@@ -136,6 +169,7 @@ class EmulatorServer:
         faults: Faults,
         region: str = "us-east-1",
         account_id: str | None = None,
+        http: HttpLimits | None = None,
     ) -> None:
         from moto.core.models import DEFAULT_ACCOUNT_ID
         from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
@@ -146,6 +180,8 @@ class EmulatorServer:
         self.account_id = account_id or DEFAULT_ACCOUNT_ID
         self._loop = asyncio.get_running_loop()
         self.write_path = WritePath(limits, faults, self._loop.time())
+        self.http = http or HttpLimits()
+        self._shard_lister = ShardLister()
         # (account, region, name) of every stream the emulator has seen: for statistics
         self._known: dict[tuple[str, str, str], None] = {}
         self.reshard_log: list[dict[str, Any]] = []
@@ -304,6 +340,7 @@ class EmulatorServer:
             "totals": write_path.totals,
             "limits": to_json(write_path.limits),
             "faults": to_json(write_path.faults),
+            "http": to_json(self.http),
             "storms": [
                 {**to_json(storm), "starts_in": start - now, "ends_in": end - now}
                 for start, end, storm in write_path.storms
@@ -339,8 +376,7 @@ class EmulatorServer:
                 try:
                     request = await self._read_request(reader, writer)
                 except _BadRequest as exc:
-                    writer.write(_bad_request(str(exc)))
-                    await writer.drain()
+                    await self._refuse(reader, writer, exc)
                     return
                 if request is None:
                     return
@@ -381,15 +417,48 @@ class EmulatorServer:
             self._connections.discard(writer)
             writer.close()
 
+    async def _refuse(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, error: _BadRequest
+    ) -> None:
+        """Answer ``error`` and close cleanly: half-close, then read and drop what the client is
+        still sending for a moment, so that it reads the answer rather than a reset."""
+        writer.write(_bad_request(error))
+        await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+        loop = self._loop
+        deadline = loop.time() + _LINGER
+        try:
+            while (left := deadline - loop.time()) > 0:
+                if not await asyncio.wait_for(reader.read(65536), left):
+                    break
+        except (asyncio.TimeoutError, ConnectionError):
+            pass
+
     async def _read_request(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> _Request | None:
+        """The next request, or None when the client closes the connection or leaves it idle
+        for the read timeout. Its head and body must then arrive within the read timeout."""
+        timeout = self.http.read_timeout
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
-        except asyncio.IncompleteReadError as exc:
-            if exc.partial.strip():
-                raise
+            first = await asyncio.wait_for(reader.read(1), timeout)
+        except asyncio.TimeoutError:
+            return None  # idle: close it, as a server closes idle keep-alive connections
+        if not first:
             return None
+        try:
+            return await asyncio.wait_for(self._read_rest(first, reader, writer), timeout)
+        except asyncio.TimeoutError:
+            raise _BadRequest(f"the request did not arrive within {timeout:g} s", 408) from None
+
+    async def _read_rest(
+        self, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> _Request:
+        try:
+            head = first + await reader.readuntil(b"\r\n\r\n")
+        except asyncio.LimitOverrunError:
+            raise _BadRequest("the request head is over 1 MiB", 431) from None
         lines = head[:-4].decode("latin-1").split("\r\n")
         try:
             method, target, _version = lines[0].split(" ", 2)
@@ -404,30 +473,74 @@ class EmulatorServer:
             name = name.strip().lower()
             value = value.strip()
             headers[name] = f"{headers[name]}, {value}" if name in headers else value
-        if headers.get("expect", "").lower() == "100-continue":
-            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        cap = self.http.max_body_bytes
         if "chunked" in headers.get("transfer-encoding", "").lower():
-            chunks = []
-            while True:
-                size_line = await reader.readuntil(b"\r\n")
-                size = int(size_line.split(b";", 1)[0].strip(), 16)
-                if size == 0:
-                    # trailers, up to the blank line
-                    while (await reader.readuntil(b"\r\n")) != b"\r\n":
-                        pass
-                    break
-                chunks.append(await reader.readexactly(size))
-                await reader.readexactly(2)
-            body = b"".join(chunks)
+            self._continue(headers, writer)
+            body = await self._read_chunks(reader, cap)
             del headers["transfer-encoding"]
             headers["content-length"] = str(len(body))
         else:
-            try:
-                length = int(headers.get("content-length", "0") or 0)
-            except ValueError:
-                raise _BadRequest("malformed Content-Length") from None
+            length = self._content_length(headers, cap)
+            self._continue(headers, writer)
             body = await reader.readexactly(length) if length else b""
         return _Request(method, target, headers, body)
+
+    @staticmethod
+    def _continue(headers: Mapping[str, str], writer: asyncio.StreamWriter) -> None:
+        if headers.get("expect", "").lower() == "100-continue":
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    @staticmethod
+    def _content_length(headers: Mapping[str, str], cap: int) -> int:
+        text = headers.get("content-length")
+        if text is None:
+            return 0
+        digits = text.encode("latin-1")
+        # digits only: no sign, no list of lengths ("5, 5" when the header came twice)
+        if not _DIGITS.fullmatch(digits):
+            raise _BadRequest(f"malformed Content-Length {text[:40]!r}")
+        significant = digits.lstrip(b"0")
+        # compare lengths before converting: int() refuses more than 4,300 digits
+        if len(significant) > len(str(cap)) or int(significant or b"0") > cap:
+            raise _BadRequest(
+                f"a body of {text[:40]} bytes is over the emulator's cap of {cap} bytes "
+                f"(HttpLimits.max_body_bytes)",
+                413,
+            )
+        return int(significant or b"0")
+
+    @staticmethod
+    async def _read_chunks(reader: asyncio.StreamReader, cap: int) -> bytes:
+        chunks = []
+        total = 0
+        while True:
+            try:
+                size_line = await reader.readuntil(b"\r\n")
+            except asyncio.LimitOverrunError:
+                raise _BadRequest("malformed chunk size: a line over 1 MiB") from None
+            size_text = size_line[:-2].split(b";", 1)[0].strip()
+            if not _HEX_DIGITS.fullmatch(size_text):
+                raise _BadRequest(f"malformed chunk size {size_text[:40].decode('latin-1')!r}")
+            size = int(size_text, 16)
+            total += size
+            if total > cap:
+                raise _BadRequest(
+                    f"a chunked body of over {cap} bytes is over the emulator's cap "
+                    f"(HttpLimits.max_body_bytes)",
+                    413,
+                )
+            if size == 0:  # the last chunk
+                break
+            chunks.append(await reader.readexactly(size))
+            if await reader.readexactly(2) != b"\r\n":
+                raise _BadRequest("malformed chunk: its data is not followed by CRLF")
+        # trailers, up to the blank line
+        try:
+            while (await reader.readuntil(b"\r\n")) != b"\r\n":
+                pass
+        except asyncio.LimitOverrunError:
+            raise _BadRequest("malformed trailer: a line over 1 MiB") from None
+        return b"".join(chunks)
 
     async def _dispatch(self, request: _Request) -> _Response:
         if request.target.startswith(_CONTROL_PREFIX):
@@ -441,7 +554,25 @@ class EmulatorServer:
         target = request.headers.get("x-amz-target", "")
         if target in ("Kinesis_20131202.PutRecords", "Kinesis_20131202.PutRecord"):
             return await self._write(request, target[len(_TARGET_PREFIX) :])
+        if target == "Kinesis_20131202.ListShards":
+            return self._list_shards(request)
         return self._call_moto(request)
+
+    def _list_shards(self, request: _Request) -> _Response:
+        from moto.kinesis.models import kinesis_backends
+
+        def streams(account: str, region: str) -> Mapping[str, Any]:
+            result: Mapping[str, Any] = kinesis_backends[account][region].streams
+            return result
+
+        try:
+            payload = _json_object(request.body)
+            response = self._shard_lister.list_shards(
+                payload, self._caller(request.headers), streams, self._loop.time()
+            )
+        except KinesisError as exc:
+            return _json_response(exc.status, exc.body(), "application/x-amz-json-1.1")
+        return _json_response(200, response, "application/x-amz-json-1.1")
 
     # -- the write path, through the fault dice ----------------------------------------------
 
@@ -486,12 +617,7 @@ class EmulatorServer:
     def _put(self, request: _Request, operation: str) -> dict[str, Any]:
         from moto.kinesis.models import kinesis_backends
 
-        try:
-            payload = json.loads(request.body)
-        except ValueError as exc:
-            raise KinesisError(400, "SerializationException", str(exc)) from None
-        if not isinstance(payload, dict):
-            raise KinesisError(400, "SerializationException", "the request is not an object")
+        payload = _json_object(request.body)
         account_id, region = self._caller(request.headers)
         name = payload.get("StreamName")
         arn = payload.get("StreamARN")

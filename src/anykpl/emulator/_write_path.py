@@ -123,6 +123,28 @@ def _decoded_length(data: str) -> int:
     return n // 4 * 3 - padding
 
 
+_HASH_KEY_DIGITS = len(str(MAX_HASH_KEY))
+
+
+def _explicit_hash_key(explicit: Any) -> int:
+    """An ExplicitHashKey's value: a decimal in [0, 2**128 - 1], else the service's 400.
+
+    The digit count is checked before ``int()``: Python refuses to convert more than 4,300
+    digits with a ValueError, which would have been answered 500.
+    """
+    if isinstance(explicit, str) and explicit.isascii() and explicit.isdigit():
+        digits = explicit.lstrip("0")
+        if len(digits) <= _HASH_KEY_DIGITS and int(digits or "0") <= MAX_HASH_KEY:
+            return int(digits or "0")
+    shown = explicit if len(str(explicit)) <= 100 else f"{str(explicit)[:100]}..."
+    raise KinesisError(
+        400,
+        "InvalidArgumentException",
+        f"Invalid ExplicitHashKey. ExplicitHashKey must be in the range: [0, {MAX_HASH_KEY}]. "
+        f"Specified value was {shown}",
+    )
+
+
 class WritePath:
     """Routes, limits, counts and stores records; one per emulator."""
 
@@ -251,16 +273,7 @@ class WritePath:
             )
         explicit = entry.get("ExplicitHashKey")
         if explicit is not None:
-            if not (isinstance(explicit, str) and explicit.isascii() and explicit.isdigit()) or int(
-                explicit
-            ) > (MAX_HASH_KEY):
-                raise KinesisError(
-                    400,
-                    "InvalidArgumentException",
-                    f"Invalid ExplicitHashKey. ExplicitHashKey must be in the range: "
-                    f"[0, {MAX_HASH_KEY}]. Specified value was {explicit}",
-                )
-            hash_key = int(explicit)
+            hash_key = _explicit_hash_key(explicit)
         else:
             hash_key = int.from_bytes(hashlib.md5(key.encode("utf-8")).digest(), "big")
         return key, data, hash_key, size
