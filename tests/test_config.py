@@ -589,6 +589,73 @@ def test_huge_ints_for_float_fields_are_config_errors(name: str) -> None:
         ProducerConfig(**{name: 10**400})
 
 
+# Python refuses to print an int of more than 4,300 digits (sys.get_int_max_str_digits), so these
+# values once broke the error message itself: a bare ValueError instead of a ConfigError.
+HUGE = 10**5000
+UNBOUNDED_INT_FIELDS = ["max_outstanding_records", "max_outstanding_bytes"]
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        *[
+            pytest.param(name, HUGE, id=f"{name}-huge")
+            for name in INT_FIELDS + FLOAT_FIELDS + FRACTION_FIELDS
+            if name not in UNBOUNDED_INT_FIELDS
+        ],
+        *[
+            pytest.param(name, -HUGE, id=f"{name}-minus-huge")
+            for name in INT_FIELDS + FLOAT_FIELDS + FRACTION_FIELDS
+        ],
+    ],
+)
+def test_ints_too_long_to_print_are_config_errors_naming_the_field(name: str, value: int) -> None:
+    with pytest.raises(ConfigError) as caught:
+        ProducerConfig(**{name: value})
+    assert caught.value.field == name
+    assert caught.value.value == value
+    sign = "a negative" if value < 0 else "an"
+    assert str(caught.value).startswith(f"{name}=<{sign} integer of 5001 digits> is invalid")
+    assert len(str(caught.value)) < 200
+
+
+def test_long_ints_are_described_but_short_ones_printed_in_errors() -> None:
+    with pytest.raises(ConfigError, match=r"^max_connections=<an integer of 51 digits> "):
+        ProducerConfig(max_connections=10**50)
+    with pytest.raises(ConfigError, match=rf"^max_connections={10**49} "):
+        ProducerConfig(max_connections=10**49)
+
+
+@pytest.mark.parametrize("name", UNBOUNDED_INT_FIELDS)
+def test_repr_describes_an_int_too_long_to_print(name: str) -> None:
+    config = ProducerConfig(**{name: HUGE})
+    assert getattr(config, name) == HUGE
+    assert f"{name}=<an integer of 5001 digits>" in repr(config)
+
+
+def test_repr_is_the_dataclass_repr() -> None:
+    config = ProducerConfig(
+        region="eu-west-1",
+        max_outstanding_records=10**40,
+        tenant_quotas={"a": config_module.TenantQuota(records_per_second=5)},
+    )
+    text = repr(config)
+    assert text.startswith("ProducerConfig(region='eu-west-1', endpoint_url=None, profile=None, ")
+    namespace = {"ProducerConfig": ProducerConfig, "TenantQuota": config_module.TenantQuota}
+    assert eval(text, namespace) == config
+
+
+def test_other_configs_reject_ints_too_long_to_print() -> None:
+    with pytest.raises(ConfigError, match=r"^records_per_second=<an integer of 5001 digits> "):
+        config_module.TenantQuota(records_per_second=HUGE)
+    with pytest.raises(ConfigError, match=r"^burst=<a negative integer of 5001 digits> "):
+        config_module.TenantQuota(records_per_second=1, burst=-HUGE)
+    with pytest.raises(ConfigError, match=r"^sync_interval=<an integer of 5001 digits> "):
+        config_module.FleetConfig(bucket="bucket-1", records_per_second=1, sync_interval=HUGE)
+    with pytest.raises(ConfigError, match=r"^tenant_quotas=<a dict> is invalid"):
+        ProducerConfig(tenant_quotas={"a": HUGE})  # type: ignore[dict-item]
+
+
 def test_none_is_rejected_where_it_is_not_allowed() -> None:
     with pytest.raises(ConfigError, match=r"^record_ttl=None "):
         ProducerConfig(record_ttl=None)  # type: ignore[arg-type]
@@ -796,6 +863,56 @@ def test_record_ttl_at_the_kpl_maximum_does_not_overflow(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize(
+    ("line", "key", "name"),
+    [
+        ("RecordTtl = " + "9" * 400, "RecordTtl", "record_ttl"),
+        (
+            "RecordMaxBufferedTime = " + "9" * 400,
+            "RecordMaxBufferedTime",
+            "record_max_buffered_time",
+        ),
+        ("RateLimit = " + "9" * 400, "RateLimit", "rate_limit"),
+        ("AggregationMaxCount = " + "9" * 5000, "AggregationMaxCount", "aggregation_max_count"),
+        ("ConnectTimeout = -" + "9" * 5000, "ConnectTimeout", "connect_timeout"),
+        ("MaxConnections = 9223372036854775808", "MaxConnections", "max_connections"),
+        ("MetricsUploadDelay = -9223372036854775809", "MetricsUploadDelay", "metrics_upload_delay"),
+    ],
+)
+def test_numbers_outside_javas_long_range_name_property_and_field(
+    tmp_path: Path, line: str, key: str, name: str
+) -> None:
+    # Long.valueOf throws for these; the KPL reports the property, and so do we.
+    with pytest.raises(ConfigError) as caught:
+        load(tmp_path, line)
+    assert caught.value.field == name
+    assert caught.value.value == line.split("=")[1].strip()
+    message = str(caught.value)
+    assert f"{name}=" in message
+    assert f"KPL property {key}=" in message
+    assert "-9223372036854775808..9223372036854775807, Java's long range" in message
+    assert len(message) < 400
+
+
+def test_leading_zeros_do_not_make_a_number_too_long(tmp_path: Path) -> None:
+    config = load(tmp_path, f"AggregationMaxCount = {'0' * 5000}5\nRecordTtl = +{'0' * 400}1000")
+    assert config.aggregation_max_count == 5
+    assert config.record_ttl == 1.0
+
+
+def test_long_port_and_ignored_numbers_are_reported_not_crashed_on(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load(tmp_path, "KinesisEndpoint = localhost\nKinesisPort = " + "9" * 5000)
+    assert caught.value.field == "endpoint_url"
+    assert "KinesisPort='99999" in str(caught.value)
+    assert "(5000 characters)" in str(caught.value)
+    with pytest.warns(
+        UserWarning, match=r"CloudwatchPort .*\(5000 characters\).*ignored"
+    ) as record:
+        assert load(tmp_path, "CloudwatchPort = " + "9" * 5000) == ProducerConfig()
+    assert all(len(str(w.message)) < 400 for w in record)
+
+
+@pytest.mark.parametrize(
     ("text", "url"),
     [
         ("KinesisEndpoint = localhost\nKinesisPort = 4567", "https://localhost:4567"),
@@ -930,6 +1047,11 @@ IGNORED_AT_DEFAULT = [
     "ReturnUserRecordOnFailure = false",
     "EnableDaemonHealthCheck = false",
     "DaemonHealthCheckTimeoutMs = 30000",
+    "GlueSchemaRegistryPropertiesFilePath =",
+    "GlueSchemaRegistryConfiguration =",
+    "GlueSchemaRegistryCredentialsProvider =",
+    "CredentialsProvider =",
+    "MetricsCredentialsProvider =",
 ]
 
 
@@ -957,6 +1079,9 @@ def test_ignored_property_at_its_kpl_default_does_not_warn(tmp_path: Path, line:
         "EnableDaemonHealthCheck = true",
         "UserRecordTimeoutInMillis = 5000",
         "CredentialsRefreshDelay = abc",
+        "GlueSchemaRegistryPropertiesFilePath = /etc/kpl/gsr.properties",
+        "GlueSchemaRegistryConfiguration = x",
+        "CredentialsProvider = DefaultCredentialsProvider",
     ],
 )
 def test_ignored_property_with_a_non_default_value_warns(tmp_path: Path, line: str) -> None:
@@ -1080,56 +1205,69 @@ def test_stray_semicolons_and_trailing_whitespace_are_tolerated(tmp_path: Path) 
 
 # --- The property table, the docs and the exports -----------------------------------------
 
-KPL_TABLE_NAMES = {
+# The KPL's property names are the setters of KinesisProducerConfiguration: its fromProperties
+# takes each key "Key" for which the class has a method "setKey" (a setter taking a Java object,
+# such as setCredentialsProvider, counts as found and ignores the value). This is every
+# "public KinesisProducerConfiguration setXxx(" in
+# java/amazon-kinesis-producer/src/main/java/software/amazon/kinesis/producer/
+# KinesisProducerConfiguration.java of awslabs/amazon-kinesis-producer at KPL v1.0.7 (commit
+# 0c641b6ce1f6c88f74db7103ef86b4150d91ad64; unchanged at 11c4a64f of 2026-03-31), copied from
+# the source, not from our table.
+KPL_SETTER_NAMES = {
     "AggregationEnabled",
     "AggregationMaxCount",
     "AggregationMaxSize",
+    "CaCertFile",
+    "CaCertPath",
+    "CloudwatchEndpoint",
+    "CloudwatchPort",
     "CollectionMaxCount",
     "CollectionMaxSize",
     "ConnectTimeout",
-    "RequestTimeout",
+    "CredentialsProvider",
+    "CredentialsRefreshDelay",
+    "DaemonHealthCheckTimeoutMs",
+    "EnableCoreDumps",
+    "EnableDaemonHealthCheck",
+    "EnableOldestFutureTracker",
     "FailIfThrottled",
+    "GlueSchemaRegistryConfiguration",
+    "GlueSchemaRegistryCredentialsProvider",
+    "GlueSchemaRegistryPropertiesFilePath",
+    "KinesisEndpoint",
+    "KinesisPort",
+    "LogLevel",
     "MaxConnections",
-    "MinConnections",
+    "MaxUserRecordSize",
+    "MetricsCredentialsProvider",
     "MetricsGranularity",
     "MetricsLevel",
     "MetricsNamespace",
     "MetricsUploadDelay",
+    "MinConnections",
+    "NativeExecutable",
+    "ProxyHost",
+    "ProxyPassword",
+    "ProxyPort",
+    "ProxyUserName",
     "RateLimit",
     "RecordMaxBufferedTime",
     "RecordTtl",
     "Region",
-    "KinesisEndpoint",
-    "KinesisPort",
-    "CloudwatchEndpoint",
-    "CloudwatchPort",
-    "VerifyCertificate",
-    "ThreadingModel",
-    "ThreadPoolSize",
-    "LogLevel",
-    "CredentialsRefreshDelay",
-    "MaxUserRecordSize",
-    "EnableCoreDumps",
-    "ProxyHost",
-    "ProxyPort",
-    "ProxyUserName",
-    "ProxyPassword",
-    "NativeExecutable",
-    "TempDirectory",
-    "CaCertPath",
-    "CaCertFile",
+    "RequestTimeout",
+    "ReturnUserRecordOnFailure",
     "StsEndpoint",
     "StsPort",
+    "TempDirectory",
+    "ThreadPoolSize",
+    "ThreadingModel",
     "UserRecordTimeoutInMillis",
-    "EnableOldestFutureTracker",
-    "ReturnUserRecordOnFailure",
-    "EnableDaemonHealthCheck",
-    "DaemonHealthCheckTimeoutMs",
+    "VerifyCertificate",
 }
 
 
 def test_kpl_property_names_cover_the_kpl_table() -> None:
-    assert set(KPL_PROPERTY_NAMES) == KPL_TABLE_NAMES
+    assert set(KPL_PROPERTY_NAMES) == KPL_SETTER_NAMES
     fields = {f.name for f in dataclasses.fields(ProducerConfig)}
     assert {name for name in KPL_PROPERTY_NAMES.values() if name is not None} <= fields
 

@@ -134,7 +134,9 @@ def assert_stored_where_reported(fake: FakeKinesis, data: bytes, result: RecordR
 
 async def test_put_record_returns_its_result(fake_kinesis: FakeKinesis) -> None:
     async with Producer(transport=fake_kinesis, **FAST) as producer:
+        called = anyio.current_time()
         result = await producer.put_record(STREAM, b"hello", partition_key="k")
+        returned = anyio.current_time()
     assert isinstance(result, RecordResult)
     assert result.success
     lo, hi = range_of(fake_kinesis, str(result.shard_id))
@@ -143,8 +145,10 @@ async def test_put_record_returns_its_result(fake_kinesis: FakeKinesis) -> None:
     assert result.sub_sequence_number == 0
     (attempt,) = result.attempts
     assert attempt.success
-    assert attempt.delay >= 0.0
-    assert attempt.duration >= 0.0
+    # a lone record waits out record_max_buffered_time before its one request (the producer's
+    # clock is the backend's, the same as anyio's), and both intervals lie inside the call
+    assert attempt.delay >= FAST["record_max_buffered_time"] - 0.001
+    assert attempt.delay + attempt.duration <= returned - called
     assert attempt.error_code is None
     assert [(r.partition_key, r.data) for r in fake_kinesis.user_records()] == [("k", b"hello")]
 
@@ -1111,3 +1115,51 @@ async def test_fleet_demand_counts_kinesis_records_as_the_grants_do(
     assert demand.admitted_bytes >= 400 * 50
     assert demand.backlog_records == 0
     assert demand.backlog_bytes == 0
+
+
+# -- explicit hash keys too long to convert -------------------------------------------------
+# Python refuses to convert a str of more than 4,300 digits to an int, or such an int to a str
+# (sys.get_int_max_str_digits): these keys once raised a bare ValueError from the check itself.
+
+
+@pytest.mark.parametrize(
+    ("key", "fragment"),
+    [
+        pytest.param("9" * 5000, "a decimal integer of 5000 digits", id="str-5000-digits"),
+        pytest.param("1" + "0" * 39, "a decimal integer of 40 digits", id="str-10**39"),
+        pytest.param(10**5000, "an integer of 16610 bits", id="int-10**5000"),
+        pytest.param(-(10**5000), "a negative integer of 16610 bits", id="int-minus-10**5000"),
+        pytest.param("x" * 5000, "'xxxxxxxxxx", id="str-5000-letters"),
+    ],
+)
+@pytest.mark.parametrize("method", ["submit", "put_record"])
+async def test_explicit_hash_keys_too_long_to_convert_are_invalid_record_errors(
+    fake_kinesis: FakeKinesis, key: str | int, fragment: str, method: str
+) -> None:
+    async with Producer(transport=fake_kinesis, **FAST) as producer:
+        with pytest.raises(errors.InvalidRecordError) as info:
+            await getattr(producer, method)(STREAM, b"x", partition_key="k", explicit_hash_key=key)
+        message = str(info.value)
+        assert message.startswith("explicit_hash_key must be ")
+        assert fragment in message
+        assert len(message) < 200
+        assert producer.outstanding_records == 0
+        await producer.flush()
+    assert fake_kinesis.requests == []
+
+
+async def test_a_long_explicit_hash_key_of_leading_zeros_is_sent_without_them(
+    fake_kinesis: FakeKinesis,
+) -> None:
+    # Kinesis takes ExplicitHashKey as 0|[1-9][0-9]{0,38}: the key goes out as its number.
+    keys = ["0" * 5000 + str(MAX_HASH), "0" * 5000, "0" * 4999 + "1"]
+    async with Producer(transport=fake_kinesis, aggregation_enabled=False, **FAST) as producer:
+        results = [
+            await producer.put_record(STREAM, b"%d" % i, partition_key="k", explicit_hash_key=key)
+            for i, key in enumerate(keys)
+        ]
+    sent = [entry["ExplicitHashKey"] for request in fake_kinesis.requests for entry in request]
+    assert sorted(sent) == sorted([str(MAX_HASH), "0", "1"])
+    for result, number in zip(results, [MAX_HASH, 0, 1], strict=True):
+        lo, hi = range_of(fake_kinesis, str(result.shard_id))
+        assert lo <= number <= hi

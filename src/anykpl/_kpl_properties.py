@@ -1,8 +1,18 @@
 """Reading the KPL's ``.properties`` files for :meth:`ProducerConfig.from_kpl_properties`.
 
-The mapping from every KPL property name (``KinesisProducerConfiguration.java``) to our field,
-the properties accepted but ignored (they configure the KPL's Java wrapper or native daemon),
-and a ``java.util.Properties`` reader.
+The mapping from every KPL property name to our field, the properties accepted but ignored (they
+configure the KPL's Java wrapper or native daemon, or name a Java object), and a
+``java.util.Properties`` reader.
+
+The KPL's property names are not a list in its source: ``KinesisProducerConfiguration.
+fromProperties`` takes each key ``Key`` whose class has a method ``setKey``, and converts the
+value to the setter's parameter type (``long`` through ``Long.valueOf``, ``int``, ``boolean``,
+``String``). A setter that takes anything else (``setCredentialsProvider``, the Glue Schema
+Registry's) still counts as found: the KPL accepts the key and does nothing with it, without the
+warning it gives unknown keys. Our names are those setters. We differ in one place: numbers
+outside Java's ``long`` range make ``Long.valueOf`` throw, and we raise a ``ConfigError`` naming
+the property and the field; we check the length of the digits before converting, so a
+5,000-digit value costs nothing and never meets Python's limit on converting long integers.
 """
 
 from __future__ import annotations
@@ -24,6 +34,13 @@ _ENDPOINT_HOST_PATTERN: Final = re.compile(r"[A-Za-z0-9.-]+")
 
 #: Java's Long.valueOf syntax.
 _JAVA_LONG_PATTERN: Final = re.compile(r"[+-]?[0-9]+")
+#: Java's Long range, which Long.valueOf enforces.
+_JAVA_LONG_MIN: Final = -(2**63)
+_JAVA_LONG_MAX: Final = 2**63 - 1
+#: Digits of _JAVA_LONG_MAX: a longer number (leading zeros aside) is out of range.
+_JAVA_LONG_DIGITS: Final = 19
+#: Property values longer than this are shortened in error messages and warnings.
+_MAX_SHOWN_LENGTH: Final = 60
 
 # --- KPL .properties files ------------------------------------------------------------------
 
@@ -146,6 +163,39 @@ _IGNORED_PROPERTIES: Final[Mapping[str, tuple[str, str, str]]] = {
     ),
     "EnableDaemonHealthCheck": ("bool", "false", _NO_DAEMON + " to check"),
     "DaemonHealthCheckTimeoutMs": ("int", "30000", _NO_DAEMON + " to check"),
+    "GlueSchemaRegistryPropertiesFilePath": (
+        "str",
+        "",
+        "anykpl has no AWS Glue Schema Registry serializer; encode each record with its schema "
+        "before put_record",
+    ),
+    # The KPL's setters for these take Java objects, so its fromProperties accepts the names
+    # and ignores their values too.
+    "GlueSchemaRegistryConfiguration": (
+        "str",
+        "",
+        "its KPL setter takes a Java object, so the KPL ignores it in a properties file too; "
+        "anykpl has no AWS Glue Schema Registry serializer",
+    ),
+    "GlueSchemaRegistryCredentialsProvider": (
+        "str",
+        "",
+        "its KPL setter takes a Java object, so the KPL ignores it in a properties file too; "
+        "anykpl has no AWS Glue Schema Registry serializer",
+    ),
+    "CredentialsProvider": (
+        "str",
+        "",
+        "its KPL setter takes a Java object, so the KPL ignores it in a properties file too; "
+        "credentials come from botocore's chain, or from the aws_access_key_id, "
+        "aws_secret_access_key and profile fields",
+    ),
+    "MetricsCredentialsProvider": (
+        "str",
+        "",
+        "its KPL setter takes a Java object, so the KPL ignores it in a properties file too; "
+        "a CloudWatchSink takes its credentials from botocore's chain",
+    ),
 }
 
 #: Ignored properties whose values are never repeated in a warning.
@@ -246,20 +296,64 @@ def _clean_value(raw: str) -> str:
 
 
 def _parse_java_long(text: str) -> int | None:
-    return int(text) if _JAVA_LONG_PATTERN.fullmatch(text) else None
+    """Java's Long.valueOf: the number, or None where Long.valueOf throws (not an integer, or
+    outside Java's long range)."""
+    if not _JAVA_LONG_PATTERN.fullmatch(text):
+        return None
+    # Count the digits before converting: int() refuses more than 4,300 (leading zeros
+    # included), and a long never has more than 19.
+    digits = text.lstrip("+-").lstrip("0") or "0"
+    if len(digits) > _JAVA_LONG_DIGITS:
+        return None
+    number = -int(digits) if text.startswith("-") else int(digits)
+    return number if _JAVA_LONG_MIN <= number <= _JAVA_LONG_MAX else None
+
+
+class _Shortened:
+    """Stands for a long property value in a message: its start and its length."""
+
+    __slots__ = ("_text",)
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+
+    def __repr__(self) -> str:
+        if len(self._text) <= _MAX_SHOWN_LENGTH:
+            return repr(self._text)
+        return f"{self._text[:30]!r}... ({len(self._text)} characters)"
+
+
+def _property_error(name: str, text: str, allowed: str) -> ConfigError:
+    """A ConfigError whose message shortens a long value; ``value`` keeps it whole."""
+    error = ConfigError(name, _Shortened(text), allowed)
+    error.value = text
+    return error
+
+
+def _source(key: str, raw: str) -> str:
+    """``"KPL property Key='value'"`` for messages, with a long value shortened."""
+    return f"KPL property {key}={_Shortened(raw)!r}"
 
 
 def _convert_property(key: str, name: str, kind: str, text: str) -> object:
     if kind == "str":
         return text
+    source = _source(key, text)
     if kind == "bool":
         if text.lower() in ("true", "false"):
             return text.lower() == "true"
-        raise ConfigError(name, text, f"true or false (from KPL property {key}={text!r})")
+        raise _property_error(name, text, f"true or false (from {source})")
     number = _parse_java_long(text)
     if number is None:
         unit = " number of milliseconds" if kind == "ms" else ""
-        raise ConfigError(name, text, f"an integer{unit} (from KPL property {key}={text!r})")
+        if _JAVA_LONG_PATTERN.fullmatch(text):
+            allowed = (
+                f"an integer{unit} in {_JAVA_LONG_MIN}..{_JAVA_LONG_MAX}, Java's long range "
+                f"(from {source})"
+            )
+        else:
+            allowed = f"an integer{unit} (from {source})"
+        raise _property_error(name, text, allowed)
     if kind == "ms":
         return number / 1000
     if kind == "percent":
@@ -282,10 +376,10 @@ def _endpoint_from_properties(properties: Mapping[str, str]) -> str | None:
         raw_port = properties["KinesisPort"]
         port = _parse_java_long(_clean_value(raw_port))
         if port is None or not 1 <= port <= 65535:
-            raise ConfigError(
+            raise _property_error(
                 "endpoint_url",
                 _clean_value(raw_port),
-                f"a port in 1..65535 (from KPL property KinesisPort={raw_port!r})",
+                f"a port in 1..65535 (from {_source('KinesisPort', raw_port)})",
             )
     host = _clean_value(properties.get("KinesisEndpoint", ""))
     if not host:
@@ -297,11 +391,11 @@ def _endpoint_from_properties(properties: Mapping[str, str]) -> str | None:
                 stacklevel=4,
             )
         return None
-    source = f"(from KPL property KinesisEndpoint={properties['KinesisEndpoint']!r})"
+    source = f"(from {_source('KinesisEndpoint', properties['KinesisEndpoint'])})"
     if "://" not in host:
         # The KPL's form: a bare host name or IP address, always reached over TLS.
         if not _ENDPOINT_HOST_PATTERN.fullmatch(host):
-            raise ConfigError(
+            raise _property_error(
                 "endpoint_url", host, f"a host name, or an http:// or https:// URL {source}"
             )
         return f"https://{host}:{443 if port is None else port}"
@@ -310,11 +404,11 @@ def _endpoint_from_properties(properties: Mapping[str, str]) -> str | None:
         parts = urlsplit(host)
         url_port = parts.port
     except ValueError:
-        raise ConfigError(
+        raise _property_error(
             "endpoint_url", host, f"a host name, or an http:// or https:// URL {source}"
         ) from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(
+        raise _property_error(
             "endpoint_url", host, f"a host name, or an http:// or https:// URL {source}"
         )
     if url_port is None:
@@ -324,38 +418,36 @@ def _endpoint_from_properties(properties: Mapping[str, str]) -> str | None:
     # KinesisPort = 443 is the sample file's default line; only a different, explicit port
     # contradicts the URL.
     if port is not None and port not in (443, url_port):
-        raise ConfigError(
+        raise _property_error(
             "endpoint_url",
             host,
-            f"a URL whose port agrees with KPL property KinesisPort={properties['KinesisPort']!r} "
+            f"a URL whose port agrees with {_source('KinesisPort', properties['KinesisPort'])} "
             f"{source}",
         )
     return host
 
 
-def read_kpl_properties(
-    path: Path,
-) -> tuple[dict[str, Any], dict[str, tuple[str, str, bool]]]:
+def read_kpl_properties(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
     """Read a KPL ``.properties`` file into ``ProducerConfig`` field values.
 
-    Returns ``(values, sources)``: the field values, and for each field the KPL property, its
-    raw text and whether the file's unit was milliseconds (so that a ``ConfigError`` can name
-    the property). Warns about ignored and unknown properties.
+    Returns ``(values, sources)``: the field values, and for each field the words that name
+    where it came from, such as ``"KPL property RecordTtl='50', in milliseconds"`` (so that a
+    ``ConfigError`` can name the property). Warns about ignored and unknown properties.
     """
     properties = _read_properties(path)
     values: dict[str, Any] = {}
-    # field -> (KPL property, value in the file, whether the file's unit was milliseconds)
-    sources: dict[str, tuple[str, str, bool]] = {}
+    sources: dict[str, str] = {}
     for key, raw in properties.items():
         text = _clean_value(raw)
         if key in _MAPPED_PROPERTIES:
             name, kind = _MAPPED_PROPERTIES[key]
             values[name] = _convert_property(key, name, kind, text)
-            sources[name] = (key, raw, kind == "ms")
+            unit = ", in milliseconds" if kind == "ms" else ""
+            sources[name] = _source(key, raw) + unit
         elif key in _IGNORED_PROPERTIES:
             kind, default, reason = _IGNORED_PROPERTIES[key]
             if not _is_kpl_default(kind, default, text):
-                shown = "" if key in _SECRET_PROPERTIES else f" (set to {text!r})"
+                shown = "" if key in _SECRET_PROPERTIES else f" (set to {_Shortened(text)!r})"
                 warnings.warn(
                     f"KPL property {key}{shown} is accepted and ignored: {reason}",
                     UserWarning,
@@ -367,6 +459,6 @@ def read_kpl_properties(
     endpoint_url = _endpoint_from_properties(properties)
     if endpoint_url is not None:
         values["endpoint_url"] = endpoint_url
-        sources["endpoint_url"] = ("KinesisEndpoint", properties["KinesisEndpoint"], False)
+        sources["endpoint_url"] = _source("KinesisEndpoint", properties["KinesisEndpoint"])
 
     return values, sources

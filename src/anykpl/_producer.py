@@ -828,18 +828,30 @@ def _random_partition_key() -> str:
 
 
 def _parse_explicit_hash_key(value: str | int) -> int:
+    # Sizes are checked before any conversion: Python refuses to convert a str of more than
+    # 4,300 digits to an int, or such an int to a str, and a hash key never needs more than 39.
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise errors.RecordTypeError(
             f"explicit_hash_key must be a decimal str or int, not {type(value).__name__}"
         )
+    out_of_range = "explicit_hash_key must be in [0, 2**128 - 1]"
     if isinstance(value, str):
         if not value.isascii() or not value.isdigit():
+            shown = repr(value) if len(value) <= 60 else f"{value[:30]!r}... ({len(value)} chars)"
             raise errors.InvalidRecordError(
-                f"explicit_hash_key must be a decimal integer, got {value!r}"
+                f"explicit_hash_key must be a decimal integer, got {shown}"
             )
-        value = int(value)
+        digits = value.lstrip("0") or "0"
+        if len(digits) > len(str(_limits.MAX_HASH_KEY)):
+            raise errors.InvalidRecordError(
+                f"{out_of_range}, got a decimal integer of {len(digits)} digits"
+            )
+        value = int(digits)
     if not 0 <= value <= _limits.MAX_HASH_KEY:
+        if value.bit_length() <= 256:
+            raise errors.InvalidRecordError(f"{out_of_range}, got {value}")
+        sign = "a negative" if value < 0 else "an"
         raise errors.InvalidRecordError(
-            f"explicit_hash_key must be in [0, 2**128 - 1], got {value}"
+            f"{out_of_range}, got {sign} integer of {value.bit_length()} bits"
         )
     return value

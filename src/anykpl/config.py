@@ -68,6 +68,10 @@ _REGION_PATTERN: Final = re.compile(r"[a-z]+-([a-z]+-)?[a-z]+-[0-9]")
 MAX_TENANT_LENGTH: Final = 256
 #: Fields whose values never appear in a repr or an error message.
 _SECRET_FIELDS: Final = frozenset({"aws_secret_access_key", "aws_session_token"})
+#: Integers with more digits than this are described ("<an integer of 5000 digits>"), not
+#: printed, in error messages and reprs. Python refuses to print an int of more than 4,300
+#: digits (sys.get_int_max_str_digits) at all.
+_MAX_SHOWN_DIGITS: Final = 50
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -443,6 +447,16 @@ class ProducerConfig:
             _fail("default_tenant_quota", self.default_tenant_quota, "None or a TenantQuota")
         _check_choice(self, "tenant_overflow", get_args(TenantOverflow))
 
+    def __repr__(self) -> str:
+        # The dataclass repr, except that an integer too long to print is described instead
+        # (max_outstanding_records and max_outstanding_bytes have no upper bound).
+        shown = ", ".join(
+            f"{f.name}={_shown(getattr(self, f.name))!r}"
+            for f in dataclasses.fields(self)
+            if f.repr
+        )
+        return f"{type(self).__qualname__}({shown})"
+
     def replace(self, **changes: Any) -> ProducerConfig:
         """Return a copy with ``changes`` applied, validated like a new object.
 
@@ -488,10 +502,9 @@ class ProducerConfig:
         except ConfigError as error:
             if error.field not in sources:
                 raise
-            key, raw, milliseconds = sources[error.field]
-            unit = ", in milliseconds" if milliseconds else ""
-            raise ConfigError(
-                error.field, error.value, f"{error.allowed} (from KPL property {key}={raw!r}{unit})"
+            source = sources[error.field]
+            raise _config_error(
+                error.field, error.value, f"{error.allowed} (from {source})"
             ) from None
 
 
@@ -499,7 +512,49 @@ class ProducerConfig:
 
 
 def _fail(name: str, value: object, allowed: str) -> NoReturn:
-    raise ConfigError(name, "<redacted>" if name in _SECRET_FIELDS else value, allowed)
+    raise _config_error(name, "<redacted>" if name in _SECRET_FIELDS else value, allowed)
+
+
+class _Described:
+    """Stands for a value in a repr or a message: shows a description of it instead."""
+
+    __slots__ = ("_description",)
+
+    def __init__(self, description: str) -> None:
+        self._description = description
+
+    def __repr__(self) -> str:
+        return self._description
+
+
+def _digit_count(number: int) -> int:
+    """The decimal digits of ``abs(number)``, without converting it to a string."""
+    number = abs(number)
+    digits = max(int((number.bit_length() - 1) * math.log10(2)), 0)
+    while 10**digits <= number:
+        digits += 1
+    return max(digits, 1)
+
+
+def _shown(value: object) -> object:
+    """``value``, or a description of it when it is an integer too long to print."""
+    if isinstance(value, int) and value.bit_length() > 3 * _MAX_SHOWN_DIGITS:
+        digits = _digit_count(value)
+        if digits > _MAX_SHOWN_DIGITS:
+            sign = "a negative" if value < 0 else "an"
+            return _Described(f"<{sign} integer of {digits} digits>")
+    return value
+
+
+def _config_error(name: str, value: object, allowed: str) -> ConfigError:
+    """A ConfigError whose message describes an integer too long to print; ``value`` keeps the
+    value itself."""
+    try:
+        error = ConfigError(name, _shown(value), allowed)
+    except ValueError:  # a container holding an integer too long to print
+        error = ConfigError(name, _Described(f"<a {type(value).__name__}>"), allowed)
+    error.value = value
+    return error
 
 
 def _format_bound(bound: float) -> str:

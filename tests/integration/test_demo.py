@@ -11,10 +11,20 @@ verdict, the read-back loop against a fake client, the device schedule and the s
 from __future__ import annotations
 
 import argparse
+import datetime
 import io
+import ipaddress
 import json
+import os
 import random
+import ssl
+import subprocess
+import sys
+import threading
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -90,6 +100,140 @@ def test_demo_fails_when_an_acknowledged_record_is_missing(
     assert "FAIL: 1 acknowledged records missing" in out
     assert f"missing: {lost[0][0]} {lost[0][1].decode()}" in out
     assert "[" not in out.split("Producer")[0], "--quiet printed progress lines"
+
+
+# -- an HTTPS endpoint with a self-signed certificate --------------------------------------
+
+
+def _self_signed_certificate(directory: Path) -> tuple[Path, Path]:
+    """A certificate for localhost and 127.0.0.1, signed by its own key; (cert.pem, key.pem)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+@contextmanager
+def _tls_proxy(upstream: str, cert_path: Path, key_path: Path) -> Iterator[str]:
+    """``https://localhost:PORT`` terminating TLS with the given certificate and passing the
+    bytes on to ``upstream`` (an ``http://host:port`` URL), on an event loop in a thread."""
+    import asyncio
+
+    host, port = upstream.removeprefix("http://").rsplit(":", 1)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert_path, key_path)
+    loop = asyncio.new_event_loop()
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, ssl.SSLError):
+            pass  # a client that gave up on the handshake, or hung up
+        finally:
+            writer.close()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream_writer = await asyncio.open_connection(host, int(port))
+        await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
+
+    server = loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0, ssl=context))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"https://localhost:{server.sockets[0].getsockname()[1]}"
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        server.close()
+        loop.run_until_complete(server.wait_closed())
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()
+
+
+@pytest.fixture(scope="module")
+def self_signed_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The emulator behind a TLS proxy whose certificate no CA signed."""
+    from anykpl.emulator import spawn
+
+    cert_path, key_path = _self_signed_certificate(tmp_path_factory.mktemp("tls"))
+    with spawn() as upstream, _tls_proxy(upstream, cert_path, key_path) as url:
+        yield url
+
+
+@pytest.mark.timeout(60)
+def test_demo_against_a_self_signed_endpoint_ends_in_one_clear_line(
+    self_signed_endpoint: str,
+) -> None:
+    # the real command, so that the test sees what a user sees: status and stderr
+    command = [sys.executable, "-m", "anykpl.cli", "demo", *SHORT, "--quiet"]
+    command += ["--endpoint", self_signed_endpoint, "--stream", "tls-refused"]
+    environment = {**os.environ, "AWS_ACCESS_KEY_ID": "demo", "AWS_SECRET_ACCESS_KEY": "demo"}
+    done = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=50)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines() == [
+        f"anykpl demo: TLS with {self_signed_endpoint} failed (certificate verify failed: "
+        "self-signed certificate); for a test endpoint with a self-signed certificate, "
+        "--no-verify skips the check"
+    ]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_demo_with_no_verify_runs_over_tls_and_warns(
+    backend: str,
+    self_signed_endpoint: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "demo")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "demo")
+    stream = f"tls-{backend}"
+    argv = [*SHORT, "--quiet", "--backend", backend, "--stream", stream, "--region", "us-east-1"]
+    status = anykpl.demo.run(parse(*argv, "--endpoint", self_signed_endpoint, "--no-verify"))
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert (
+        "warning: TLS certificate verification is off (--no-verify): anyone between here and "
+        f"{self_signed_endpoint} can read and change the traffic"
+    ) in out
+    assert "PASS: all " in out
+    assert "missing 0" in out
+
+
+def test_no_verify_without_an_endpoint_is_refused() -> None:
+    with pytest.raises(SystemExit, match="--no-verify applies to --endpoint only"):
+        anykpl.demo.run(parse(*SHORT, "--no-verify"))
 
 
 # -- options ------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import anyio.lowlevel
 import pytest
 from aws_kinesis_agg import deaggregator
 
-from anykpl import PendingRecord, Producer, RecordResult, errors
+from anykpl import PendingRecord, Producer, ProducerConfig, RecordResult, errors
 from anykpl._wire import MAGIC, DecodedRecord, deaggregate
 
 pytestmark = pytest.mark.anyio
@@ -317,6 +317,7 @@ async def test_result_sub_sequence_numbers_match_the_aggregate_read_back(
     sent = {uid: make_sent(uid, "same-key") for uid in range(5)}
     async with Producer(**producer_options) as producer:
         await wait_for_shard_map(producer, stream)
+        submitted = anyio.current_time()
         handles = [
             await producer.submit(stream, s.data, partition_key=s.partition_key)
             for s in sent.values()
@@ -324,13 +325,21 @@ async def test_result_sub_sequence_numbers_match_the_aggregate_read_back(
         await producer.flush()
         results = [await handle for handle in handles]
         alone = payload(5)
+        called = anyio.current_time()
         single = await producer.put_record(stream, alone, partition_key="alone")
+        returned = anyio.current_time()
 
-    for result in [*results, single]:
+    # the attempts' delays and durations (the producer's clock is anyio's) lie inside the time
+    # the test saw each record in the producer; a lone put waits out record_max_buffered_time
+    for result, inside in [
+        *((r, called - submitted) for r in results),
+        (single, returned - called),
+    ]:
         assert_success(result)
-        for attempt in result.attempts:
-            assert attempt.delay >= 0
-            assert attempt.duration > 0
+        assert sum(a.delay + a.duration for a in result.attempts) <= inside
+        assert all(a.duration > 0 for a in result.attempts)
+    buffered = ProducerConfig(**producer_options).record_max_buffered_time
+    assert single.attempts[0].delay >= buffered - 0.001
     assert len({r.sequence_number for r in results}) == 1
     assert len({r.shard_id for r in results}) == 1
     assert [r.sub_sequence_number for r in results] == [0, 1, 2, 3, 4]

@@ -35,6 +35,7 @@ import math
 import os
 import random
 import time
+import warnings
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -210,6 +211,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--region",
         default=None,
         help="AWS region (default us-east-1, or botocore's configured region with --endpoint)",
+    )
+    target.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="with --endpoint: do not check the endpoint's TLS certificate (a test endpoint "
+        "with a self-signed certificate; never against AWS)",
     )
     running = parser.add_argument_group("running")
     running.add_argument(
@@ -796,6 +804,8 @@ class Target:
         stream: the stream name.
         emulator: whether the endpoint is the emulator this demo started (its statistics can
             be asked for).
+        verify_certificate: whether to check the endpoint's TLS certificate (``--no-verify``
+            turns it off).
     """
 
     endpoint_url: str | None
@@ -803,6 +813,7 @@ class Target:
     credentials: Mapping[str, str]
     stream: str
     emulator: bool
+    verify_certificate: bool = True
 
 
 @dataclass
@@ -900,6 +911,7 @@ async def produce(
         aggregation_enabled=workload.aggregation,
         aws_access_key_id=target.credentials.get("aws_access_key_id"),
         aws_secret_access_key=target.credentials.get("aws_secret_access_key"),
+        verify_certificate=target.verify_certificate,
     )
     indexes = list(range(workload.devices))
     groups = [
@@ -1180,6 +1192,7 @@ def _botocore_client(target: Target) -> Any:
         "kinesis",
         region_name=target.region,
         endpoint_url=target.endpoint_url,
+        verify=target.verify_certificate,
         **target.credentials,
     )
 
@@ -1210,21 +1223,41 @@ def _external_target(args: argparse.Namespace) -> Target:
     # no credentials anywhere: likely a local endpoint that accepts any
     credentials = {} if session.get_credentials() is not None else DEMO_CREDENTIALS
     endpoint = None if args.endpoint == "aws" else args.endpoint
-    return Target(endpoint, region, credentials, args.stream, emulator=False)
+    return Target(
+        endpoint, region, credentials, args.stream, emulator=False, verify_certificate=args.verify
+    )
 
 
 @contextmanager
 def _started_target(args: argparse.Namespace, say: _Printer) -> Iterator[Target]:
     """The endpoint to use: ``--endpoint``, or the emulator started here (and stopped after)."""
     if args.endpoint is not None:
+        import botocore.exceptions
+
         target = _external_target(args)
+        where = target.endpoint_url or f"the Kinesis endpoint of {target.region}"
+        if not target.verify_certificate:
+            say(
+                f"warning: TLS certificate verification is off (--no-verify): anyone between "
+                f"here and {where} can read and change the traffic",
+                "yellow",
+            )
         client = _botocore_client(target)
         try:
             _ensure_stream(client, target.stream, args.shards, say)
+        except botocore.exceptions.SSLError as exc:
+            raise SystemExit(
+                f"anykpl demo: TLS with {where} failed ({_tls_reason(exc)}); for a test "
+                "endpoint with a self-signed certificate, --no-verify skips the check"
+            ) from None
+        except botocore.exceptions.EndpointConnectionError:
+            raise SystemExit(f"anykpl demo: could not connect to {where}") from None
         finally:
             client.close()
         yield target
         return
+    if not args.verify:
+        raise SystemExit("anykpl demo: --no-verify applies to --endpoint only")
     if importlib.util.find_spec("moto") is None:
         raise SystemExit(
             "anykpl demo starts the emulator, which needs moto: pip install 'anykpl[demo]' "
@@ -1235,6 +1268,39 @@ def _started_target(args: argparse.Namespace, say: _Printer) -> Iterator[Target]
     say(f"starting the emulator with stream {args.stream} ({args.shards} shards, limits on)")
     with spawn(streams={args.stream: args.shards}) as url:
         yield Target(url, args.region or "us-east-1", DEMO_CREDENTIALS, args.stream, True)
+
+
+@contextmanager
+def _unverified_quietly(verify: bool) -> Iterator[None]:
+    """Without verification, silence urllib3's warning: the demo warned once, and urllib3
+    would warn again on every request of its botocore clients."""
+    with warnings.catch_warnings():
+        if not verify:
+            from urllib3.exceptions import InsecureRequestWarning
+
+            warnings.simplefilter("ignore", InsecureRequestWarning)
+        yield
+
+
+def _tls_reason(exc: BaseException) -> str:
+    """What went wrong in the handshake ("certificate verify failed: self-signed certificate"),
+    from the ``ssl`` error botocore's ``SSLError`` wraps (in urllib3's), else its message."""
+    import ssl
+
+    seen: list[BaseException] = []
+    pending: list[object] = [exc]
+    while pending:
+        current = pending.pop()
+        if not isinstance(current, BaseException) or current in seen:
+            continue
+        seen.append(current)
+        if isinstance(current, ssl.SSLCertVerificationError) and current.verify_message:
+            return f"certificate verify failed: {current.verify_message}"
+        if isinstance(current, ssl.SSLError) and current.reason:
+            return str(current.reason)
+        pending.extend([*current.args, *getattr(current, "kwargs", {}).values()])
+        pending.extend([current.__cause__, current.__context__])
+    return str(exc)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -1255,7 +1321,7 @@ def _run(args: argparse.Namespace, console: Any, say: _Printer) -> int:
 
     workload = workload_from(args)
     rng = random.Random(args.seed)
-    with _started_target(args, say) as target:
+    with _unverified_quietly(args.verify), _started_target(args, say) as target:
         where = "the emulator" if target.emulator else (target.endpoint_url or "AWS")
         title = (
             f"anykpl demo · {args.backend} · stream {target.stream} on {where} · "
