@@ -228,6 +228,35 @@ def test_a_flush_leaves_records_waiting_for_the_shard_map_to_wait() -> None:
     assert agg.waiting_for_shard_map == 0
 
 
+def test_a_flush_that_found_records_waiting_for_the_shard_map_is_due_when_they_go() -> None:
+    """Flushed while they waited for the map, records must not then wait out their buffered
+    time (30 s, say) in an aggregate once the map is ready: the flush is due again."""
+    ready = False
+    agg = make_aggregator(predict=lambda _: "shardId-000000000000" if ready else None)
+    out: list[KinesisRecord] = []
+    agg.put(make_record("a", deadline=30.0), out)
+    agg.flush_all(out)
+    assert not agg.deferred_flush_due()
+    ready = True
+    agg.flush_due(0.5, out)  # the map is ready: they are aggregated, not yet sealed
+    assert out == []
+    assert agg.deferred_flush_due()
+    assert not agg.deferred_flush_due()  # once
+    agg.flush_all(out)
+    assert [len(kr.records) for kr in out] == [1]
+
+
+def test_records_go_raw_at_once_while_the_shard_map_is_unavailable() -> None:
+    """ListShards failed for good (a missing stream): records do not wait for a map that
+    will not come, they go raw and fail fast with the service's error."""
+    agg = make_aggregator(predict=lambda _: None)
+    agg.map_unavailable = True
+    out: list[KinesisRecord] = []
+    agg.put(make_record("a", deadline=1.0), out)
+    assert [len(kr.records) for kr in out] == [1]
+    assert agg.waiting_for_shard_map == 0
+
+
 def test_records_waiting_for_the_shard_map_go_raw_when_their_wait_ends() -> None:
     agg = make_aggregator(predict=lambda _: None)
     out: list[KinesisRecord] = []

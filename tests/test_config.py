@@ -392,6 +392,8 @@ OUT_OF_RANGE = [
     ("max_outstanding_time", 0, "> 0"),
     ("max_outstanding_time", -1.0, "> 0"),
     ("close_timeout", -0.1, ">= 0"),
+    ("stream_idle_timeout", 0, "> 0"),
+    ("stream_idle_timeout", -1.0, "> 0"),
     ("retry_backoff_initial", -0.01, "0..60"),
     ("retry_backoff_initial", 61, "0..60"),
     ("retry_backoff_max", 0.01, ">= retry_backoff_initial"),
@@ -462,6 +464,9 @@ AT_THE_BOUNDS = [
     ("max_outstanding_time", math.inf),
     ("close_timeout", 0),
     ("close_timeout", math.inf),
+    ("stream_idle_timeout", 0.001),
+    ("stream_idle_timeout", math.inf),
+    ("stream_idle_timeout", None),
     ("retry_backoff_initial", 0),
     ("retry_backoff_max", 0.05),
     ("metrics_namespace", "n" * 255),
@@ -508,6 +513,7 @@ FLOAT_FIELDS = [
     "admission_timeout",
     "max_outstanding_time",
     "close_timeout",
+    "stream_idle_timeout",
     "retry_backoff_initial",
     "retry_backoff_max",
     "adaptive_increase",
@@ -518,11 +524,12 @@ FLOAT_FIELDS = [
 #: float fields no integer fits (tested with floats only)
 FRACTION_FIELDS = ["adaptive_decrease"]
 #: fields holding objects (FleetConfig, TenantQuota), tested in tests/test_config.py's own section
-OBJECT_FIELDS = ["fleet", "tenant_quotas", "default_tenant_quota"]
+OBJECT_FIELDS = ["fleet", "tenant_quotas", "default_tenant_quota", "streams"]
 STR_FIELDS = [
     "region",
     "endpoint_url",
     "profile",
+    "ca_bundle",
     "http_backend",
     "metrics_level",
     "metrics_granularity",
@@ -1039,7 +1046,6 @@ IGNORED_AT_DEFAULT = [
     "NativeExecutable =",
     "TempDirectory =",
     "CaCertPath =",
-    "CaCertFile =",
     "StsEndpoint =",
     "StsPort = 443",
     "UserRecordTimeoutInMillis = 0",
@@ -1281,6 +1287,9 @@ def test_every_kpl_name_is_snake_case_of_its_field() -> None:
     for key, name in KPL_PROPERTY_NAMES.items():
         if name is None or key.startswith("Kinesis"):
             continue
+        if key == "CaCertFile":  # botocore's name for it, as in AWS_CA_BUNDLE
+            assert name == "ca_bundle"
+            continue
         snake = re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower()
         assert snake == name
 
@@ -1302,7 +1311,12 @@ def test_docs_page_documents_every_field_and_ignored_property() -> None:
 
 
 def test_module_all() -> None:
-    assert config_module.__all__ == ("FleetConfig", "ProducerConfig", "TenantQuota")
+    assert config_module.__all__ == (
+        "FleetConfig",
+        "ProducerConfig",
+        "StreamSettings",
+        "TenantQuota",
+    )
 
 
 @pytest.mark.parametrize(("interval", "lease"), [(1.0, 1.0), (1.0, 1.99), (5.0, 9.0)])
@@ -1317,3 +1331,112 @@ def test_a_fleet_lease_must_be_at_least_two_sync_intervals(interval: float, leas
     )
     assert fleet.lease == 2 * interval
     assert config_module.FleetConfig(bucket="bucket-1", records_per_second=10).lease == 15.0
+
+
+# --- ca_bundle -------------------------------------------------------------------------------
+
+
+def test_ca_bundle_defaults_to_none_and_takes_a_file_as_str_or_path(tmp_path: Path) -> None:
+    bundle = tmp_path / "ca.pem"
+    bundle.write_text("-----BEGIN CERTIFICATE-----\n", encoding="ascii")
+    assert ProducerConfig().ca_bundle is None
+    assert ProducerConfig(ca_bundle=str(bundle)).ca_bundle == str(bundle)
+    # a path object is stored as a str: the config stays hashable and its repr plain
+    assert ProducerConfig(ca_bundle=bundle).ca_bundle == str(bundle)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("", r"the path of an existing PEM file of CA certificates$"),
+        ("  ", r"the path of an existing PEM file of CA certificates$"),
+        (1, r"the path of an existing PEM file of CA certificates$"),
+        (True, r"the path of an existing PEM file of CA certificates$"),
+        ("missing.pem", r"the path of an existing PEM file of CA certificates$"),
+        (".", r"\(not a directory: aiobotocore loads one file; concatenate"),
+    ],
+)
+def test_ca_bundle_must_name_an_existing_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: object, why: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=rf"^ca_bundle=.* allowed None or .*{why}") as caught:
+        ProducerConfig(ca_bundle=value)  # type: ignore[arg-type]
+    assert caught.value.field == "ca_bundle"
+
+
+def test_kpl_ca_cert_file_sets_ca_bundle(tmp_path: Path) -> None:
+    bundle = tmp_path / "ca.pem"
+    bundle.write_text("-----BEGIN CERTIFICATE-----\n", encoding="ascii")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load(tmp_path, f"CaCertFile = {bundle}").ca_bundle == str(bundle)
+        # the KPL default, empty, keeps botocore's chain
+        assert load(tmp_path, "CaCertFile =").ca_bundle is None
+    assert KPL_PROPERTY_NAMES["CaCertFile"] == "ca_bundle"
+
+
+def test_kpl_ca_cert_file_that_does_not_exist_names_the_property(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere.pem"
+    with pytest.raises(ConfigError, match=r"\(from KPL property CaCertFile=") as caught:
+        load(tmp_path, f"CaCertFile = {missing}")
+    assert caught.value.field == "ca_bundle"
+
+
+def test_kpl_ca_cert_path_a_directory_is_refused_with_a_warning_saying_what_to_do(
+    tmp_path: Path,
+) -> None:
+    with pytest.warns(UserWarning, match="CaCertPath .* concatenate them into one PEM file"):
+        assert load(tmp_path, "CaCertPath = /etc/ssl/certs") == ProducerConfig()
+
+
+# -- per-stream settings ----------------------------------------------------------------------
+
+
+def test_stream_settings_apply_to_their_stream_only() -> None:
+    settings = config_module.StreamSettings(record_ttl=60, aggregation_enabled=False)
+    config = ProducerConfig(record_max_buffered_time=0.5, streams={"s": settings})
+    mine = config.for_stream("s")
+    assert mine.record_ttl == 60.0
+    assert type(mine.record_ttl) is float  # validated like the producer's field
+    assert mine.aggregation_enabled is False
+    assert mine.record_max_buffered_time == 0.5  # the producer's, not overridden
+    assert config.for_stream("other") is config
+    assert config.record_ttl == 30.0
+
+
+@pytest.mark.parametrize(
+    ("settings", "field"),
+    [
+        ({"record_ttl": -1}, "record_ttl"),
+        ({"collection_max_size": 10**9}, "collection_max_size"),
+        ({"rate_limit": 0}, "rate_limit"),
+        ({"aggregation_enabled": "yes"}, "aggregation_enabled"),
+        ({"record_ttl": 10**5000}, "record_ttl"),
+    ],
+)
+def test_bad_stream_settings_name_the_stream_and_the_field(
+    settings: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        ProducerConfig(streams={"orders": config_module.StreamSettings(**settings)})
+    assert caught.value.field == f"streams['orders'].{field}"
+    assert len(str(caught.value)) < 300
+
+
+@pytest.mark.parametrize(
+    "streams", [{"s": {"record_ttl": 5}}, {"": config_module.StreamSettings()}, ["s"]]
+)
+def test_streams_takes_stream_settings_by_stream(streams: Any) -> None:
+    with pytest.raises(ConfigError, match=r"^streams="):
+        ProducerConfig(streams=streams)
+
+
+def test_stream_settings_are_frozen_and_hashable() -> None:
+    given = {"s": config_module.StreamSettings(record_ttl=5)}
+    config = ProducerConfig(streams=given)
+    given["t"] = config_module.StreamSettings()
+    assert list(config.streams) == ["s"]
+    assert hash(config) == hash(
+        ProducerConfig(streams={"s": config_module.StreamSettings(record_ttl=5)})
+    )

@@ -45,6 +45,7 @@ from ._sync import SyncProducer as SyncProducer
 from ._tenants import TenantStatistics as TenantStatistics
 from .config import FleetConfig as FleetConfig
 from .config import ProducerConfig as ProducerConfig
+from .config import StreamSettings as StreamSettings
 from .config import TenantQuota as TenantQuota
 
 __version__ = "0.1.0.dev0"
@@ -61,6 +62,7 @@ __all__ = (
     "ProducerStatistics",
     "RecordResult",
     "ShardStatistics",
+    "StreamSettings",
     "StreamStatistics",
     "SyncProducer",
     "TenantQuota",

@@ -84,6 +84,11 @@ class Aggregator:
         # records waiting for the shard map, and when the first of them stops waiting
         self._unmapped: list[PendingRecord] = []
         self._unmapped_until = math.inf
+        # ListShards failed for good (the pipeline says): records without a shard go out raw
+        # at once instead of waiting for a map that will not come
+        self.map_unavailable = False
+        # a flush came while records waited for the shard map
+        self._flush_when_released = False
 
     def __repr__(self) -> str:
         return f"<Aggregator {len(self._open)} open aggregate(s) {self.buffered_records} records>"
@@ -118,6 +123,10 @@ class Aggregator:
         """
         shard = record.predicted_shard = self.predict(record.hash_key)
         if shard is None:
+            if self.map_unavailable:
+                # ListShards failed for good (a missing stream): out raw at once, to fail fast
+                out.append(KinesisRecord.single(record))
+                return False
             self._unmapped.append(record)
             self.buffered_records += 1
             if len(self._unmapped) == 1:
@@ -219,9 +228,19 @@ class Aggregator:
         the limiter (measured: 3,000 records in one go, 2,000 of them throttled)."""
         if self._unmapped:
             self._release_unmapped(-math.inf, out, force=False)
+            # still waiting: the flush is theirs too, once they go (see deferred_flush_due)
+            self._flush_when_released = bool(self._unmapped)
         for agg in list(self._open.values()):
             out.append(self._seal(agg))
         self._deadlines.clear()
+
+    def deferred_flush_due(self) -> bool:
+        """Whether records a flush found waiting for the shard map have gone since (the
+        caller flushes again, so that they do not wait out their buffered time)."""
+        if self._flush_when_released and not self._unmapped:
+            self._flush_when_released = False
+            return True
+        return False
 
     def take_all_records(self) -> list[PendingRecord]:
         """Remove and return every buffered user record (used when failing everything)."""

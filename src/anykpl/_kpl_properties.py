@@ -45,7 +45,8 @@ _MAX_SHOWN_LENGTH: Final = 60
 # --- KPL .properties files ------------------------------------------------------------------
 
 #: KPL properties that set a field: property -> (field, how the value is read).
-#: "ms" values are Java longs in milliseconds, converted to seconds.
+#: "ms" values are Java longs in milliseconds, converted to seconds; a "path" left empty (the
+#: KPL default) keeps the field's default.
 _MAPPED_PROPERTIES: Final[Mapping[str, tuple[str, str]]] = {
     "AggregationEnabled": ("aggregation_enabled", "bool"),
     "AggregationMaxCount": ("aggregation_max_count", "int"),
@@ -66,6 +67,7 @@ _MAPPED_PROPERTIES: Final[Mapping[str, tuple[str, str]]] = {
     "RecordTtl": ("record_ttl", "ms"),
     "Region": ("region", "str"),
     "VerifyCertificate": ("verify_certificate", "bool"),
+    "CaCertFile": ("ca_bundle", "path"),
     "MaxUserRecordSize": ("max_user_record_size", "int"),
 }
 
@@ -134,8 +136,14 @@ _IGNORED_PROPERTIES: Final[Mapping[str, tuple[str, str, str]]] = {
     ),
     "NativeExecutable": ("str", "", _NO_DAEMON),
     "TempDirectory": ("str", "", _NO_DAEMON + " to extract"),
-    "CaCertPath": ("str", "", "set botocore's CA bundle instead (AWS_CA_BUNDLE)"),
-    "CaCertFile": ("str", "", "set botocore's CA bundle instead (AWS_CA_BUNDLE)"),
+    # The KPL hands CaCertPath to libcurl as a directory of hashed certificates (CURLOPT_CAPATH);
+    # aiobotocore loads one file only.
+    "CaCertPath": (
+        "str",
+        "",
+        "a directory of CA certificates is not supported; concatenate them into one PEM file "
+        "and set CaCertFile (ca_bundle)",
+    ),
     "StsEndpoint": (
         "str",
         "",
@@ -338,6 +346,8 @@ def _source(key: str, raw: str) -> str:
 def _convert_property(key: str, name: str, kind: str, text: str) -> object:
     if kind == "str":
         return text
+    if kind == "path":
+        return text or None
     source = _source(key, text)
     if kind == "bool":
         if text.lower() in ("true", "false"):

@@ -105,8 +105,9 @@ async def _receive_batch(stream: MemoryObjectReceiveStream[Any], deadline: float
 
 
 class Pipeline:
-    """The stages of one stream. Created by the producer; its tasks run in the producer's
-    task group."""
+    """The stages of one stream. Created by the producer; its tasks run in a task group of
+    their own, inside the producer's, so that the producer can stop one stream (an idle one,
+    ``stream_idle_timeout``) without touching the others."""
 
     def __init__(
         self,
@@ -191,6 +192,13 @@ class Pipeline:
         self._next_backlog_update = -math.inf
         self.on_room: Callable[[], None] | None = None  # the producer's wake-up for waiters
         self.update_backlog_limit(-math.inf)
+        # the stages' scope: cancelled by stop() (created now, so stop() works before start)
+        self._scope = anyio.CancelScope()
+        self.stopped = False
+        # ListShards failed with an error a retry cannot fix (a missing stream, access
+        # denied): new records go out raw at once and fail fast with the service's code, and
+        # ListShards is tried again only when records come (after its backoff)
+        self.shard_map_unavailable = False
 
     def __repr__(self) -> str:
         return f"<Pipeline {self.stream!r} {self.shard_map!r} {self.aggregator!r}>"
@@ -198,6 +206,9 @@ class Pipeline:
     # -- intake (called synchronously by the producer) ------------------------------------
 
     def put(self, record: PendingRecord) -> None:
+        if self.shard_map_unavailable and not self.shard_map.refresh_requested:
+            self.shard_map.refresh_requested = True
+            self._refresh_event.set()
         sealed = self._sealed
         if self.aggregator.put(record, sealed) and record.deadline < self._aggregator_wake_at:
             self._aggregator_wake_at = record.deadline
@@ -271,12 +282,24 @@ class Pipeline:
     # -- tasks ----------------------------------------------------------------------------
 
     def start(self, tg: TaskGroup, guard: Callable[..., Any]) -> None:
-        tg.start_soon(guard, self._run_shard_map)
-        tg.start_soon(guard, self._run_aggregator)
-        tg.start_soon(guard, self._run_limiter)
-        tg.start_soon(guard, self._run_collector)
-        tg.start_soon(guard, self._run_sender)
-        tg.start_soon(guard, self._run_retrier)
+        """Start the stages in a task group of their own, in ``tg``; each runs under ``guard``
+        (the producer's: a crashed stage fails every outstanding record)."""
+        tg.start_soon(self._run, guard)
+
+    async def _run(self, guard: Callable[..., Any]) -> None:
+        with self._scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(guard, self._run_shard_map)
+                tg.start_soon(guard, self._run_aggregator)
+                tg.start_soon(guard, self._run_limiter)
+                tg.start_soon(guard, self._run_collector)
+                tg.start_soon(guard, self._run_sender)
+                tg.start_soon(guard, self._run_retrier)
+
+    def stop(self) -> None:
+        """Stop the stages (the producer has checked that nothing is outstanding)."""
+        self.stopped = True
+        self._scope.cancel()
 
     def _count(self, name: str, value: int, shard: str | None, code: str | None) -> None:
         self.metrics.add(name, value, self.stream, shard, code)
@@ -310,15 +333,25 @@ class Pipeline:
             self._shard_map_failed,
         )
 
-    def _shard_map_failed(self, exc: BaseException) -> None:
-        # A stream that does not exist (or that we may not read) will not get a map: the
-        # records waiting for it go now, raw, and fail fast with the service's error code.
+    def _shard_map_failed(self, exc: BaseException) -> bool:
+        """ListShards failed; returns whether to try again on its own (after the backoff)."""
         code, _ = error_code(exc)
-        if not errors.is_retriable(code) and self.aggregator.waiting_for_shard_map:
+        if errors.is_retriable(code):
+            return True
+        # A stream that does not exist (or that we may not read) will not get a map: the
+        # records waiting for it go now, raw, and fail fast with the service's error code, as
+        # do the records that come later. ListShards is tried again only when they come: an
+        # idle producer does not call it for a missing stream for ever.
+        self.shard_map_unavailable = True
+        self.aggregator.map_unavailable = True
+        if self.aggregator.waiting_for_shard_map:
             self.aggregator.stop_waiting_for_shard_map()
             self.aggregator_send.send_nowait(WAKE)
+        return False
 
     def _shard_map_ready(self) -> None:
+        self.shard_map_unavailable = False
+        self.aggregator.map_unavailable = False
         # records that waited for the map can be aggregated now
         if self.aggregator.waiting_for_shard_map:
             self.aggregator_send.send_nowait(WAKE)
@@ -339,9 +372,14 @@ class Pipeline:
                     for record in message:
                         aggregator.put(record, out)
                 aggregator.flush_due(anyio.current_time(), out)
+                flush = message is FLUSH
+                if aggregator.deferred_flush_due():
+                    # records a flush found waiting for the shard map went now: flush them too
+                    aggregator.flush_all(out)
+                    flush = True
                 if out:
                     self.limiter_send.send_nowait(out)
-                if message is FLUSH:
+                if flush:
                     self.limiter_send.send_nowait(FLUSH)
 
     async def _run_limiter(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import sys
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -53,6 +54,12 @@ CHECKPOINT_EVERY = 128
 #: A token bucket rate that never binds (a fleet bucket before its first grant).
 UNLIMITED = 1e15
 _KEY_CACHE_LIMIT = 65536
+_STREAM_NAME = re.compile(r"[a-zA-Z0-9_.-]{1,128}")
+#: the service's StreamARN: arn:aws.*:kinesis:.*:\d{12}:stream/\S+, at most 2048 characters
+_STREAM_ARN = re.compile(
+    r"arn:aws[a-z-]*:kinesis:[a-z0-9-]+:[0-9]{12}:stream/[a-zA-Z0-9_.-]{1,128}"
+)
+_MAX_STREAM_ARN_LENGTH = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,11 +207,12 @@ class Producer(anyio.AsyncContextManagerMixin):
         self._outstanding: set[PendingRecord] = set()
         self._outstanding_bytes = 0
         self._room: anyio.Event | None = None
-        self._task_group: anyio.abc.TaskGroup | None = None
+        self._task_group: anyio.abc.TaskGroup | None = None  # the stages' task group
+        self._stages_scope: anyio.CancelScope | None = None
+        self._shut_down_event: anyio.Event | None = None
         self._state = "new"  # new → open → closing → closed
         self._metrics = Metrics()
         self._metrics.collect = self._count_received
-        self._ttl = config.record_ttl  # already clamped to ten years by ProducerConfig
         # partition key -> (hash key, UTF-8 length): IoT-style workloads reuse keys, and an MD5
         # costs more than the dictionary lookup
         self._key_cache: dict[str, tuple[int, int]] = {}
@@ -212,7 +220,6 @@ class Producer(anyio.AsyncContextManagerMixin):
         self._max_bytes = config.max_outstanding_bytes
         self._max_record_size = config.max_user_record_size
         self._failure: BaseException | None = None
-        self._buffer_time = config.record_max_buffered_time
         self._admitted_since_checkpoint = 0
         self._clock: Callable[[], float] = anyio.current_time
         self._tenants = TenantAdmission(config)
@@ -238,17 +245,24 @@ class Producer(anyio.AsyncContextManagerMixin):
         try:
             async with self._open_transport() as transport, anyio.create_task_group() as tg:
                 self._transport = transport
-                self._task_group = tg
+                # the stages run in a task group of their own (a task of ``tg``), so that
+                # aclose() can stop them from inside the ``async with`` block without
+                # cancelling the caller's code in it
+                self._task_group = await tg.start(self._host_stages)
                 self._clock = _backend_clock()
                 self._metrics.clock = self._clock
                 if self._metrics_sinks and self.config.metrics_level != "none":
                     self._uploader = Uploader(self._metrics, self._metrics_sinks, self.config)
-                    tg.start_soon(self._uploader.run)
+                    self._task_group.start_soon(self._uploader.run)
                 if self.config.fleet is not None:
                     self._fleet_worker = FleetWorker(
                         self.config.fleet, self.config, self._fleet_demand, self._apply_fleet_rates
                     )
-                    await tg.start(self._fleet_worker.run)  # the bootstrap rate applies now
+                    # the bootstrap rate applies now
+                    await self._task_group.start(self._fleet_worker.run)
+                idle = self.config.stream_idle_timeout
+                if idle is not None and idle != math.inf:
+                    self._task_group.start_soon(self._prune_idle_streams, idle)
                 self._state = "open"
                 cancelled = False
                 try:
@@ -257,29 +271,91 @@ class Producer(anyio.AsyncContextManagerMixin):
                     cancelled = True
                     raise
                 finally:
-                    self._state = "closing"
-                    closing_at = anyio.current_time()
-                    try:
-                        await self._close(cancelled)
-                    finally:
-                        if self._fleet_worker is not None:
-                            # shielded; by what is left of close_timeout at the latest
-                            bound = self.config.close_timeout
-                            if self._close_timeout is not None:
-                                bound = min(bound, self._close_timeout)
-                            await self._fleet_worker.aclose(deadline=closing_at + bound)
-                        if self._uploader is not None:
-                            self._uploader.abort()
-                        tg.cancel_scope.cancel()
+                    await self._shut_down(cancelled)
         except BaseExceptionGroup as group:
-            # unwrap a lone stage failure so the caller sees the real error
-            if len(group.exceptions) == 1:
-                raise group.exceptions[0] from None
+            # unwrap a lone stage failure so the caller sees the real error (the stages' task
+            # groups nest: one group per level)
+            lone: BaseException = group
+            while isinstance(lone, BaseExceptionGroup) and len(lone.exceptions) == 1:
+                lone = lone.exceptions[0]
+            if lone is not group:
+                raise lone from None
             raise
         finally:
             self._state = "closed"
             self._fail_closed()  # the safety net, also when opening the transport failed
             self._freeze_clock()
+
+    async def _host_stages(
+        self, *, task_status: anyio.abc.TaskStatus[anyio.abc.TaskGroup] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        async with anyio.create_task_group() as stages:
+            self._stages_scope = stages.cancel_scope
+            task_status.started(stages)
+            await anyio.sleep_forever()
+
+    async def aclose(self) -> None:
+        """Close the producer now, as leaving its ``async with`` block does (the KPL's
+        ``destroy()``): no more puts, a flush bounded by ``close_timeout``, then what is left
+        fails with ``ProducerClosed``. For code that cannot end the block where it wants the
+        producer closed (a shutdown hook, another task); the block's own exit then has nothing
+        left to do. Idempotent; a producer never opened just closes."""
+        if self._state == "new":
+            self._state = "closed"
+            return
+        await self._shut_down(cancelled=False)
+
+    async def _shut_down(self, cancelled: bool) -> None:
+        """Close once: whoever comes second (the ``async with`` exit after :meth:`aclose`, or a
+        second ``aclose``) waits for the first."""
+        done = self._shut_down_event
+        if done is not None:
+            await done.wait()
+            return
+        done = self._shut_down_event = anyio.Event()
+        self._state = "closing"
+        closing_at = anyio.current_time()
+        try:
+            await self._close(cancelled)
+        finally:
+            try:
+                if self._fleet_worker is not None:
+                    # shielded; by what is left of close_timeout at the latest
+                    bound = self.config.close_timeout
+                    if self._close_timeout is not None:
+                        bound = min(bound, self._close_timeout)
+                    await self._fleet_worker.aclose(deadline=closing_at + bound)
+                if self._uploader is not None:
+                    self._uploader.abort()
+            finally:
+                if self._stages_scope is not None:
+                    self._stages_scope.cancel()
+                done.set()
+
+    async def _prune_idle_streams(self, idle_timeout: float) -> None:
+        """Close the pipeline of every stream that has had nothing outstanding and no new
+        record for ``idle_timeout`` seconds (checked every quarter of it)."""
+        seen: dict[str, tuple[int, float]] = {}  # stream -> (records received, idle since)
+        while True:
+            await anyio.sleep(idle_timeout / 4)
+            now = self._clock()
+            for stream, pipeline in list(self._pipelines.items()):
+                received = pipeline.received
+                last = seen.get(stream)
+                if pipeline.outstanding_records or last is None or last[0] != received:
+                    seen[stream] = (received, now)
+                elif now - last[1] >= idle_timeout:
+                    del self._pipelines[stream]
+                    del seen[stream]
+                    pipeline.stop()
+                    logger.info(
+                        "stream %s idle for %g s: its pipeline is closed until the next put",
+                        stream,
+                        idle_timeout,
+                        extra={"stream": stream},
+                    )
+            for stream in [s for s in seen if s not in self._pipelines]:
+                del seen[stream]
 
     async def _close(self, cancelled: bool) -> None:
         """Flush, fail what is left, send the last metrics report: all within one deadline,
@@ -359,7 +435,7 @@ class Producer(anyio.AsyncContextManagerMixin):
             raise errors.ProducerClosedError("the producer is not open")
         pipeline = Pipeline(
             stream,
-            self.config,
+            self.config.for_stream(stream),  # with the stream's own settings, if any
             self._transport,
             self._metrics,
             self._finish,
@@ -456,11 +532,15 @@ class Producer(anyio.AsyncContextManagerMixin):
             if reservation is not None:  # not enqueued after all: the tenant's tokens go back
                 self._tenants.release(reservation, self._clock())
             raise
+        if pipeline.stopped:
+            # the stream went idle and its pipeline closed while this submit waited
+            pipeline = self._pipelines.get(stream) or self._open_pipeline(stream)
         # the record's clock starts at admission, as the KPL's starts when the daemon sees it
         now = self._clock()
         record.arrival = now
-        deadline = now + self._buffer_time
-        expiration = now + self._ttl
+        config = pipeline.config  # the stream's settings (ProducerConfig.streams)
+        deadline = now + config.record_max_buffered_time
+        expiration = now + config.record_ttl
         record.deadline = deadline if deadline < expiration else expiration
         record.expiration = expiration
         self._outstanding.add(record)
@@ -616,19 +696,32 @@ class Producer(anyio.AsyncContextManagerMixin):
 
     # -- flushing -------------------------------------------------------------------------
 
-    async def flush(self, timeout: float | None = None) -> None:  # noqa: ASYNC109 (SPEC §2)
-        """Send everything buffered now and wait until every record put so far is terminal.
+    async def flush(
+        self,
+        timeout: float | None = None,  # noqa: ASYNC109 (SPEC §2)
+        *,
+        stream: str | None = None,
+    ) -> None:
+        """Send everything buffered now and wait until every record put so far is terminal;
+        with ``stream``, only that stream's records (the KPL's ``flush(stream)``, which waits
+        for nothing).
 
         Records put while the flush waits are not waited for.
 
         :raises ~anykpl.errors.FlushTimeout: if ``timeout`` seconds pass first (nothing is
             failed; the records carry on).
         """
-        snapshot = list(self._outstanding)
+        if stream is None:
+            snapshot = list(self._outstanding)
+            pipelines = list(self._pipelines.values())
+        else:
+            snapshot = [record for record in self._outstanding if record.stream == stream]
+            owner = self._pipelines.get(stream)
+            pipelines = [] if owner is None else [owner]
         if not snapshot:
             await anyio.lowlevel.checkpoint()
             return
-        for pipeline in self._pipelines.values():
+        for pipeline in pipelines:
             pipeline.flush()
         try:
             with anyio.fail_after(timeout if timeout is not None else math.inf):
@@ -758,13 +851,23 @@ class Producer(anyio.AsyncContextManagerMixin):
 
 
 def _check_stream_name(stream: object) -> None:
+    """A stream name, or a stream ARN (``arn:aws:kinesis:<region>:<account>:stream/<name>``,
+    sent as ``StreamARN``: cross-account access, as in the KPL 0.15.9)."""
     if type(stream) is not str:
         raise errors.RecordTypeError(f"stream must be a str, not {type(stream).__name__}")
-    if not (
-        0 < len(stream) <= 128 and all(c.isascii() and (c.isalnum() or c in "_.-") for c in stream)
-    ):
+    if stream.startswith("arn:"):
+        if len(stream) > _MAX_STREAM_ARN_LENGTH or not _STREAM_ARN.fullmatch(stream):
+            shown = stream if len(stream) <= 200 else f"{stream[:200]}..."
+            raise errors.InvalidRecordError(
+                f"invalid stream ARN {shown!r}: expected "
+                f"arn:<partition>:kinesis:<region>:<12-digit account>:stream/<stream name>"
+            )
+        return
+    if not _STREAM_NAME.fullmatch(stream):
+        shown = stream if len(stream) <= 200 else f"{stream[:200]}..."
         raise errors.InvalidRecordError(
-            f"invalid stream name {stream!r}: 1..128 characters of a-z, A-Z, 0-9, '_', '.' and '-'"
+            f"invalid stream name {shown!r}: 1..128 characters of a-z, A-Z, 0-9, '_', '.' "
+            f"and '-' (or a stream ARN)"
         )
 
 

@@ -30,7 +30,14 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from . import errors
 from .config import ProducerConfig
 
-__all__ = ("Outcome", "Transport", "error_code", "open_transport", "run_sender")
+__all__ = (
+    "Outcome",
+    "Transport",
+    "error_code",
+    "open_transport",
+    "run_sender",
+    "stream_parameters",
+)
 
 logger = logging.getLogger("anykpl.sender")
 
@@ -106,13 +113,21 @@ def _running_trio() -> bool:
         return False
 
 
+def stream_parameters(stream: str) -> dict[str, str]:
+    """How a request names ``stream``: ``StreamARN`` for a stream ARN (cross-account access,
+    as the KPL 0.15.9 sends it), ``StreamName`` otherwise."""
+    if stream.startswith("arn:"):
+        return {"StreamARN": stream}
+    return {"StreamName": stream}
+
+
 class _BotocoreTransport:
     def __init__(self, client: Any) -> None:
         self._client = client
 
     async def put_records(self, stream: str, records: list[dict[str, Any]]) -> Mapping[str, Any]:
         response: Mapping[str, Any] = await self._client.put_records(
-            StreamName=stream, Records=records
+            **stream_parameters(stream), Records=records
         )
         return response
 
@@ -158,7 +173,8 @@ def create_client(
         aws_access_key_id=config.aws_access_key_id,
         aws_secret_access_key=config.aws_secret_access_key,
         aws_session_token=config.aws_session_token,
-        verify=config.verify_certificate,
+        # None hands the choice to botocore's chain (AWS_CA_BUNDLE, the profile's ca_bundle)
+        verify=config.ca_bundle if config.verify_certificate else False,
         config=AioConfig(**options),
     )
     return client

@@ -34,6 +34,8 @@ from typing import Any
 
 import anyio
 
+from ._sender import stream_parameters
+
 __all__ = ("ShardMap", "ShardMapState", "run_shard_map", "shard_number")
 
 logger = logging.getLogger("anykpl.shard_map")
@@ -193,18 +195,23 @@ async def run_shard_map(
     list_shards: ListShards,
     wake: Callable[[], anyio.Event],
     on_ready: Callable[[], None] = lambda: None,
-    on_failure: Callable[[BaseException], None] = lambda exc: None,
+    on_failure: Callable[[BaseException], bool] = lambda exc: True,
 ) -> None:
     """Keep ``shard_map`` fresh for ``stream``: refresh when requested, retry with backoff.
 
     ``wake()`` returns the event that is set when somebody requests a refresh; ``on_ready()``
-    is called after every successful refresh, ``on_failure(exc)`` after every failed one.
+    is called after every successful refresh, ``on_failure(exc)`` after every failed one: it
+    returns whether to try again after the backoff (``False`` for an error a retry cannot
+    fix, such as a missing stream: the next try waits for a refresh request, and the
+    backoff).
     """
     while True:
         if shard_map.refresh_requested and shard_map.begin_update():
             try:
                 response = await list_shards(
-                    StreamName=stream, MaxResults=1000, ShardFilter={"Type": "AT_LATEST"}
+                    **stream_parameters(stream),
+                    MaxResults=1000,
+                    ShardFilter={"Type": "AT_LATEST"},
                 )
                 shard_map.apply_page(response.get("Shards", []))
                 while token := response.get("NextToken"):
@@ -214,16 +221,18 @@ async def run_shard_map(
                 raise
             except Exception as exc:
                 delay = shard_map.fail_update()
-                on_failure(exc)
+                retry = on_failure(exc)
                 logger.warning(
-                    "ListShards for %s failed (%s); retrying in %.1f s",
+                    "ListShards for %s failed (%s); %s in %.1f s",
                     stream,
                     exc,
+                    "retrying" if retry else "trying again when records come, at the earliest",
                     delay,
                     extra={"stream": stream, "retry_in": delay},
                 )
                 await anyio.sleep(delay)
-                shard_map.refresh_requested = True
+                if retry:
+                    shard_map.refresh_requested = True
                 continue
             shard_map.finish_update(anyio.current_time())
             on_ready()

@@ -49,7 +49,7 @@ from ._limits import (
 )
 from .errors import ConfigError
 
-__all__ = ("FleetConfig", "ProducerConfig", "TenantQuota")
+__all__ = ("FleetConfig", "ProducerConfig", "StreamSettings", "TenantQuota")
 
 HttpBackend = Literal["auto", "aiohttp", "httpx"]
 TenantOverflow = Literal["wait", "reject"]
@@ -97,6 +97,48 @@ class TenantQuota:
             if getattr(self, name) is not None:
                 _check_number(self, name, 0.0, None, unit="per second", open_low=True)
         _check_number(self, "burst", 0.001, 3600.0)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamSettings:
+    """Settings of one stream that differ from the producer's (``ProducerConfig.streams``);
+    ``None`` keeps the producer's value. Each is validated as the producer's field of the same
+    name, together with the producer's other fields (``record_ttl`` against
+    ``record_max_buffered_time``, and so on).
+
+    Attributes:
+        record_max_buffered_time: see :class:`ProducerConfig`.
+        record_ttl: see :class:`ProducerConfig`.
+        aggregation_enabled: see :class:`ProducerConfig`.
+        aggregation_max_count: see :class:`ProducerConfig`.
+        aggregation_max_size: see :class:`ProducerConfig`.
+        collection_max_count: see :class:`ProducerConfig`.
+        collection_max_size: see :class:`ProducerConfig`.
+        rate_limit: see :class:`ProducerConfig`.
+        fail_if_throttled: see :class:`ProducerConfig`.
+        max_outstanding_time: see :class:`ProducerConfig`.
+        adaptive: see :class:`ProducerConfig`.
+    """
+
+    record_max_buffered_time: float | None = None
+    record_ttl: float | None = None
+    aggregation_enabled: bool | None = None
+    aggregation_max_count: int | None = None
+    aggregation_max_size: int | None = None
+    collection_max_count: int | None = None
+    collection_max_size: int | None = None
+    rate_limit: float | None = None
+    fail_if_throttled: bool | None = None
+    max_outstanding_time: float | None = None
+    adaptive: bool | None = None
+
+    def overrides(self) -> dict[str, Any]:
+        """The settings given (not ``None``), by field name."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None
+        }
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -196,6 +238,12 @@ class ProducerConfig:
             key ID and the secret. Never shown in ``repr`` or in error messages.
         verify_certificate: Verify the endpoint's TLS certificate. Default ``True``; do not turn
             it off in production. KPL: ``VerifyCertificate``.
+        ca_bundle: Path of a PEM file of CA certificates to check the endpoint's certificate
+            with (a ``str`` or a path object; it must be an existing file). Default ``None``:
+            botocore's chain (``AWS_CA_BUNDLE``, the profile's ``ca_bundle``), then certifi's
+            bundle. Ignored when ``verify_certificate`` is ``False``. A directory of
+            certificates is refused: aiobotocore loads one file (concatenate the PEM files).
+            KPL: ``CaCertFile`` (``CaCertPath``, a directory, is not supported).
         http_backend: HTTP client under aiobotocore: ``"aiohttp"``, ``"httpx"``, or ``"auto"``
             (the default: aiohttp under asyncio, httpx under trio, where aiohttp cannot run).
             No KPL property.
@@ -278,6 +326,11 @@ class ProducerConfig:
             greater than 0 when given. No KPL property.
         close_timeout: Seconds closing the producer spends flushing before it fails what is
             left. Default 30.0, at least 0. No KPL property.
+        stream_idle_timeout: Seconds a stream may go without records, with nothing
+            outstanding, before its pipeline (tasks, shard map, rate state) is closed; the
+            next put for the stream opens it again (and lists its shards again). Default 300.0;
+            ``None`` or ``inf`` keeps every stream open until the producer closes; greater
+            than 0 when given. No KPL property (the KPL keeps every stream it has seen).
         retry_backoff_initial: Base, in seconds, of the per-shard exponential backoff with full
             jitter that spaces retries, on top of the rate limit. Default 0.05, 0..60. No KPL
             property (the KPL retries without backoff).
@@ -321,6 +374,10 @@ class ProducerConfig:
             ``None`` (such tenants are not limited, but still queue fairly).
         tenant_overflow: What a put over its tenant's quota does: ``"wait"`` for tokens (the
             default) or ``"reject"`` at once with :class:`~anykpl.errors.TenantQuotaExceeded`.
+        streams: Per-stream settings, stream name (or ARN, as given to ``put_record``) →
+            :class:`StreamSettings`: record-level settings of that stream that differ from
+            the fields above (buffering time, TTL, aggregation, collection, rate limit...).
+            Default: none. No KPL property (the KPL has one configuration per producer).
     """
 
     # Connection / AWS
@@ -331,6 +388,7 @@ class ProducerConfig:
     aws_secret_access_key: str | None = field(default=None, repr=False)
     aws_session_token: str | None = field(default=None, repr=False)
     verify_certificate: bool = True
+    ca_bundle: str | None = None
     http_backend: HttpBackend = "auto"
     max_connections: int = 24
     connect_timeout: float = 6.0
@@ -359,6 +417,7 @@ class ProducerConfig:
     max_outstanding_time: float | None = None
     admission_timeout: float | None = None
     close_timeout: float = 30.0
+    stream_idle_timeout: float | None = 300.0
     retry_backoff_initial: float = 0.05
     retry_backoff_max: float = 5.0
     container_partition_key: str = "a"
@@ -374,6 +433,7 @@ class ProducerConfig:
     tenant_quotas: Mapping[str, TenantQuota] = field(default_factory=dict)
     default_tenant_quota: TenantQuota | None = None
     tenant_overflow: TenantOverflow = "wait"
+    streams: Mapping[str, StreamSettings] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Connection / AWS
@@ -386,6 +446,7 @@ class ProducerConfig:
         _optional_str(self, "profile")
         _check_credentials(self)
         _check_bool(self, "verify_certificate")
+        _check_ca_bundle(self)
         _check_choice(self, "http_backend", get_args(HttpBackend))
         _check_int(self, "max_connections", 1, 256)
         _check_number(self, "connect_timeout", 0.1, 300.0)
@@ -420,6 +481,8 @@ class ProducerConfig:
         if self.admission_timeout is not None:
             _check_number(self, "admission_timeout", 0.0, None, allow_inf=True, open_low=True)
         _check_number(self, "close_timeout", 0.0, None, allow_inf=True)
+        if self.stream_idle_timeout is not None:
+            _check_number(self, "stream_idle_timeout", 0.0, None, allow_inf=True, open_low=True)
         initial = _check_number(self, "retry_backoff_initial", 0.0, 60.0)
         backoff_max = _check_number(self, "retry_backoff_max", 0.0, None)
         if backoff_max < initial:
@@ -441,6 +504,7 @@ class ProducerConfig:
         if self.fleet is not None and not isinstance(self.fleet, FleetConfig):
             _fail("fleet", self.fleet, "None or a FleetConfig")
         _check_tenant_quotas(self)
+        _check_streams(self)
         if self.default_tenant_quota is not None and not isinstance(
             self.default_tenant_quota, TenantQuota
         ):
@@ -456,6 +520,14 @@ class ProducerConfig:
             if f.repr
         )
         return f"{type(self).__qualname__}({shown})"
+
+    def for_stream(self, stream: str) -> ProducerConfig:
+        """The configuration of ``stream``: this one with its :class:`StreamSettings` (from
+        ``streams``) applied; this one when it has none."""
+        settings = self.streams.get(stream)
+        if settings is None:
+            return self
+        return dataclasses.replace(self, streams={}, **settings.overrides())
 
     def replace(self, **changes: Any) -> ProducerConfig:
         """Return a copy with ``changes`` applied, validated like a new object.
@@ -663,6 +735,29 @@ def _check_endpoint_url(config: Any) -> None:
         _fail("endpoint_url", url, allowed)
 
 
+def _check_ca_bundle(config: ProducerConfig) -> None:
+    value = config.ca_bundle
+    if value is None:
+        return
+    allowed = "None or the path of an existing PEM file of CA certificates"
+    # a str or a path object, stored as a str (the config stays hashable and printable)
+    path = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(path, str) or not path.strip():
+        _fail("ca_bundle", value, allowed)
+    # aiobotocore hands the path to SSLContext.load_verify_locations as cafile: a directory
+    # (the KPL's CaCertPath, a libcurl CAPATH) fails there, at the first request
+    if os.path.isdir(path):
+        _fail(
+            "ca_bundle",
+            value,
+            allowed + " (not a directory: aiobotocore loads one file; concatenate the "
+            "certificates into one PEM file)",
+        )
+    if not os.path.isfile(path):
+        _fail("ca_bundle", value, allowed)
+    object.__setattr__(config, "ca_bundle", path)
+
+
 def _check_tenant_quotas(config: ProducerConfig) -> None:
     quotas = config.tenant_quotas
     allowed = (
@@ -682,15 +777,34 @@ def _check_tenant_quotas(config: ProducerConfig) -> None:
     object.__setattr__(config, "tenant_quotas", _FrozenMapping(quotas))
 
 
-class _FrozenMapping(Mapping[str, TenantQuota]):
+def _check_streams(config: ProducerConfig) -> None:
+    streams = config.streams
+    allowed = "a mapping of stream names (or ARNs) to StreamSettings objects"
+    if not isinstance(streams, Mapping):
+        _fail("streams", streams, allowed)
+    for stream, settings in streams.items():
+        if not isinstance(stream, str) or not stream or not isinstance(settings, StreamSettings):
+            _fail("streams", {stream: settings}, allowed)
+        # each stream's settings are validated with the producer's other fields, as the
+        # stream's pipeline will use them
+        try:
+            dataclasses.replace(config, streams={}, **settings.overrides())
+        except ConfigError as error:
+            raise _config_error(
+                f"streams[{stream!r}].{error.field}", error.value, error.allowed
+            ) from None
+    object.__setattr__(config, "streams", _FrozenMapping(streams))
+
+
+class _FrozenMapping(Mapping[str, Any]):
     """A read-only, hashable copy of a mapping."""
 
     __slots__ = ("_items",)
 
-    def __init__(self, items: Mapping[str, TenantQuota]) -> None:
+    def __init__(self, items: Mapping[str, Any]) -> None:
         self._items = dict(items)
 
-    def __getitem__(self, key: str) -> TenantQuota:
+    def __getitem__(self, key: str) -> Any:
         return self._items[key]
 
     def __iter__(self) -> Iterator[str]:

@@ -304,3 +304,57 @@ def test_the_cli_runs_bench(capsys: pytest.CaptureFixture[str]) -> None:
         cli.main(["bench", "--help"])
     assert exit_info.value.code == 0
     assert "--sizes" in capsys.readouterr().out
+
+
+# -- an outside endpoint -----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_bench_measures_an_outside_endpoint_from_the_producer_side(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from anykpl.emulator import EmulatorClient, spawn
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "outside")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "outside")
+    argv = ("--sizes", "1024", "--aggregation", "on", "--duration", "2", "--warmup", "1")
+    with spawn(streams={"outside": 2}) as url:
+        args = parse(*argv, "--endpoint", url, "--stream", "outside", "--output", str(tmp_path))
+        assert run(args) == 0
+        stats = EmulatorClient(url).stats()
+    err = capsys.readouterr().err
+    assert "[1/1] 1 KiB, aggregation on" in err
+    # nothing created: every shard the emulator knows is the given stream's
+    assert {shard["stream"] for shard in stats["shards"]} == {"outside"}
+    stored = sum(int(shard["accepted_records"]) for shard in stats["shards"])
+
+    document = json.loads((tmp_path / "bench.json").read_text())
+    assert document["settings"]["endpoint"] == url
+    assert document["settings"]["emulator_limits"] is None
+    (case,) = document["cases"]
+    assert case["measured_by"] == "producer"
+    assert case["limits_enforced"] is None
+    assert case["requests_per_second"] is None
+    assert case["shards_count"] == 2
+    assert [row["shard_id"] for row in case["shards"]] == [
+        "shardId-000000000000",
+        "shardId-000000000001",
+    ]
+    for row in case["shards"]:
+        assert row["records_per_second"] > 0
+        assert row["bytes_per_second"] > 1024 * row["records_per_second"] * 0.9
+    # the window's acknowledged Kinesis records are a part of what the emulator stored
+    acknowledged = sum(row["records_per_second"] for row in case["shards"]) * 2.0
+    assert 0 < acknowledged <= stored * 1.05
+    assert case["user_records_per_second"] > 0
+    assert case["latency_ms"]["samples"] > 0
+
+
+def test_bench_endpoint_needs_a_stream(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(parse("--endpoint", "http://127.0.0.1:1")) == 2
+    assert "--endpoint needs --stream, an existing stream" in capsys.readouterr().err
+
+
+def test_bench_stream_without_endpoint_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(parse("--stream", "s")) == 2
+    assert "--stream and --region apply to --endpoint only" in capsys.readouterr().err

@@ -182,12 +182,26 @@ def _tls_proxy(upstream: str, cert_path: Path, key_path: Path) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def self_signed_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def self_signed_certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(cert.pem, key.pem): a certificate for localhost that no CA signed; cert.pem is also
+    the CA bundle that trusts it."""
+    return _self_signed_certificate(tmp_path_factory.mktemp("tls"))
+
+
+#: The stream the producer tests over TLS write to (the emulator behind the proxy has it).
+TLS_STREAM = "tls-producer"
+
+
+@pytest.fixture(scope="module")
+def self_signed_endpoint(self_signed_certificate: tuple[Path, Path]) -> Iterator[str]:
     """The emulator behind a TLS proxy whose certificate no CA signed."""
     from anykpl.emulator import spawn
 
-    cert_path, key_path = _self_signed_certificate(tmp_path_factory.mktemp("tls"))
-    with spawn() as upstream, _tls_proxy(upstream, cert_path, key_path) as url:
+    cert_path, key_path = self_signed_certificate
+    with (
+        spawn(streams={TLS_STREAM: 1}) as upstream,
+        _tls_proxy(upstream, cert_path, key_path) as url,
+    ):
         yield url
 
 
@@ -204,7 +218,7 @@ def test_demo_against_a_self_signed_endpoint_ends_in_one_clear_line(
     assert done.stderr.splitlines() == [
         f"anykpl demo: TLS with {self_signed_endpoint} failed (certificate verify failed: "
         "self-signed certificate); for a test endpoint with a self-signed certificate, "
-        "--no-verify skips the check"
+        "give its CA with --ca-bundle, or --no-verify skips the check"
     ]
 
 
@@ -234,6 +248,117 @@ def test_demo_with_no_verify_runs_over_tls_and_warns(
 def test_no_verify_without_an_endpoint_is_refused() -> None:
     with pytest.raises(SystemExit, match="--no-verify applies to --endpoint only"):
         anykpl.demo.run(parse(*SHORT, "--no-verify"))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_demo_with_ca_bundle_checks_the_certificate_and_passes(
+    backend: str,
+    self_signed_endpoint: str,
+    self_signed_certificate: tuple[Path, Path],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "demo")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "demo")
+    monkeypatch.delenv("AWS_CA_BUNDLE", raising=False)
+    stream = f"tls-ca-{backend}"
+    argv = [*SHORT, "--quiet", "--backend", backend, "--stream", stream, "--region", "us-east-1"]
+    argv += ["--endpoint", self_signed_endpoint, "--ca-bundle", str(self_signed_certificate[0])]
+    # verification stays on: any warning (urllib3's InsecureRequestWarning) fails the test
+    status = anykpl.demo.run(parse(*argv))
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "verification is off" not in out
+    assert "PASS: all " in out
+    assert "missing 0" in out
+
+
+def test_ca_bundle_and_no_verify_together_are_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse(*SHORT, "--endpoint", "https://localhost:1", "--ca-bundle", "ca.pem", "--no-verify")
+    assert info.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_ca_bundle_without_an_endpoint_is_refused(tmp_path: Path) -> None:
+    bundle = tmp_path / "ca.pem"
+    bundle.write_text("", encoding="ascii")
+    with pytest.raises(SystemExit, match="--ca-bundle applies to --endpoint only"):
+        anykpl.demo.run(parse(*SHORT, "--ca-bundle", str(bundle)))
+
+
+def test_missing_ca_bundle_is_one_clear_line(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere.pem"
+    argv = [*SHORT, "--endpoint", "https://localhost:1", "--ca-bundle", str(missing)]
+    with pytest.raises(SystemExit, match=f"^anykpl demo: --ca-bundle {missing}: no such file$"):
+        anykpl.demo.run(parse(*argv))
+
+
+# -- the producer over TLS: the CA bundle from the config or from botocore's chain ----------
+
+
+async def _put_one(config: Any) -> Any:
+    from anykpl import Producer
+
+    async with Producer(config) as producer:
+        return await producer.put_record(TLS_STREAM, b"over tls", partition_key="k")
+
+
+def _tls_config(endpoint: str, **changes: Any) -> Any:
+    from anykpl import ProducerConfig
+
+    options: dict[str, Any] = {
+        "region": "us-east-1",
+        "endpoint_url": endpoint,
+        "aws_access_key_id": "demo",
+        "aws_secret_access_key": "demo",
+        "record_ttl": 3.0,
+    }
+    return ProducerConfig(**{**options, **changes})
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_producer_checks_the_certificate_against_ca_bundle(
+    self_signed_endpoint: str,
+    self_signed_certificate: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("AWS_CA_BUNDLE", raising=False)
+    bundle = str(self_signed_certificate[0])
+    result = await _put_one(_tls_config(self_signed_endpoint, ca_bundle=bundle))
+    assert result.shard_id == "shardId-000000000000"
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_producer_honours_aws_ca_bundle(
+    self_signed_endpoint: str,
+    self_signed_certificate: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("AWS_CA_BUNDLE", str(self_signed_certificate[0]))
+    result = await _put_one(_tls_config(self_signed_endpoint))
+    assert result.shard_id == "shardId-000000000000"
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_producer_without_the_ca_refuses_the_self_signed_certificate(
+    self_signed_endpoint: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # the control: the two tests above pass only because of the bundle
+    from anykpl.errors import RecordFailedError
+
+    monkeypatch.delenv("AWS_CA_BUNDLE", raising=False)
+    with pytest.raises(RecordFailedError):
+        await _put_one(_tls_config(self_signed_endpoint, record_ttl=1.0))
+    assert "CERTIFICATE_VERIFY_FAILED" in caplog.text
 
 
 # -- options ------------------------------------------------------------------------------

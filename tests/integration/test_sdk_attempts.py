@@ -40,10 +40,14 @@ class _Stub(ThreadingHTTPServer):
     failure = "500"
     #: operations whose every request fails (not only the first)
     always_fail: frozenset[str] = frozenset()
+    #: whether the first request of each operation fails
+    fail_first = True
 
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
         self.requests: Counter[str] = Counter()
+        #: (operation, JSON body) of every Kinesis request
+        self.bodies: list[tuple[str, dict[str, Any]]] = []
         self.lock = threading.Lock()
 
 
@@ -75,7 +79,9 @@ class _Handler(BaseHTTPRequestHandler):
         with self.server.lock:
             self.server.requests[operation] += 1
             number = self.server.requests[operation]
-        if number == 1 or operation in self.server.always_fail:
+            if self.headers.get("X-Amz-Target"):
+                self.server.bodies.append((operation, json.loads(body)))
+        if (number == 1 and self.server.fail_first) or operation in self.server.always_fail:
             failure = self.server.failure
             if failure == "timeout":
                 time.sleep(REQUEST_TIMEOUT * 3)

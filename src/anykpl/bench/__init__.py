@@ -15,11 +15,13 @@ docs/bench.md explains what is measured.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +88,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="directory for the results (default bench-results)",
     )
     parser.add_argument(
+        "--endpoint",
+        default=None,
+        metavar="URL",
+        help="measure this Kinesis endpoint ('aws' for the service's own) instead of a spawned "
+        "emulator: needs --stream, an existing stream, which every case writes to; figures "
+        "come from the producer's side (see docs/bench.md); credentials from botocore's chain",
+    )
+    parser.add_argument(
+        "--stream", default=None, help="with --endpoint: the existing stream to write to"
+    )
+    parser.add_argument(
+        "--region",
+        default=None,
+        help="with --endpoint: AWS region (default botocore's configured one, else us-east-1)",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="a short run for CI: fewer sizes, shorter cases (explicit options win)",
@@ -109,12 +127,23 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
 
+    if args.endpoint is None and (args.stream is not None or args.region is not None):
+        print("anykpl bench: --stream and --region apply to --endpoint only", file=sys.stderr)
+        return 2
+    if args.endpoint is not None and args.stream is None:
+        print(
+            "anykpl bench: --endpoint needs --stream, an existing stream (the bench never "
+            "creates or changes anything on an outside endpoint)",
+            file=sys.stderr,
+        )
+        return 2
+
     import anyio
 
     from ..emulator import EmulatorClient, Limits, spawn
-    from ._analysis import summarise
+    from ._analysis import summarise, summarise_external
     from ._report import BAR, machine, markdown_table, size_label, write_json, write_plot
-    from ._workload import Case, keys_per_shard, run_case
+    from ._workload import EMULATOR_CONNECTION, Case, keys_per_shard, run_case
 
     cases = [
         Case(
@@ -138,15 +167,32 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     results: list[dict[str, Any]] = []
-    with spawn(limits=Limits()) as url:
-        client = EmulatorClient(url)
+    with ExitStack() as stack:
+        if args.endpoint is None:
+            url: str | None = stack.enter_context(spawn(limits=Limits()))
+            assert url is not None
+            connection: Mapping[str, Any] = EMULATOR_CONNECTION
+            stats: Callable[[], Mapping[str, Any] | None] = EmulatorClient(url).stats
+            create: Callable[[str, int], None] | None = EmulatorClient(url).create_stream
+        else:
+            url = None if args.endpoint == "aws" else args.endpoint
+            connection = _outside_connection(args.region)
+            ranges = _hash_key_ranges(url, args.stream, connection)
+            cases = [dataclasses.replace(case, shards=len(ranges)) for case in cases]
+            stats, create = (lambda: None), None
         for number, case in enumerate(cases, 1):
             mode = "on" if case.aggregation else "off"
-            stream = f"bench-{case.record_size}-{mode}-{uuid.uuid4().hex[:8]}"
-            client.create_stream(stream, shards=case.shards)
-            keys = keys_per_shard(_hash_key_ranges(url, stream))
-            raw = anyio.run(run_case, case, url, stream, keys, client.stats, backend=args.backend)
-            summary = summarise(raw)
+            if create is not None:
+                stream = f"bench-{case.record_size}-{mode}-{uuid.uuid4().hex[:8]}"
+                create(stream, case.shards)
+                ranges = _hash_key_ranges(url, stream, connection)
+            else:
+                stream = args.stream
+            keys = keys_per_shard(ranges)
+            raw = anyio.run(
+                run_case, case, url, stream, keys, stats, connection, backend=args.backend
+            )
+            summary = summarise(raw) if create is not None else summarise_external(raw)
             summary["meets_bar"] = (
                 summary["utilisation"] >= BAR and summary["throttled_records"] == 0
             )
@@ -177,7 +223,11 @@ def run(args: argparse.Namespace) -> int:
             "backend": args.backend,
             "submitters": args.submitters,
             "buffer": args.buffer,
-            "emulator_limits": {
+            "endpoint": args.endpoint,
+            "stream": args.stream,
+            "emulator_limits": None
+            if args.endpoint is not None
+            else {
                 "records_per_second": Limits().records_per_second,
                 "bytes_per_second": Limits().bytes_per_second,
             },
@@ -200,16 +250,35 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _hash_key_ranges(url: str, stream: str) -> list[tuple[int, int]]:
+def _outside_connection(region: str | None) -> dict[str, Any]:
+    """Region and credentials for an outside endpoint: the region given, else botocore's, else
+    us-east-1; credentials from botocore's chain, or dummy ones when it has none (a local
+    emulator accepts any)."""
+    import botocore.session
+
+    from ._workload import EMULATOR_CONNECTION
+
+    session = botocore.session.get_session()
+    connection: dict[str, Any] = {
+        "region": region or session.get_config_variable("region") or "us-east-1"
+    }
+    if session.get_credentials() is None:
+        connection.update(EMULATOR_CONNECTION, region=connection["region"])
+    return connection
+
+
+def _hash_key_ranges(
+    url: str | None, stream: str, connection: Mapping[str, Any]
+) -> list[tuple[int, int]]:
     """The stream's open shards' hash key ranges, in shard order (ListShards through boto3,
     which the emulator's moto brings; imported by name as boto3 ships no type hints)."""
     boto3: Any = importlib.import_module("boto3")
     kinesis = boto3.client(
         "kinesis",
-        region_name="us-east-1",
+        region_name=connection["region"],
         endpoint_url=url,
-        aws_access_key_id="bench",
-        aws_secret_access_key="bench",
+        aws_access_key_id=connection.get("aws_access_key_id"),
+        aws_secret_access_key=connection.get("aws_secret_access_key"),
     )
     try:
         shards = kinesis.list_shards(StreamName=stream)["Shards"]
@@ -218,6 +287,8 @@ def _hash_key_ranges(url: str, stream: str) -> list[tuple[int, int]]:
     return [
         (int(s["HashKeyRange"]["StartingHashKey"]), int(s["HashKeyRange"]["EndingHashKey"]))
         for s in sorted(shards, key=lambda s: s["ShardId"])
+        # open shards only: a closed parent (after a reshard) takes no writes
+        if "EndingSequenceNumber" not in s["SequenceNumberRange"]
     ]
 
 

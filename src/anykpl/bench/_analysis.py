@@ -28,6 +28,7 @@ __all__ = (
     "per_100k",
     "shard_window",
     "summarise",
+    "summarise_external",
 )
 
 
@@ -204,6 +205,7 @@ def summarise(run: CaseRun) -> dict[str, Any]:
         "record_size": case.record_size,
         "aggregation": case.aggregation,
         "stream": run.stream,
+        "measured_by": "emulator",
         "shards_count": len(shards),
         "limits_enforced": enforced,
         "measured_seconds": round(elapsed, 3),
@@ -243,6 +245,87 @@ def summarise(run: CaseRun) -> dict[str, Any]:
             }
             for row in shards
         ],
+    }
+
+
+def summarise_external(run: CaseRun) -> dict[str, Any]:
+    """The same dictionary as :func:`summarise`, for an outside endpoint, which has no
+    statistics to ask: every figure comes from the producer's side. Each shard's rates are the
+    Kinesis records and bytes the producer saw acknowledged, over the measured window; shares
+    are of the service's documented limits (1000 records/s, 1 MiB/s per shard), which the
+    endpoint may or may not enforce (``limits_enforced`` is None: unknown); throttles are the
+    producer's ``ProvisionedThroughputExceededException`` counts, for the whole stream. What
+    only the emulator knows (requests per second, the worst second) is None."""
+    from ..errors import THROTTLED
+
+    case, start, end = run.case, run.start, run.end
+    elapsed = end.clock - start.clock
+    if elapsed <= 0:
+        raise ValueError("the measured window is empty")
+    user_records = end.user_records_put - start.user_records_put
+    kinesis_records = end.kinesis_records_put - start.kinesis_records_put
+    shards: list[dict[str, Any]] = []
+    for shard_id, (records_after, bytes_after) in end.shards.items():
+        records_before, bytes_before = start.shards.get(shard_id, (0.0, 0.0))
+        records_per_second = (records_after - records_before) / elapsed
+        bytes_per_second = (bytes_after - bytes_before) / elapsed
+        record_share = records_per_second / _limits.SHARD_RECORDS_PER_SECOND
+        byte_share = bytes_per_second / _limits.SHARD_BYTES_PER_SECOND
+        shards.append(
+            {
+                "shard_id": shard_id,
+                "records_per_second": round(records_per_second, 1),
+                "bytes_per_second": round(bytes_per_second, 1),
+                "record_share": round(record_share, 4),
+                "byte_share": round(byte_share, 4),
+                "utilisation": round(max(record_share, byte_share), 4),
+                "binding_limit": "bytes" if byte_share > record_share else "records",
+            }
+        )
+    if not shards:
+        raise ValueError(f"the producer acknowledged no record of stream {run.stream!r}")
+    worst = min(shards, key=lambda row: float(row["utilisation"]))
+    errors = _difference(end.errors_by_code, start.errors_by_code)
+
+    def mean(name: str) -> float:
+        return sum(float(row[name]) for row in shards) / len(shards)
+
+    return {
+        "record_size": case.record_size,
+        "aggregation": case.aggregation,
+        "stream": run.stream,
+        "measured_by": "producer",
+        "shards_count": len(shards),
+        "limits_enforced": None,
+        "measured_seconds": round(elapsed, 3),
+        "emulator_seconds": None,
+        "user_records_per_second": round(user_records / elapsed, 1),
+        "user_records_per_kinesis_record": (
+            round(user_records / kinesis_records, 2) if kinesis_records else None
+        ),
+        "requests_per_second": None,
+        "kinesis_records_per_request": None,
+        "kinesis_records_per_second_per_shard": round(mean("records_per_second"), 1),
+        "bytes_per_second_per_shard": round(mean("bytes_per_second"), 1),
+        "record_share": round(mean("record_share"), 4),
+        "byte_share": round(mean("byte_share"), 4),
+        "utilisation": round(float(worst["utilisation"]), 4),
+        "utilisation_mean": round(mean("utilisation"), 4),
+        "binding_limit": worst["binding_limit"],
+        "worst_second_utilisation": None,
+        "throttled_records": errors.get(THROTTLED, 0),
+        "throttled_records_total": int(run.final_errors_by_code.get(THROTTLED, 0)),
+        "producer_errors_by_code": errors,
+        "producer_errors_by_code_total": dict(sorted(run.final_errors_by_code.items())),
+        "failed_samples": run.failed_samples,
+        "latency_ms": _milliseconds(run.latencies),
+        "producer_latency_ms": _milliseconds(run.producer_latencies),
+        "cpu_seconds": round(end.cpu - start.cpu, 3),
+        "cpu_seconds_per_100k": _round(per_100k(end.cpu - start.cpu, int(user_records)), 3),
+        "submitted_user_records": run.submitted,
+        "max_outstanding_records": run.max_outstanding_records,
+        "max_outstanding_bytes": run.max_outstanding_bytes,
+        "shards": shards,
     }
 
 

@@ -63,6 +63,9 @@ class Snapshot:
     kinesis_records_put: float
     errors_by_code: Mapping[str, int]
     emulator: Mapping[str, Any] | None
+    #: the producer's own count per shard of the stream: shard id -> (Kinesis records put,
+    #: their data bytes), from ``statistics().metrics`` (what an outside endpoint is measured by)
+    shards: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -118,19 +121,31 @@ def expected_user_rate(record_size: int, key_size: int, aggregation: bool) -> fl
     return min(float(_limits.SHARD_RECORDS_PER_SECOND), by_bytes)
 
 
-def producer_config(case: Case, endpoint_url: str, key_size: int) -> ProducerConfig:
+#: Where the emulator's producer sends, and with what: the spawned emulator's defaults.
+EMULATOR_CONNECTION: Mapping[str, Any] = {
+    "region": "us-east-1",
+    "aws_access_key_id": "bench",
+    "aws_secret_access_key": "bench",
+}
+
+
+def producer_config(
+    case: Case,
+    endpoint_url: str | None,
+    key_size: int,
+    connection: Mapping[str, Any] = EMULATOR_CONNECTION,
+) -> ProducerConfig:
     """The producer under test: defaults, except the outstanding limits (``buffer`` seconds of
-    the stream's capacity) and the emulator's endpoint."""
+    the stream's capacity), the endpoint, and ``connection`` (region and credentials: the
+    emulator's, or for an outside endpoint the region and botocore's chain)."""
     rate = expected_user_rate(case.record_size, key_size, case.aggregation) * case.shards
     records = max(1, round(case.buffer * rate))
     return ProducerConfig(
-        region="us-east-1",
         endpoint_url=endpoint_url,
-        aws_access_key_id="bench",
-        aws_secret_access_key="bench",
         aggregation_enabled=case.aggregation,
         max_outstanding_records=records,
         max_outstanding_bytes=max(1024, records * (case.record_size + key_size)),
+        **connection,
     )
 
 
@@ -138,17 +153,31 @@ def _global(statistics: ProducerStatistics, name: str) -> float:
     return float(statistics.metrics.get(MetricKey(name), 0.0))
 
 
+def _shard_counts(statistics: ProducerStatistics, stream: str) -> dict[str, tuple[float, float]]:
+    counts: dict[str, list[float]] = {}
+    for key, value in statistics.metrics.items():
+        if key.stream != stream or key.shard is None or key.error_code is not None:
+            continue
+        if key.name == "KinesisRecordsPut":
+            counts.setdefault(key.shard, [0.0, 0.0])[0] += value
+        elif key.name == "KinesisRecordsDataPut":
+            counts.setdefault(key.shard, [0.0, 0.0])[1] += value
+    return {shard: (records, data) for shard, (records, data) in sorted(counts.items())}
+
+
 async def run_case(
     case: Case,
-    endpoint_url: str,
+    endpoint_url: str | None,
     stream: str,
     keys: Sequence[str],
     emulator_stats: Callable[[], Mapping[str, Any] | None],
+    connection: Mapping[str, Any] = EMULATOR_CONNECTION,
 ) -> CaseRun:
     """Drive one producer into ``stream`` for the warm-up and the measured window; returns the
-    raw measurements. ``emulator_stats`` is called in a worker thread."""
+    raw measurements. ``emulator_stats`` is called in a worker thread (it returns None for an
+    outside endpoint, which is then measured by the producer's own counts)."""
     key_size = len(keys[0].encode())
-    config = producer_config(case, endpoint_url, key_size)
+    config = producer_config(case, endpoint_url, key_size, connection)
     data = bytes(case.record_size)
     total_expected = (
         expected_user_rate(case.record_size, key_size, case.aggregation)
@@ -194,6 +223,7 @@ async def run_case(
             kinesis_records_put=_global(statistics, "KinesisRecordsPut"),
             errors_by_code=dict(statistics.errors_by_code),
             emulator=emulator,
+            shards=_shard_counts(statistics, stream),
         )
 
     async with Producer(config) as producer, anyio.create_task_group() as tg:

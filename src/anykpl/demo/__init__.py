@@ -212,7 +212,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="AWS region (default us-east-1, or botocore's configured region with --endpoint)",
     )
-    target.add_argument(
+    tls = target.add_mutually_exclusive_group()
+    tls.add_argument(
+        "--ca-bundle",
+        default=None,
+        metavar="PATH",
+        help="with --endpoint: check the endpoint's TLS certificate against the CA "
+        "certificates in this PEM file (default: botocore's AWS_CA_BUNDLE or the profile's "
+        "ca_bundle, else certifi's)",
+    )
+    tls.add_argument(
         "--no-verify",
         dest="verify",
         action="store_false",
@@ -806,6 +815,8 @@ class Target:
             be asked for).
         verify_certificate: whether to check the endpoint's TLS certificate (``--no-verify``
             turns it off).
+        ca_bundle: the PEM file of CA certificates to check it with (``--ca-bundle``), or
+            None for botocore's chain.
     """
 
     endpoint_url: str | None
@@ -814,6 +825,12 @@ class Target:
     stream: str
     emulator: bool
     verify_certificate: bool = True
+    ca_bundle: str | None = None
+
+    @property
+    def verify(self) -> bool | str | None:
+        """botocore's ``verify``: False, the CA bundle, or None (botocore's chain)."""
+        return self.ca_bundle if self.verify_certificate else False
 
 
 @dataclass
@@ -912,6 +929,7 @@ async def produce(
         aws_access_key_id=target.credentials.get("aws_access_key_id"),
         aws_secret_access_key=target.credentials.get("aws_secret_access_key"),
         verify_certificate=target.verify_certificate,
+        ca_bundle=target.ca_bundle,
     )
     indexes = list(range(workload.devices))
     groups = [
@@ -1192,7 +1210,7 @@ def _botocore_client(target: Target) -> Any:
         "kinesis",
         region_name=target.region,
         endpoint_url=target.endpoint_url,
-        verify=target.verify_certificate,
+        verify=target.verify,
         **target.credentials,
     )
 
@@ -1223,8 +1241,16 @@ def _external_target(args: argparse.Namespace) -> Target:
     # no credentials anywhere: likely a local endpoint that accepts any
     credentials = {} if session.get_credentials() is not None else DEMO_CREDENTIALS
     endpoint = None if args.endpoint == "aws" else args.endpoint
+    if args.ca_bundle is not None and not os.path.isfile(args.ca_bundle):
+        raise SystemExit(f"anykpl demo: --ca-bundle {args.ca_bundle}: no such file")
     return Target(
-        endpoint, region, credentials, args.stream, emulator=False, verify_certificate=args.verify
+        endpoint,
+        region,
+        credentials,
+        args.stream,
+        emulator=False,
+        verify_certificate=args.verify,
+        ca_bundle=args.ca_bundle,
     )
 
 
@@ -1248,7 +1274,8 @@ def _started_target(args: argparse.Namespace, say: _Printer) -> Iterator[Target]
         except botocore.exceptions.SSLError as exc:
             raise SystemExit(
                 f"anykpl demo: TLS with {where} failed ({_tls_reason(exc)}); for a test "
-                "endpoint with a self-signed certificate, --no-verify skips the check"
+                "endpoint with a self-signed certificate, give its CA with --ca-bundle, or "
+                "--no-verify skips the check"
             ) from None
         except botocore.exceptions.EndpointConnectionError:
             raise SystemExit(f"anykpl demo: could not connect to {where}") from None
@@ -1258,6 +1285,8 @@ def _started_target(args: argparse.Namespace, say: _Printer) -> Iterator[Target]
         return
     if not args.verify:
         raise SystemExit("anykpl demo: --no-verify applies to --endpoint only")
+    if args.ca_bundle is not None:
+        raise SystemExit("anykpl demo: --ca-bundle applies to --endpoint only")
     if importlib.util.find_spec("moto") is None:
         raise SystemExit(
             "anykpl demo starts the emulator, which needs moto: pip install 'anykpl[demo]' "
