@@ -81,6 +81,7 @@ from concurrent.futures import CancelledError as FutureCancelledError
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from contextlib import AbstractContextManager, suppress
+from functools import partial
 from types import TracebackType
 from typing import Any
 
@@ -369,8 +370,9 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
 
     # -- flushing, closing, statistics ----------------------------------------------------
 
-    def flush(self, timeout: float | None = None) -> None:
-        """Block until every record admitted so far is terminal and its future done.
+    def flush(self, timeout: float | None = None, *, stream: str | None = None) -> None:
+        """Block until every record admitted so far is terminal and its future done (with
+        ``stream``, every record of that stream).
 
         Records submitted while the flush waits are not waited for. After close, returns at
         once (everything is terminal then).
@@ -386,7 +388,7 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         if self._state == "closed":
             return
         try:
-            self._portal.call(self._producer.flush, timeout)
+            self._portal.call(partial(self._producer.flush, timeout, stream=stream))
         except RuntimeError:
             if self._state == "closed":
                 return  # the portal stopped meanwhile: everything is terminal

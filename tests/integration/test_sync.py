@@ -146,3 +146,19 @@ def test_a_script_that_forgets_close_loses_nothing(
     missing = set(sent) - set(arrived)
     assert not missing, f"{len(missing)} records lost; the script said: {completed.stderr}"
     assert all(n == 1 for n in arrived.values()), arrived
+
+
+def test_flush_of_one_stream(make_stream: Any, producer_options: dict[str, Any]) -> None:
+    first, second = make_stream(1), make_stream(1)
+    options = {**producer_options, "record_max_buffered_time": 30.0, "record_ttl": 120.0}
+    with SyncProducer(**options) as producer:
+        warm = [producer.submit(s, b"warm", "k") for s in (first, second)]
+        producer.flush()
+        assert all(f.result().success for f in warm)
+        ones = [producer.submit(first, b"1", f"k{i}") for i in range(10)]
+        twos = [producer.submit(second, b"2", f"k{i}") for i in range(10)]
+        producer.flush(timeout=10, stream=first)
+        assert all(f.done() and f.result().success for f in ones)
+        assert not any(f.done() for f in twos)
+        producer.flush(timeout=10)
+        assert all(f.done() and f.result().success for f in twos)
