@@ -41,6 +41,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
+from ._aws import create_client
 from ._fleet import (
     Allocator,
     DemandEstimator,
@@ -60,7 +61,7 @@ from ._fleet import (
     parse_lease,
     parse_report,
 )
-from ._sender import create_client, error_code
+from ._sender import error_code
 from .config import FleetConfig, ProducerConfig
 
 __all__ = ("CLOSE_TIMEOUT", "FleetAllocator", "FleetWorker")

@@ -29,12 +29,13 @@ from typing import Any
 import anyio
 
 from . import _limits, errors
+from ._aws import running_trio
 from ._coordinator import FleetWorker
 from ._fleet import FleetDemand, FleetStatistics
 from ._metrics import MetricKey, Metrics, MetricValue
 from ._pipeline import Pipeline
 from ._records import PendingRecord, RecordResult, _AttemptRecord, partition_key_hash
-from ._sender import Transport, _running_trio, open_transport
+from ._sender import Transport, open_transport
 from ._tenants import Reservation, TenantAdmission, TenantStatistics
 from ._token_bucket import BURST_SECONDS, TokenBucket
 from .config import MAX_TENANT_LENGTH, ProducerConfig
@@ -915,7 +916,7 @@ def _only_closed_streams(exc: BaseException) -> bool:
 def _backend_clock() -> Callable[[], float]:
     """The running backend's clock, bound once: ``anyio.current_time()`` looks the backend up
     on every call, which costs more than the rest of a record's admission. Same time base."""
-    if _running_trio():
+    if running_trio():
         import trio
 
         return trio.current_time

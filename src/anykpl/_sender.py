@@ -2,12 +2,8 @@
 
 The transport is aiobotocore. Under asyncio it uses its default aiohttp session; under trio
 (detected at start, or chosen with ``http_backend="httpx"``) it uses ``HttpxSession``, which
-aiobotocore ≥ 3.9 runs on trio through anyio. The SDK's own retries are turned off
-(``total_max_attempts=1``: one attempt per call), as the KPL builds its client with
-``DefaultRetryStrategy(0)``: the Retrier owns retrying. botocore's ``max_attempts`` counts
-*retries* after the first attempt, so ``max_attempts=1`` (what this module used to pass) let
-the SDK repeat every call once on a 5xx, a throttling code, a timeout or a reset, unseen by the
-attempt history, the backoff, the retry budget and adaptive control.
+aiobotocore ≥ 3.9 runs on trio through anyio. The client comes from ``_aws.py``, with the SDK's
+own retries turned off (one attempt per call): the Retrier owns retrying.
 
 This module is the **only** place botocore and HTTP errors are seen: :func:`error_code` turns
 them into an error code and message at this boundary, so everything downstream works on codes.
@@ -21,13 +17,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from . import errors
+from ._aws import create_client
 from .config import ProducerConfig
 
 __all__ = (
@@ -102,17 +99,6 @@ def error_code(exc: BaseException) -> tuple[str, str]:
     return type(exc).__name__, str(exc)
 
 
-def _running_trio() -> bool:
-    try:
-        import sniffio
-    except ImportError:  # pragma: no cover - trio depends on sniffio
-        return False
-    try:
-        return bool(sniffio.current_async_library() == "trio")
-    except sniffio.AsyncLibraryNotFoundError:
-        return False
-
-
 def stream_parameters(stream: str) -> dict[str, str]:
     """How a request names ``stream``: ``StreamARN`` for a stream ARN (cross-account access,
     as the KPL 0.15.9 sends it), ``StreamName`` otherwise."""
@@ -134,50 +120,6 @@ class _BotocoreTransport:
     async def list_shards(self, **kwargs: Any) -> Mapping[str, Any]:
         response: Mapping[str, Any] = await self._client.list_shards(**kwargs)
         return response
-
-
-def create_client(
-    config: ProducerConfig,
-    service: str,
-    *,
-    max_pool_connections: int,
-    region: str | None = None,
-    endpoint_url: str | None = None,
-) -> AbstractAsyncContextManager[Any]:
-    """An aiobotocore client for ``service`` with the producer's settings: credentials,
-    profile, region, certificate check, timeouts and HTTP backend (aiohttp under asyncio,
-    httpx under trio, unless ``http_backend`` says otherwise). The SDK makes exactly one
-    attempt per call (see the module's docstring): whoever calls it owns retrying. The Kinesis
-    transport, the fleet coordinator's S3 client and the CloudWatch metrics sink all use it."""
-    from aiobotocore.config import AioConfig
-    from aiobotocore.session import AioSession
-
-    backend = config.http_backend
-    if backend == "auto":
-        backend = "httpx" if _running_trio() else "aiohttp"
-    options: dict[str, Any] = {
-        "max_pool_connections": max_pool_connections,
-        "connect_timeout": config.connect_timeout,
-        "read_timeout": config.request_timeout,
-        # total_max_attempts counts the first attempt; max_attempts would count retries
-        "retries": {"total_max_attempts": 1, "mode": "standard"},
-    }
-    if backend == "httpx":
-        from aiobotocore.httpxsession import HttpxSession
-
-        options["http_session_cls"] = HttpxSession
-    client: AbstractAsyncContextManager[Any] = AioSession(profile=config.profile).create_client(
-        service,
-        region_name=region or config.region,
-        endpoint_url=endpoint_url,
-        aws_access_key_id=config.aws_access_key_id,
-        aws_secret_access_key=config.aws_secret_access_key,
-        aws_session_token=config.aws_session_token,
-        # None hands the choice to botocore's chain (AWS_CA_BUNDLE, the profile's ca_bundle)
-        verify=config.ca_bundle if config.verify_certificate else False,
-        config=AioConfig(**options),
-    )
-    return client
 
 
 @asynccontextmanager

@@ -91,10 +91,11 @@ from anyio.abc import TaskStatus
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from . import errors
+from ._aws import running_trio
 from ._metrics import MetricValue
 from ._producer import Producer, ProducerStatistics
 from ._records import PendingRecord, RecordResult
-from ._sender import Transport, _running_trio
+from ._sender import Transport
 from .config import ProducerConfig
 from .metrics import MetricsSink
 
@@ -762,7 +763,7 @@ def _complete(pending: PendingRecord, future: Future[RecordResult]) -> None:
 
 def _thread_safe_scheduler() -> Callable[[Callable[[], object]], object]:
     """The running loop's "call this soon, from any thread" (no task, no waiting)."""
-    if _running_trio():
+    if running_trio():
         import trio
 
         return trio.lowlevel.current_trio_token().run_sync_soon

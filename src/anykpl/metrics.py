@@ -413,7 +413,7 @@ class CloudWatchSink:
 
     @asynccontextmanager
     async def open(self, config: ProducerConfig) -> AsyncIterator[None]:
-        from ._sender import create_client
+        from ._aws import create_client
 
         self._namespace = self.namespace or config.metrics_namespace
         async with create_client(
