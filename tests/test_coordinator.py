@@ -7,39 +7,34 @@ like S3's ``Date`` and ``LastModified``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from datetime import datetime, timezone
-from email.utils import formatdate
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 import pytest
-from botocore.exceptions import ClientError, EndpointConnectionError
-from trio.testing import MockClock
 
 from anykpl import FleetConfig, Producer, ProducerConfig
-from anykpl import _coordinator as coordinator
-from anykpl._coordinator import FleetAllocator, FleetWorker
 from anykpl._fleet import (
+    FleetAllocator,
     FleetDemand,
+    FleetWorker,
     GrantsDocument,
     Rates,
     WorkerEntry,
     parse_grants,
     parse_lease,
 )
+from anykpl._fleet import _member as fleet_member
 
-from .fakes import FakeKinesis
+from . import fakes
+from .fakes import SERVER_EPOCH, FakeKinesis
 
 pytestmark = pytest.mark.anyio
 
-SERVER_EPOCH = 1_800_000_000.0
 BUCKET = "fleet-bucket"
 CAP = 1000.0
 INTERVAL = 1.0
@@ -47,138 +42,11 @@ LEASE = 3.0
 CONFIG = ProducerConfig(region="us-east-1", aws_access_key_id="k", aws_secret_access_key="s")
 
 
-class FakeBody:
-    def __init__(self, data: bytes) -> None:
-        self._data = data
-
-    async def __aenter__(self) -> FakeBody:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
-
-    async def read(self) -> bytes:
-        await anyio.lowlevel.checkpoint()
-        return self._data
-
-
-class FakeS3:
-    """Objects in a dict, conditional PUT and DELETE like S3, every version of every object
-    kept (to check each generation of grants), and an outage switch."""
+class FakeS3(fakes.FakeS3):
+    """The fleet's bucket (``tests/fakes/s3.py``), with readers for the fleet's documents."""
 
     def __init__(self, *, send_date: bool = True) -> None:
-        self.objects: dict[str, tuple[bytes, str, float]] = {}  # key -> body, ETag, stamp
-        self.versions: dict[str, list[bytes]] = {}
-        self.send_date = send_date
-        self.down = False
-        self.calls = 0
-
-    def stamp(self) -> float:
-        return float(math.floor(SERVER_EPOCH + anyio.current_time()))
-
-    def _metadata(self, status: int = 200, **headers: str) -> dict[str, Any]:
-        if self.send_date:
-            headers["date"] = formatdate(self.stamp(), usegmt=True)
-        return {"HTTPStatusCode": status, "HTTPHeaders": headers}
-
-    def _error(self, code: str, status: int, operation: str) -> ClientError:
-        return ClientError(
-            {
-                "Error": {"Code": code, "Message": f"{code} (fake)"},
-                "ResponseMetadata": self._metadata(status),
-            },
-            operation,
-        )
-
-    async def _enter(self, bucket: str) -> None:
-        await anyio.lowlevel.checkpoint()
-        self.calls += 1
-        if self.down:
-            raise EndpointConnectionError(endpoint_url="http://fake-s3")
-        assert bucket == BUCKET
-
-    async def put_object(
-        self,
-        *,
-        Bucket: str,
-        Key: str,
-        Body: bytes,
-        ContentType: str = "",
-        IfMatch: str | None = None,
-        IfNoneMatch: str | None = None,
-    ) -> dict[str, Any]:
-        await self._enter(Bucket)
-        existing = self.objects.get(Key)
-        if IfNoneMatch == "*" and existing is not None:
-            raise self._error("PreconditionFailed", 412, "PutObject")
-        if IfMatch is not None:
-            if existing is None:
-                raise self._error("NoSuchKey", 404, "PutObject")
-            if existing[1] != IfMatch:
-                raise self._error("PreconditionFailed", 412, "PutObject")
-        etag = '"' + hashlib.md5(Body + str(self.calls).encode()).hexdigest() + '"'
-        stamp = self.stamp()
-        self.objects[Key] = (bytes(Body), etag, stamp)
-        self.versions.setdefault(Key, []).append(bytes(Body))
-        last_modified = formatdate(stamp, usegmt=True)
-        return {
-            "ETag": etag,
-            "ResponseMetadata": self._metadata(**{"last-modified": last_modified}),
-        }
-
-    async def get_object(self, *, Bucket: str, Key: str) -> dict[str, Any]:
-        await self._enter(Bucket)
-        if Key not in self.objects:
-            raise self._error("NoSuchKey", 404, "GetObject")
-        body, etag, stamp = self.objects[Key]
-        return {
-            "Body": FakeBody(body),
-            "ETag": etag,
-            "ContentLength": len(body),
-            "LastModified": datetime.fromtimestamp(stamp, timezone.utc),
-            "ResponseMetadata": self._metadata(),
-        }
-
-    async def list_objects_v2(
-        self, *, Bucket: str, Prefix: str, ContinuationToken: str | None = None
-    ) -> dict[str, Any]:
-        await self._enter(Bucket)
-        keys = sorted(k for k in self.objects if k.startswith(Prefix))
-        start = int(ContinuationToken or 0)
-        page = keys[start : start + 2]  # small pages, to exercise the paging
-        truncated = start + 2 < len(keys)
-        return {
-            "Contents": [
-                {
-                    "Key": k,
-                    "ETag": self.objects[k][1],
-                    "LastModified": datetime.fromtimestamp(self.objects[k][2], timezone.utc),
-                }
-                for k in page
-            ],
-            "IsTruncated": truncated,
-            "NextContinuationToken": str(start + 2) if truncated else None,
-            "ResponseMetadata": self._metadata(),
-        }
-
-    async def delete_object(
-        self, *, Bucket: str, Key: str, IfMatch: str | None = None
-    ) -> dict[str, Any]:
-        await self._enter(Bucket)
-        existing = self.objects.get(Key)
-        if IfMatch is not None and (existing is None or existing[1] != IfMatch):
-            raise self._error("PreconditionFailed", 412, "DeleteObject")
-        self.objects.pop(Key, None)
-        return {"ResponseMetadata": self._metadata(204)}
-
-    # -- for the tests ---------------------------------------------------------------------
-
-    def factory(self) -> Callable[[], Any]:
-        @asynccontextmanager
-        async def client() -> AsyncIterator[FakeS3]:
-            yield self
-
-        return client
+        super().__init__(BUCKET, send_date=send_date)
 
     def generations(self) -> list[GrantsDocument]:
         return [parse_grants(v) for v in self.versions.get("anykpl-fleet/grants.json", [])]
@@ -296,11 +164,8 @@ async def test_the_bootstrap_rate_applies_before_any_s3_call(anyio_backend: str)
 # -- on trio's mock clock -----------------------------------------------------------------
 
 
+@pytest.mark.autojump
 class TestOnMockClock:
-    @pytest.fixture
-    def anyio_backend(self) -> Any:
-        return ("trio", {"clock": MockClock(autojump_threshold=0)})
-
     async def test_four_workers_converge_to_equal_shares_within_three_intervals(self) -> None:
         s3 = FakeS3()
         members = [Member(s3, f"w{i}") for i in range(4)]
@@ -526,7 +391,7 @@ class TestOnMockClock:
     async def test_leftover_reports_of_crashed_workers_are_deleted(self) -> None:
         s3 = FakeS3()
         await s3.put_object(Bucket=BUCKET, Key="anykpl-fleet/workers/crashed.json", Body=b"{}")
-        await anyio.sleep(coordinator.LEFTOVER_LEASES * LEASE + 2)
+        await anyio.sleep(fleet_member.LEFTOVER_LEASES * LEASE + 2)
         member = Member(s3, "w0")
         async with running(member):
             await anyio.sleep(2 * INTERVAL)
@@ -556,7 +421,7 @@ class TestOnMockClock:
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         s3 = FakeS3()
-        monkeypatch.setattr(coordinator, "create_client", lambda *a, **k: s3.factory()())
+        monkeypatch.setattr(fleet_member, "create_client", lambda *a, **k: s3.factory()())
         config = CONFIG.replace(
             fleet=fleet("producer", bytes_per_second=50_000.0), record_max_buffered_time=0.05
         )
@@ -639,7 +504,7 @@ class TestOnMockClock:
     ) -> None:
         # parsed and applied, it made the shared bucket divide by zero: the producer crashed
         s3 = FakeS3()
-        monkeypatch.setattr(coordinator, "create_client", lambda *a, **k: s3.factory()())
+        monkeypatch.setattr(fleet_member, "create_client", lambda *a, **k: s3.factory()())
         now = SERVER_EPOCH + anyio.current_time()
         body = {
             "kind": "anykpl-fleet-grants",
@@ -827,7 +692,7 @@ class TestOnMockClock:
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         s3 = FakeS3()
-        monkeypatch.setattr(coordinator, "create_client", lambda *a, **k: s3.factory()())
+        monkeypatch.setattr(fleet_member, "create_client", lambda *a, **k: s3.factory()())
         hang = anyio.Event()
 
         async def hung(**kwargs: Any) -> dict[str, Any]:
@@ -874,7 +739,7 @@ class TestOnMockClock:
         s3 = FakeS3()
         key = "anykpl-fleet/allocators/gone.json"
         await s3.put_object(Bucket=BUCKET, Key=key, Body=b"{}")
-        await anyio.sleep(coordinator.LEFTOVER_LEASES * LEASE + 2)
+        await anyio.sleep(fleet_member.LEFTOVER_LEASES * LEASE + 2)
         member = Member(s3, "w0")
         async with running(member):
             await anyio.sleep(3 * INTERVAL)
@@ -896,3 +761,14 @@ class TestOnMockClock:
         async with Producer(CONFIG, transport=FakeKinesis()) as producer:
             assert producer.statistics().fleet is None
             assert producer._fleet_bucket is None
+
+
+async def test_a_member_must_define_its_own_cycle() -> None:
+    """The sync cycle is an abstract method: a kind of member without one fails when it is
+    made, not at its first cycle."""
+
+    class Forgetful(fleet_member.Member):
+        pass
+
+    with pytest.raises(TypeError, match="_cycle"):
+        Forgetful(fleet(), CONFIG, member_id="m", client_factory=None, on_allocation=None)

@@ -270,12 +270,11 @@ def test_a_throttled_round_cuts_the_shard_rate_and_it_recovers() -> None:
     limiter.put([make_kinesis_record()], 3.0, [])
     _drain(limiter, 3.0)
     assert limiter.rates()[SHARD][0] == pytest.approx(500 + 1000 * 0.005 * 2 * 1.2)
-    counters, controller, queued = limiter.shard_state()[SHARD]
-    assert controller is not None
-    assert controller.cuts == 1
-    assert controller.throttled == 20
-    assert counters.records_sent == 2
-    assert queued == 0
+    shard = limiter.statistics(3.0).shards[SHARD]
+    assert shard.cuts == 1
+    assert shard.records_sent == 2
+    assert shard.queued == 0
+    assert shard.rate[0] == pytest.approx(500 + 1000 * 0.005 * 2 * 1.2)
 
 
 def test_a_cut_shard_wakes_to_raise_its_rate() -> None:
@@ -408,9 +407,9 @@ def test_time_waiting_for_tokens_is_counted_per_user_record() -> None:
     limiter.put([make_kinesis_record(deadline=i) for i in range(6)], 0.0, [])
     _drain(limiter, 0.0)
     _drain(limiter, 0.1)
-    counters = limiter.shard_state()[SHARD][0]
-    assert counters.records_sent == 6
-    assert counters.token_wait == pytest.approx(0.1)
+    shard = limiter.statistics(0.1).shards[SHARD]
+    assert shard.records_sent == 6
+    assert shard.token_wait == pytest.approx(0.1)
 
 
 def test_a_big_record_on_one_shard_is_not_starved_by_small_ones_at_the_shared_bucket() -> None:

@@ -3,29 +3,37 @@ queries, and the upload task that hands reports to sinks."""
 
 from __future__ import annotations
 
+import ast
+import inspect
 import logging
+import pickle
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
-from trio.testing import MockClock
 
+import anykpl.metrics
 from anykpl import Producer, ProducerConfig
 from anykpl._metrics import METRICS, MetricKey, Metrics, leaves, to_values, with_ancestors
 from anykpl.errors import RecordFailedError
 from anykpl.metrics import (
     CLOSE_GRACE,
-    CLOUDWATCH_MAX_PAYLOAD,
     FINAL_REPORT_WHEN_CANCELLED,
     CloudWatchSink,
     MetricsReport,
     MetricsSink,
+)
+from anykpl.metrics._cloudwatch import (
+    CLOUDWATCH_MAX_PAYLOAD,
     cloudwatch_batches,
     cloudwatch_datum,
-    snake_case,
+    estimated_size,
+    request_size,
 )
+from anykpl.metrics._sink import snake_case
 from tests.fakes import FakeKinesis
 
 S0 = "shardId-000000000000"
@@ -194,6 +202,37 @@ def test_cloudwatch_batches_respect_count_and_payload() -> None:
         "Minimum": 1.0,
         "Maximum": 1.0,
     }
+
+
+def test_the_public_names_stay_where_users_import_them() -> None:
+    # anykpl.metrics is a package of private modules: its names, and the module its classes
+    # claim (reprs, pickles, tracebacks), are what they were when it was one file
+    assert anykpl.metrics.__all__ == (
+        "CLOSE_GRACE",
+        "FINAL_REPORT_WHEN_CANCELLED",
+        "PUBLISH_TIMEOUT",
+        "CloudWatchSink",
+        "MetricValue",
+        "MetricsReport",
+        "MetricsSink",
+        "OpenTelemetrySink",
+        "PrometheusSink",
+    )
+    for name in anykpl.metrics.__all__:
+        obj = getattr(anykpl.metrics, name)
+        if inspect.isclass(obj):
+            expected = "anykpl" if name == "MetricValue" else "anykpl.metrics"  # also in anykpl
+            assert obj.__module__ == expected, name
+    assert pickle.loads(pickle.dumps(CloudWatchSink(namespace="App"))).namespace == "App"
+
+
+def test_no_metrics_module_imports_another_modules_private_name() -> None:
+    package = Path(anykpl.metrics.__file__).parent
+    for path in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{path.name} imports {private} from {node.module}"
 
 
 def test_bad_sinks_are_rejected() -> None:
@@ -453,11 +492,8 @@ async def test_a_failed_close_still_sends_the_final_report(
 
 
 @pytest.mark.anyio
+@pytest.mark.autojump
 class TestCloseOnMockClock:
-    @pytest.fixture
-    def anyio_backend(self) -> Any:
-        return ("trio", {"clock": MockClock(autojump_threshold=0)})
-
     async def test_close_takes_at_most_close_timeout_plus_a_constant(self) -> None:
         # Everything hangs: PutRecords (the flush uses all of close_timeout), one sink's
         # publish and its close. The other sink still gets the final report.
@@ -729,10 +765,8 @@ def test_cloudwatch_size_estimate_matches_botocore_query_serializer() -> None:
 
 
 def _estimate(batch: list[Any], namespace: str) -> int:
-    from anykpl.metrics import _estimated_size, _request_size
-
-    return _request_size(namespace) + sum(
-        _estimated_size(datum, index) for index, datum in enumerate(batch, 1)
+    return request_size(namespace) + sum(
+        estimated_size(datum, index) for index, datum in enumerate(batch, 1)
     )
 
 

@@ -16,13 +16,13 @@ import anyio
 import pytest
 from anyio.abc import TaskGroup
 from botocore.exceptions import ClientError, EndpointConnectionError
-from trio.testing import MockClock
 
 from anykpl import PendingRecord, Producer, ProducerConfig, RecordResult, errors
 from anykpl._collector import Collector
+from anykpl._limits import MAX_HASH_KEY as MAX_HASH
 from anykpl._wire import deaggregate
 
-from .fakes import MAX_HASH, FakeKinesis, even_ranges, hash_of
+from .fakes import FakeKinesis, GatedKinesis, even_ranges, hash_of
 
 pytestmark = pytest.mark.anyio
 
@@ -48,29 +48,6 @@ def _ten_records_a_second(fake: FakeKinesis, **overrides: Any) -> Producer:
 
 def fast(**overrides: Any) -> dict[str, Any]:
     return {**FAST, **overrides}
-
-
-class GatedKinesis(FakeKinesis):
-    """A FakeKinesis whose PutRecords calls wait for ``gate`` (when set) to open."""
-
-    def __init__(self, shard_count: int = 4) -> None:
-        super().__init__(shard_count)
-        self.gate: anyio.Event | None = None
-        self.entered: anyio.Event | None = None
-        self.waiting = 0
-
-    def close_gate(self) -> None:
-        self.gate = anyio.Event()
-        self.entered = anyio.Event()
-
-    async def put_records(self, stream: str, records: list[dict[str, Any]]) -> Mapping[str, Any]:
-        if self.gate is not None:
-            self.waiting += 1
-            assert self.entered is not None
-            self.entered.set()
-            await self.gate.wait()
-            self.waiting -= 1
-        return await super().put_records(stream, records)
 
 
 def client_error(code: str, status: int = 400, message: str = "boom") -> ClientError:
@@ -922,11 +899,8 @@ async def test_statistics_snapshot() -> None:
 # -- time-heavy logic on trio's MockClock ----------------------------------------------------
 
 
+@pytest.mark.autojump
 class TestOnMockClock:
-    @pytest.fixture
-    def anyio_backend(self) -> Any:
-        return ("trio", {"clock": MockClock(autojump_threshold=0)})
-
     async def test_statistics_token_levels_at_time_zero(self) -> None:
         # MockClock starts at 0.0, a time like any other (nothing here sleeps)
         fake = FakeKinesis()

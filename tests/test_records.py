@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from anykpl import PendingRecord, errors
-from anykpl._records import _AttemptRecord
+from anykpl._records import AttemptRecord
 
 
 def make_record() -> PendingRecord:
@@ -22,7 +22,7 @@ def hook_of(record: PendingRecord) -> object:
 @pytest.mark.parametrize("success", [True, False])
 def test_the_hook_is_called_once_with_the_terminal_record(success: bool) -> None:
     record = make_record()
-    record._add_attempt(_AttemptRecord(0.0, 0.1, success, None if success else "Code", "msg"))
+    record._add_attempt(AttemptRecord(0.0, 0.1, success, None if success else "Code", "msg"))
     seen: list[tuple[PendingRecord, bool]] = []
     record._on_done = lambda r: seen.append((r, r.done()))
     record._resolve(success)

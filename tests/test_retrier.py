@@ -9,12 +9,11 @@ from typing import Any
 import pytest
 
 from anykpl import errors
+from anykpl._limits import MAX_HASH_KEY as MAX_HASH
 from anykpl._records import Attempt, KinesisRecord, PendingRecord
 from anykpl._retrier import Retrier
 from anykpl._sender import Outcome
 from anykpl._shard_map import ShardMap
-
-from .fakes import MAX_HASH
 
 HALF = MAX_HASH // 2
 SHARD_0 = "shardId-000000000000"

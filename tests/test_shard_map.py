@@ -8,12 +8,12 @@ from typing import Any
 
 import anyio
 import pytest
-from trio.testing import MockClock
 
 from anykpl import _shard_map
+from anykpl._limits import MAX_HASH_KEY as MAX_HASH
 from anykpl._shard_map import ShardMap, ShardMapState, run_shard_map, shard_number
 
-from .fakes import MAX_HASH, FakeKinesis, even_ranges
+from .fakes import FakeKinesis, even_ranges
 
 
 def _shard(number: int, start: int, end: int, *, closed: bool = False) -> Mapping[str, Any]:
@@ -301,11 +301,8 @@ async def test_refresh_on_request_picks_up_a_split() -> None:
     )
 
 
+@pytest.mark.autojump
 class TestOnMockClock:
-    @pytest.fixture
-    def anyio_backend(self) -> Any:
-        return ("trio", {"clock": MockClock(autojump_threshold=0)})
-
     @pytest.mark.anyio
     async def test_failed_refreshes_back_off(self) -> None:
         fake = FakeKinesis(shard_count=2)

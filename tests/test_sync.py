@@ -24,10 +24,11 @@ import pytest
 
 from anykpl import ProducerConfig, RecordResult, SyncProducer, _sync, errors
 from anykpl._collector import Collector
+from anykpl._limits import MAX_HASH_KEY as MAX_HASH
 from anykpl.errors import PutTimeout
 from anykpl.metrics import MetricsReport
 
-from .fakes import MAX_HASH, FakeKinesis
+from .fakes import FakeKinesis
 
 STREAM = "stream"
 ROOT = Path(__file__).resolve().parents[1]

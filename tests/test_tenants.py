@@ -14,12 +14,12 @@ import anyio
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from trio.testing import MockClock
 
 from anykpl import Producer, SyncProducer, TenantQuota, TenantStatistics, errors
+from anykpl._limits import MAX_HASH_KEY as MAX_HASH
 from anykpl._tenants import Reservation, TenantQuotas
 
-from .fakes import MAX_HASH, FakeKinesis
+from .fakes import FakeKinesis
 
 STREAM = "stream"
 FAST: dict[str, Any] = {
@@ -415,11 +415,8 @@ def waiting(producer: Producer, name: str = "t") -> int:
 
 
 @pytest.mark.anyio
+@pytest.mark.autojump
 class TestOnMockClock:
-    @pytest.fixture
-    def anyio_backend(self) -> Any:
-        return ("trio", {"clock": MockClock(autojump_threshold=0)})
-
     @pytest.mark.timeout(15)
     async def test_a_tenant_over_its_quota_waits_at_its_rate(self) -> None:
         fake = FakeKinesis()

@@ -3,27 +3,30 @@
 General layout (one private module per stage; follow a record top to bottom):
 
 - ``_producer.py``: the :class:`Producer` facade — validation, admission (backpressure),
-  flush, close, statistics.
-- ``_pipeline.py``: one stream's stages and the anyio memory object streams between them.
+  flush, close, idle streams; it asks its pipelines, never their stages.
+- ``_pipeline.py``: one stream's stages, the anyio memory object streams between them, their
+  task group, and the stream's statistics (``_statistics.py`` holds every snapshot type).
 - ``_aggregator.py``: user records → Kinesis records per predicted shard (``_wire.py`` is the
   KPL aggregation format).
 - ``_shard_map.py``: ListShards cache and shard prediction.
-- ``_limiter.py``: per-shard token buckets (``_token_bucket.py``).
+- ``_limiter.py``: per-shard token buckets (``_token_bucket.py``), adaptive control
+  (``_adaptive.py``).
 - ``_collector.py``: Kinesis records → PutRecords requests.
-- ``_sender.py``: aiobotocore transport, the only place botocore errors are seen.
+- ``_sender.py``: the Kinesis transport, the only place botocore errors are seen; ``_aws.py``
+  makes every AWS client.
 - ``_retrier.py``: outcome classification, results, retries with backoff.
 - ``_records.py``: :class:`PendingRecord`, :class:`RecordResult`, :class:`Attempt`.
 - ``_sync.py``: :class:`SyncProducer`, the blocking facade (a Producer in a portal thread).
-- ``_metrics.py``: the KPL's metrics, counted in process; ``metrics.py`` (public): the sinks
-  that upload them (``MetricsSink``, ``CloudWatchSink``, ``PrometheusSink``,
-  ``OpenTelemetrySink``).
+- ``_metrics.py``: the KPL's metrics, counted in process; ``metrics/`` (public): the upload
+  task and the sinks that ship them (``MetricsSink``, ``CloudWatchSink``, ``PrometheusSink``,
+  ``OpenTelemetrySink``), one module each.
 - ``_limits.py``: Kinesis service limits, the one source of each number.
 - ``_tenants.py``: tenant quotas (per-tenant token buckets with reservations), checked at
   admission.
-- ``_fleet.py``: fleet-wide caps — the allocator's maths, the worker's state machine and the
-  S3 documents (pure); ``_coordinator.py``: the async shell that reads and writes them in S3
-  (:class:`FleetWorker`, one per producer with a ``FleetConfig``; :class:`FleetAllocator`,
-  run standalone by ``fleet_allocator.py``, the ``anykpl fleet-allocator`` command).
+- ``_fleet/``: fleet-wide caps shared through S3 — pure allocation, documents and worker
+  state, and the async shell (:class:`FleetWorker`, one per producer with a ``FleetConfig``;
+  :class:`FleetAllocator`, run standalone by ``fleet_allocator.py``, the
+  ``anykpl fleet-allocator`` command). Its ``__init__`` maps it.
 
 Public modules: this package, :mod:`anykpl.errors`, :mod:`anykpl.config` and
 :mod:`anykpl.metrics`. Tools users run live apart (``emulator/``, ``demo/``, ``bench/``,
@@ -35,12 +38,12 @@ from ._fleet import FleetStatistics as FleetStatistics
 from ._metrics import MetricKey as MetricKey
 from ._metrics import MetricValue as MetricValue
 from ._producer import Producer as Producer
-from ._producer import ProducerStatistics as ProducerStatistics
-from ._producer import ShardStatistics as ShardStatistics
-from ._producer import StreamStatistics as StreamStatistics
 from ._records import Attempt as Attempt
 from ._records import PendingRecord as PendingRecord
 from ._records import RecordResult as RecordResult
+from ._statistics import ProducerStatistics as ProducerStatistics
+from ._statistics import ShardStatistics as ShardStatistics
+from ._statistics import StreamStatistics as StreamStatistics
 from ._sync import SyncProducer as SyncProducer
 from ._tenants import TenantStatistics as TenantStatistics
 from .config import FleetConfig as FleetConfig

@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from . import _limits
 from ._adaptive import RateController
 from ._records import KinesisRecord
+from ._statistics import LimiterShardStatistics, LimiterStatistics
 from ._token_bucket import BURST_SECONDS, TokenBucket
 
 __all__ = ("AdaptiveSettings", "Limiter", "ShardCounters")
@@ -610,14 +611,29 @@ class Limiter:
     def token_levels(self, now: float) -> dict[str, tuple[float, float]]:
         return {shard: lim.bucket.levels(now) for shard, lim in self._shards.items()}
 
-    def shard_state(
-        self,
-    ) -> dict[str, tuple[ShardCounters, RateController | None, int]]:
-        """Per shard: its counters, its controller (if adaptive) and its queue depth."""
-        return {
-            shard: (lim.counters, lim.controller, lim.queued())
-            for shard, lim in self._shards.items()
-        }
+    def statistics(self, now: float | None) -> LimiterStatistics:
+        """A frozen snapshot (token levels only with ``now``: none once closed)."""
+        shards = {}
+        for shard, lim in self._shards.items():
+            counters, controller = lim.counters, lim.controller
+            shards[shard] = LimiterShardStatistics(
+                rate=(lim.bucket.records_per_second, lim.bucket.bytes_per_second),
+                records_sent=counters.records_sent,
+                bytes_sent=counters.bytes_sent,
+                token_wait=counters.token_wait,
+                queued=lim.queued(),
+                cuts=0 if controller is None else controller.cuts,
+                noise=0.0 if controller is None else controller.noise_share,
+            )
+        return LimiterStatistics(
+            ceiling=(self.records_ceiling, self.bytes_ceiling),
+            shards=shards,
+            token_levels={} if now is None else self.token_levels(now),
+            queue_depths=self.queue_depths(),
+            offered_records=self.offered_records,
+            offered_bytes=self.offered_bytes,
+            queued=self.queued,
+        )
 
     def take_all(self) -> list[KinesisRecord]:
         """Remove and return every queued record (used when failing everything)."""

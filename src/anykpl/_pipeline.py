@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Sequence
+from enum import Enum
 from typing import Any
 
 import anyio
@@ -37,10 +38,11 @@ from ._aggregator import Aggregator
 from ._collector import Collector
 from ._limiter import AdaptiveSettings, Limiter
 from ._metrics import Metrics
-from ._records import KinesisRecord, PendingRecord
+from ._records import AttemptRecord, KinesisRecord, PendingRecord
 from ._retrier import Retrier, RetryBudget
 from ._sender import Transport, error_code, run_sender
 from ._shard_map import ShardMap, run_shard_map
+from ._statistics import ShardStatistics, StreamStatistics
 from ._token_bucket import TokenBucket
 from .config import ProducerConfig
 
@@ -54,9 +56,19 @@ ProducerFinish = Callable[[Sequence[PendingRecord], bool], tuple[int, int]]
 BACKLOG_INTERVAL = 0.25
 RATIO_SAMPLES = 100
 
-WAKE = "wake"
-FLUSH = "flush"
-END = "end"
+
+class Control(Enum):
+    """The control messages that travel the pipeline's streams beside the records."""
+
+    #: a record with an earlier deadline arrived: the Aggregator plans its wake-up again
+    WAKE = "wake"
+    #: a manual flush: each stage sends what it holds, then passes the marker on
+    FLUSH = "flush"
+    #: the end of the stream: the stage returns
+    END = "end"
+
+
+WAKE, FLUSH, END = Control.WAKE, Control.FLUSH, Control.END
 
 
 def _stream() -> tuple[MemoryObjectSendStream[Any], MemoryObjectReceiveStream[Any]]:
@@ -177,8 +189,8 @@ class Pipeline:
         self._aggregator_wake_at = math.inf
         self._refresh_event = anyio.Event()
         self._sealed: list[KinesisRecord] = []
-        self.received = 0
-        self.received_counted = 0
+        self.received = 0  # user records admitted for this stream
+        self._received_counted = 0
         self.in_flight = 0
         # Admission by what the stream can deliver (``max_outstanding_time``): the records
         # admitted for this stream and not yet terminal, and the most it may hold, planned
@@ -226,6 +238,13 @@ class Pipeline:
         """Count a record admitted for this stream (its data + partition key bytes)."""
         self.outstanding_records += 1
         self.outstanding_bytes += size
+        self.received += 1
+
+    def take_received(self) -> int:
+        """User records admitted since the last call (for ``UserRecordsReceived``)."""
+        new = self.received - self._received_counted
+        self._received_counted = self.received
+        return new
 
     def has_room(self, size: int) -> bool:
         """Whether a record of ``size`` bytes fits in the stream's backlog limit (a stream
@@ -241,6 +260,64 @@ class Pipeline:
         count, nbytes = self._producer_finish(records, success)
         self.outstanding_records -= count
         self.outstanding_bytes -= nbytes
+
+    def fail_all(self, records: Sequence[PendingRecord], attempt: AttemptRecord) -> None:
+        """Fail ``records`` (this stream's outstanding ones, wherever they are: in a stage,
+        in flight, in backoff) with ``attempt``, and drop what the stages hold."""
+        self.aggregator.take_all_records()
+        self.limiter.take_all()
+        self.retrier.take_all()
+        for record in records:
+            record._add_attempt(attempt)
+        if not records:
+            return
+        failed = len(records)
+        metrics, stream, code = self.metrics, self.stream, attempt.code
+        metrics.add("UserRecordsFailed", failed, stream, None, code)
+        metrics.observe("UserRecordsPut", stream, None, None, failed, 0, 0, 0)  # KPL's zeros
+        self.finish(records, False)
+
+    def demand(self) -> tuple[int, int, int]:
+        """(Kinesis records, their bytes) offered to the Limiter so far, retries included,
+        and the Kinesis records waiting in it now: the fleet worker's view of the load."""
+        limiter = self.limiter
+        return limiter.offered_records, limiter.offered_bytes, limiter.queued
+
+    def statistics(self, now: float | None) -> StreamStatistics:
+        """A frozen snapshot of the stream's stages (token levels only with ``now``)."""
+        limiter = self.limiter.statistics(now)
+        retrier = self.retrier.statistics()
+        shards = {
+            shard: ShardStatistics(
+                rate=state.rate,
+                ceiling=limiter.ceiling,
+                cuts=state.cuts,
+                throttled_records=retrier.throttled.get(shard, 0),
+                records_sent=state.records_sent,
+                bytes_sent=state.bytes_sent,
+                token_wait=state.token_wait,
+                backoff=retrier.backoff_time.get(shard, 0.0),
+                queued=state.queued,
+                noise=state.noise,
+            )
+            for shard, state in limiter.shards.items()
+        }
+        return StreamStatistics(
+            shard_map_state=self.shard_map.state.value,
+            open_shards=self.shard_map.open_shards,
+            aggregator_queue_depths=self.aggregator.queue_depths(),
+            limiter_queue_depths=limiter.queue_depths,
+            token_levels=limiter.token_levels,
+            rates={shard: state.rate for shard, state in limiter.shards.items()},
+            requests_in_flight=self.in_flight,
+            retry_backoff_records=retrier.delayed_records,
+            outstanding_records=self.outstanding_records,
+            outstanding_bytes=self.outstanding_bytes,
+            backlog_limit=(self.backlog_records, self.backlog_bytes),
+            user_records_received=self.received,
+            shards=shards,
+            retry_budget_exhausted=retrier.retry_budget_exhausted,
+        )
 
     def update_backlog_limit(self, now: float) -> None:
         """Plan the stream's backlog limit again: ``backlog_time`` seconds of what its open

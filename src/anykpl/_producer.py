@@ -21,25 +21,25 @@ import logging
 import math
 import re
 import sys
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 
 from . import _limits, errors
 from ._aws import running_trio
-from ._coordinator import FleetWorker
-from ._fleet import FleetDemand, FleetStatistics
-from ._metrics import MetricKey, Metrics, MetricValue
+from ._fleet import FleetDemand, FleetWorker
+from ._metrics import Metrics, MetricValue
 from ._pipeline import Pipeline
-from ._records import PendingRecord, RecordResult, _AttemptRecord, partition_key_hash
+from ._records import AttemptRecord, PendingRecord, RecordResult, partition_key_hash
 from ._sender import Transport, open_transport
-from ._tenants import Reservation, TenantAdmission, TenantStatistics
+from ._statistics import ProducerStatistics
+from ._tenants import Reservation, TenantAdmission
 from ._token_bucket import BURST_SECONDS, TokenBucket
 from .config import MAX_TENANT_LENGTH, ProducerConfig
-from .metrics import FINAL_REPORT_WHEN_CANCELLED, MetricsSink, Uploader
+from .metrics import FINAL_REPORT_WHEN_CANCELLED, MetricsSink
+from .metrics._uploader import Uploader
 
 logger = logging.getLogger("anykpl.producer")
 
@@ -49,7 +49,7 @@ else:  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
     from typing_extensions import Self
 
-__all__ = ("Producer", "ProducerStatistics", "ShardStatistics", "StreamStatistics")
+__all__ = ("Producer",)
 
 CHECKPOINT_EVERY = 128
 #: A token bucket rate that never binds (a fleet bucket before its first grant).
@@ -61,105 +61,6 @@ _STREAM_ARN = re.compile(
     r"arn:aws[a-z-]*:kinesis:[a-z0-9-]+:[0-9]{12}:stream/[a-zA-Z0-9_.-]{1,128}"
 )
 _MAX_STREAM_ARN_LENGTH = 2048
-
-
-@dataclass(frozen=True, slots=True)
-class ShardStatistics:
-    """A snapshot of one shard's rate control (one per shard the Limiter has seen).
-
-    Attributes:
-        rate: (records/s, bytes/s) the Limiter allows the shard now.
-        ceiling: (records/s, bytes/s) the most it ever allows (``rate_limit`` percent of the
-            shard's limits); ``rate`` is lower while adaptive control has it cut.
-        cuts: congestion events that cut the rate (adaptive control).
-        throttled_records: Kinesis records throttled by the service for this shard.
-        records_sent: Kinesis records the Limiter released for this shard.
-        bytes_sent: their bytes.
-        token_wait: user-record seconds spent waiting for the shard's tokens (summed over
-            records: 10 records waiting 0.1 s each make 1.0).
-        backoff: user-record seconds spent waiting out retry backoff.
-        queued: Kinesis records waiting for tokens now.
-        noise: the share of the shard's records the service throttles whatever the rate, as
-            adaptive control judges it (0 unless its throttles are judged to be noise; only
-            throttles beyond it cut the rate). See docs/adaptive.md.
-    """
-
-    rate: tuple[float, float]
-    ceiling: tuple[float, float]
-    cuts: int
-    throttled_records: int
-    records_sent: int
-    bytes_sent: int
-    token_wait: float
-    backoff: float
-    queued: int
-    noise: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class StreamStatistics:
-    """A snapshot of one stream's pipeline.
-
-    Attributes:
-        shard_map_state: ``INVALID``, ``UPDATING`` or ``READY``.
-        open_shards: the open shards the map knows.
-        aggregator_queue_depths: user records buffered per predicted shard.
-        limiter_queue_depths: Kinesis records waiting for tokens per shard.
-        token_levels: (records, bytes) tokens available per shard.
-        rates: (records/s, bytes/s) the limiter allows per shard.
-        requests_in_flight: PutRecords requests sent and not yet classified.
-        retry_backoff_records: user records waiting out a retry backoff.
-        outstanding_records: user records admitted for this stream and not yet terminal.
-        outstanding_bytes: their data + partition key bytes.
-        backlog_limit: (user records, bytes) the stream may hold now: ``max_outstanding_time``
-            seconds of what its shards deliver (``inf`` while unknown or turned off).
-        user_records_received: user records admitted for this stream.
-        shards: rate control per shard: rate, ceiling, cuts, throttles, waits.
-        retry_budget_exhausted: retries that found the retry budget spent (and waited
-            ``retry_backoff_max``).
-    """
-
-    shard_map_state: str
-    open_shards: tuple[str, ...]
-    aggregator_queue_depths: Mapping[str, int]
-    limiter_queue_depths: Mapping[str, int]
-    token_levels: Mapping[str, tuple[float, float]]
-    rates: Mapping[str, tuple[float, float]]
-    requests_in_flight: int
-    retry_backoff_records: int
-    outstanding_records: int
-    outstanding_bytes: int
-    backlog_limit: tuple[float, float]
-    user_records_received: int
-    shards: Mapping[str, ShardStatistics]
-    retry_budget_exhausted: int
-
-
-@dataclass(frozen=True, slots=True)
-class ProducerStatistics:
-    """A frozen snapshot returned by :meth:`Producer.statistics`.
-
-    Attributes:
-        outstanding_records: admitted records not yet terminal.
-        outstanding_bytes: their data + partition key bytes.
-        streams: per-stream pipeline statistics.
-        errors_by_code: Kinesis-record errors seen, by error code.
-        metrics: the KPL metric counters (``MetricKey`` → sum) at global, stream and shard level.
-        tenants: per-tenant quota statistics (:class:`~anykpl.TenantStatistics`) of the
-            tenants records were put for (idle ones not named in ``tenant_quotas`` are
-            forgotten once there are many; see docs/tenants.md).
-        fleet: this producer's place in its fleet (:class:`~anykpl._fleet.FleetStatistics`:
-            role, mode, the rate applied, the grant's expiry, S3 errors), or ``None`` without
-            ``ProducerConfig.fleet`` (see docs/fleet.md).
-    """
-
-    outstanding_records: int
-    outstanding_bytes: int
-    streams: Mapping[str, StreamStatistics]
-    errors_by_code: Mapping[str, int]
-    metrics: Mapping[MetricKey, float]
-    tenants: Mapping[str, TenantStatistics] = field(default_factory=dict)
-    fleet: FleetStatistics | None = None
 
 
 class Producer(anyio.AsyncContextManagerMixin):
@@ -295,16 +196,30 @@ class Producer(anyio.AsyncContextManagerMixin):
             task_status.started(stages)
             await anyio.sleep_forever()
 
-    async def aclose(self) -> None:
+    async def aclose(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
         """Close the producer now, as leaving its ``async with`` block does (the KPL's
-        ``destroy()``): no more puts, a flush bounded by ``close_timeout``, then what is left
-        fails with ``ProducerClosed``. For code that cannot end the block where it wants the
-        producer closed (a shutdown hook, another task); the block's own exit then has nothing
-        left to do. Idempotent; a producer never opened just closes."""
+        ``destroy()``): no more puts, a flush bounded by ``close_timeout`` (or ``timeout``
+        seconds, if shorter), then what is left fails with ``ProducerClosed``. For code that
+        cannot end the block where it wants the producer closed (a shutdown hook, another
+        task); the block's own exit then has nothing left to do. Idempotent; a producer never
+        opened just closes."""
         if self._state == "new":
             self._state = "closed"
             return
+        if timeout is not None:
+            bound = max(0.0, timeout)
+            self._close_timeout = (
+                bound if self._close_timeout is None else min(bound, self._close_timeout)
+            )
         await self._shut_down(cancelled=False)
+
+    def _stop_tenant_waits(self) -> None:
+        """Records waiting for their tenant's quota give up now (closing begins)."""
+        self._tenants.close()
+
+    def _tenant_has_quota(self, tenant: str) -> bool:
+        """Whether ``tenant`` has a quota (named in ``tenant_quotas``, or a default one)."""
+        return self._tenants.quotas.quota_of(tenant) is not None
 
     async def _shut_down(self, cancelled: bool) -> None:
         """Close once: whoever comes second (the ``async with`` exit after :meth:`aclose`, or a
@@ -346,6 +261,7 @@ class Producer(anyio.AsyncContextManagerMixin):
                 if pipeline.outstanding_records or last is None or last[0] != received:
                     seen[stream] = (received, now)
                 elif now - last[1] >= idle_timeout:
+                    self._count_received()  # its last admissions still count
                     del self._pipelines[stream]
                     del seen[stream]
                     pipeline.stop()
@@ -361,7 +277,7 @@ class Producer(anyio.AsyncContextManagerMixin):
     async def _close(self, cancelled: bool) -> None:
         """Flush, fail what is left, send the last metrics report: all within one deadline,
         ``close_timeout`` from now (the last report gets at most ``CLOSE_GRACE`` more)."""
-        self._tenants.close()  # records waiting for a tenant's quota give up now
+        self._stop_tenant_waits()
         close_timeout = self.config.close_timeout
         if self._close_timeout is not None:
             close_timeout = min(close_timeout, self._close_timeout)
@@ -547,7 +463,6 @@ class Producer(anyio.AsyncContextManagerMixin):
         self._outstanding.add(record)
         self._outstanding_bytes += record.size
         pipeline.admit(record.size)
-        pipeline.received += 1
         pipeline.put(record)
         return record
 
@@ -675,31 +590,22 @@ class Producer(anyio.AsyncContextManagerMixin):
         if not self._outstanding:
             return
         now = anyio.current_time() if self._task_group is not None else 0.0
-        attempt = _AttemptRecord(now, now, False, code, message)
+        attempt = AttemptRecord(now, now, False, code, message)
         by_stream: dict[str, list[PendingRecord]] = {}
         for record in self._outstanding:
-            record._add_attempt(attempt)
             by_stream.setdefault(record.stream, []).append(record)
         for pipeline in self._pipelines.values():
-            pipeline.aggregator.take_all_records()
-            pipeline.limiter.take_all()
-            pipeline.retrier.take_all()
-        metrics = self._metrics
-        for stream, failing in by_stream.items():
-            failed = len(failing)
-            metrics.add("UserRecordsFailed", failed, stream, None, code)
-            metrics.observe("UserRecordsPut", stream, None, None, failed, 0, 0, 0)  # KPL's zeros
-            owner = self._pipelines.get(stream)
-            if owner is None:
-                self._finish(failing, False)
-            else:
-                owner.finish(failing, False)
+            pipeline.fail_all(by_stream.pop(pipeline.stream, ()), attempt)
+        for failing in by_stream.values():  # no pipeline (cannot happen; the safety net)
+            for record in failing:
+                record._add_attempt(attempt)
+            self._finish(failing, False)
 
     # -- flushing -------------------------------------------------------------------------
 
     async def flush(
         self,
-        timeout: float | None = None,  # noqa: ASYNC109 (SPEC §2)
+        timeout: float | None = None,  # noqa: ASYNC109 (the KPL's flush(timeout) shape)
         *,
         stream: str | None = None,
     ) -> None:
@@ -744,51 +650,14 @@ class Producer(anyio.AsyncContextManagerMixin):
     def statistics(self) -> ProducerStatistics:
         """A frozen snapshot of the producer's state and counters."""
         running = self._state in ("open", "closing")
-        now = self._clock() if running else 0.0
-        streams = {}
-        for name, p in self._pipelines.items():
-            levels = p.limiter.token_levels(now) if running else {}
-            limiter, retrier = p.limiter, p.retrier
-            rates = limiter.rates()
-            shards = {
-                shard: ShardStatistics(
-                    rate=rates[shard],
-                    ceiling=(limiter.records_ceiling, limiter.bytes_ceiling),
-                    cuts=0 if controller is None else controller.cuts,
-                    throttled_records=retrier.throttled.get(shard, 0),
-                    records_sent=counters.records_sent,
-                    bytes_sent=counters.bytes_sent,
-                    token_wait=counters.token_wait,
-                    backoff=retrier.backoff_time.get(shard, 0.0),
-                    queued=queued,
-                    noise=0.0 if controller is None else controller.noise_share,
-                )
-                for shard, (counters, controller, queued) in limiter.shard_state().items()
-            }
-            budget = retrier.retry_budget
-            streams[name] = StreamStatistics(
-                shard_map_state=p.shard_map.state.value,
-                open_shards=p.shard_map.open_shards,
-                aggregator_queue_depths=p.aggregator.queue_depths(),
-                limiter_queue_depths=p.limiter.queue_depths(),
-                token_levels=levels,
-                rates=rates,
-                requests_in_flight=p.in_flight,
-                retry_backoff_records=p.retrier.delayed_records,
-                outstanding_records=p.outstanding_records,
-                outstanding_bytes=p.outstanding_bytes,
-                backlog_limit=(p.backlog_records, p.backlog_bytes),
-                user_records_received=p.received,
-                shards=shards,
-                retry_budget_exhausted=0 if budget is None else budget.exhausted,
-            )
+        now = self._clock() if running else None
         return ProducerStatistics(
             outstanding_records=len(self._outstanding),
             outstanding_bytes=self._outstanding_bytes,
-            streams=streams,
+            streams={name: p.statistics(now) for name, p in self._pipelines.items()},
             errors_by_code=self._metrics.by_error_code(),
             metrics=self._metrics.snapshot(),
-            tenants=self._tenants.statistics(now if running else None),
+            tenants=self._tenants.statistics(now),
             fleet=None if self._fleet_worker is None else self._fleet_worker.statistics(),
         )
 
@@ -798,10 +667,10 @@ class Producer(anyio.AsyncContextManagerMixin):
         so far, retries included, and what waits in them now."""
         offered_records = offered_bytes = backlog = 0
         for pipeline in self._pipelines.values():
-            limiter = pipeline.limiter
-            offered_records += limiter.offered_records
-            offered_bytes += limiter.offered_bytes
-            backlog += limiter.queued
+            records, nbytes, queued = pipeline.demand()
+            offered_records += records
+            offered_bytes += nbytes
+            backlog += queued
         # the queued bytes are not tracked record by record (that would cost on the hot path):
         # the mean size of what was offered stands in for them
         mean_size = offered_bytes / offered_records if offered_records else 0.0
@@ -844,11 +713,9 @@ class Producer(anyio.AsyncContextManagerMixin):
         Called when a one-second bucket closes and before a read, never once per put (the hot
         path): see anykpl/_metrics.py for how close to their second this dates them."""
         for name, p in self._pipelines.items():
-            if p.received != p.received_counted:
-                self._metrics.add_to_bucket(
-                    "UserRecordsReceived", p.received - p.received_counted, name, None, None
-                )
-                p.received_counted = p.received
+            received = p.take_received()
+            if received:
+                self._metrics.add_to_bucket("UserRecordsReceived", received, name, None, None)
 
 
 def _check_stream_name(stream: object) -> None:

@@ -9,7 +9,7 @@ user records it carries; the Retrier resolves them when the PutRecords outcome a
 Attempt history follows the KPL (aws/kinesis/core/user_record.cc, ``to_put_record_result``):
 an attempt's ``delay`` is the time from the record's arrival (first attempt) or from the end of
 the previous attempt (later attempts) to the attempt's start; ``duration`` is the attempt's own
-length. Attempts are stored as shared :class:`_AttemptRecord` objects — one per Kinesis record
+length. Attempts are stored as shared :class:`AttemptRecord` objects — one per Kinesis record
 per try, shared by every user record in the aggregate — and turned into public
 :class:`Attempt` values only when a result is asked for.
 """
@@ -78,7 +78,7 @@ class RecordResult(NamedTuple):
 _new_tuple = tuple.__new__
 
 
-class _AttemptRecord:
+class AttemptRecord:
     """One try of one Kinesis record, shared by all the user records it carried."""
 
     __slots__ = ("code", "end", "message", "start", "success")
@@ -156,8 +156,8 @@ class PendingRecord:
         self.tenant: str | None = None
         # The latest attempt in a slot and earlier ones in a tuple: no list per record, since
         # most records succeed at the first attempt (every allocation here costs GC time).
-        self._last_attempt: _AttemptRecord | None = None
-        self._earlier_attempts: tuple[_AttemptRecord, ...] = ()
+        self._last_attempt: AttemptRecord | None = None
+        self._earlier_attempts: tuple[AttemptRecord, ...] = ()
         self._state = _PENDING
         self._event: anyio.Event | None = None
         # Called once, with the record, when it becomes terminal (SyncProducer completes its
@@ -254,11 +254,11 @@ class PendingRecord:
             attempts=tuple(attempts),
         )
 
-    def _attempts(self) -> tuple[_AttemptRecord, ...]:
+    def _attempts(self) -> tuple[AttemptRecord, ...]:
         last = self._last_attempt
         return self._earlier_attempts if last is None else (*self._earlier_attempts, last)
 
-    def _add_attempt(self, attempt: _AttemptRecord) -> None:
+    def _add_attempt(self, attempt: AttemptRecord) -> None:
         if self._state != _PENDING:
             # already terminal (failed at close while its request was in flight): its history
             # ends with the attempt that decided it

@@ -42,9 +42,10 @@ import random
 from collections.abc import Callable, Sequence
 
 from . import errors
-from ._records import KinesisRecord, PendingRecord, _AttemptRecord
+from ._records import AttemptRecord, KinesisRecord, PendingRecord
 from ._sender import Outcome
 from ._shard_map import ShardMap, shard_number
+from ._statistics import RetrierStatistics
 
 __all__ = ("Retrier",)
 
@@ -187,7 +188,7 @@ class Retrier:
             message = outcome.error_message or ""
             self.count("ErrorsByCode", 1, None, code)
             self.count("AllErrors", 1, None, None)
-            attempt = _AttemptRecord(outcome.start, outcome.end, False, code, message)
+            attempt = AttemptRecord(outcome.start, outcome.end, False, code, message)
             for kr in records:
                 self._fail_or_retry(kr, attempt, now)
             if self._throttles and self.on_outcome is not None:
@@ -197,7 +198,7 @@ class Retrier:
             return
         entries = outcome.response.get("Records", [])
         if len(entries) != len(records):
-            attempt = _AttemptRecord(
+            attempt = AttemptRecord(
                 outcome.start,
                 outcome.end,
                 False,
@@ -222,7 +223,7 @@ class Retrier:
                 stats[1] += 1
                 code = entry.get("ErrorCode") or "UnknownError"
                 self.count("ErrorsByCode", 1, predicted, code)
-                attempt = _AttemptRecord(
+                attempt = AttemptRecord(
                     outcome.start, outcome.end, False, code, entry.get("ErrorMessage") or ""
                 )
                 self._fail_or_retry(kr, attempt, now)
@@ -336,7 +337,7 @@ class Retrier:
                 )
                 if self.shard_map.invalidate(outcome.start, predicted):
                     self.request_refresh()
-                attempt = _AttemptRecord(
+                attempt = AttemptRecord(
                     outcome.start,
                     outcome.end,
                     False,
@@ -353,7 +354,7 @@ class Retrier:
                 outcome.start, predicted
             ):
                 self.request_refresh()
-        attempt = _AttemptRecord(outcome.start, outcome.end, True, None, None)
+        attempt = AttemptRecord(outcome.start, outcome.end, True, None, None)
         # [user records, data bytes, smallest, largest] at the actual shard, for the response
         stats = users.get(actual)
         if stats is None:
@@ -391,7 +392,17 @@ class Retrier:
         routed = int(kr.explicit_hash_key)
         return all(record.hash_key == routed for record in kr.records)
 
-    def _fail_or_retry(self, kr: KinesisRecord, attempt: _AttemptRecord, now: float) -> None:
+    def statistics(self) -> RetrierStatistics:
+        """A frozen snapshot of the Retrier's counters."""
+        budget = self.retry_budget
+        return RetrierStatistics(
+            throttled=dict(self.throttled),
+            backoff_time=dict(self.backoff_time),
+            delayed_records=self.delayed_records,
+            retry_budget_exhausted=0 if budget is None else budget.exhausted,
+        )
+
+    def _fail_or_retry(self, kr: KinesisRecord, attempt: AttemptRecord, now: float) -> None:
         code = attempt.code or ""
         shard = kr.predicted_shard
         if code == errors.THROTTLED and shard is not None:
@@ -403,7 +414,7 @@ class Retrier:
             self._retry(kr.records, attempt, now, shard=shard, backoff_key=shard, backoff=True)
 
     def _fail(
-        self, records: Sequence[PendingRecord], attempt: _AttemptRecord, shard: str | None
+        self, records: Sequence[PendingRecord], attempt: AttemptRecord, shard: str | None
     ) -> None:
         """Fail user records for good (``shard``: their predicted shard, for the metrics)."""
         for record in records:
@@ -420,7 +431,7 @@ class Retrier:
 
     def expire(self, records: Sequence[KinesisRecord], now: float) -> None:
         """Fail Kinesis records whose TTL passed while they waited in the limiter."""
-        attempt = _AttemptRecord(
+        attempt = AttemptRecord(
             now, now, False, errors.EXPIRED, "Expiration reached while waiting in limiter"
         )
         for kr in records:
@@ -430,14 +441,14 @@ class Retrier:
     def _retry(
         self,
         records: Sequence[PendingRecord],
-        attempt: _AttemptRecord,
+        attempt: AttemptRecord,
         now: float,
         *,
         shard: str | None,
         backoff_key: str | None,
         backoff: bool,
     ) -> None:
-        expired_attempt: _AttemptRecord | None = None
+        expired_attempt: AttemptRecord | None = None
         retry: list[PendingRecord] = []
         expired: list[PendingRecord] = []
         for record in records:
@@ -447,7 +458,7 @@ class Retrier:
             else:
                 retry.append(record)
         if expired:
-            expired_attempt = _AttemptRecord(
+            expired_attempt = AttemptRecord(
                 now, now, False, errors.EXPIRED, "Record has reached expiration"
             )
             self._fail(expired, expired_attempt, shard)

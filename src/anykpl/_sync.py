@@ -93,9 +93,10 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from . import errors
 from ._aws import running_trio
 from ._metrics import MetricValue
-from ._producer import Producer, ProducerStatistics
+from ._producer import Producer
 from ._records import PendingRecord, RecordResult
 from ._sender import Transport
+from ._statistics import ProducerStatistics
 from .config import ProducerConfig
 from .metrics import MetricsSink
 
@@ -568,7 +569,7 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
                         # records waiting for their tenant's quota give up now, as they do
                         # when a Producer closes, instead of holding the close (and the flush
                         # of everything else) until its timeout
-                        producer._tenants.close()
+                        producer._stop_tenant_waits()
                         deadline = anyio.current_time() + self._close_bound
                         with anyio.move_on_after(self._close_bound):
                             await admitted_all.wait()
@@ -580,7 +581,7 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
                         # last metrics report) by its close timeout: hand it what is left of
                         # our bound, so that close(timeout=0.2) is not held for the default
                         # 30 s by a slow metrics sink.
-                        producer._close_timeout = max(0.0, deadline - anyio.current_time())
+                        await producer.aclose(timeout=deadline - anyio.current_time())
                     else:
                         # Leave the Producer's block by cancellation: it then fails what is
                         # left at once, instead of flushing for another close_timeout.
@@ -614,7 +615,7 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         lock = self._lock
         queue = self._queue
         lanes = self._tenant_lanes
-        has_quota = producer._tenants.quotas.quota_of
+        has_quota = producer._tenant_has_quota
         async with anyio.create_task_group() as lane_tasks:
             while True:
                 new_lane = None
@@ -627,7 +628,7 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
                         wakeup = self._admitter_wakeup = anyio.Event()
                     elif item.state == _CANCELLED:
                         continue
-                    elif type(item.tenant) is str and has_quota(item.tenant) is not None:
+                    elif type(item.tenant) is str and has_quota(item.tenant):
                         # stays _QUEUED in the lane: its caller may still withdraw it
                         lane = lanes.get(item.tenant)
                         if lane is None:

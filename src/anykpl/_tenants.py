@@ -1,7 +1,7 @@
 """Tenant quotas: per-tenant token buckets with FIFO reservations (a pure core), and the thin
 async admission that waits on them.
 
-Beyond the KPL (SPEC §5): the KPL has no tenants. A record put with ``tenant="t1"`` first
+Beyond the KPL (docs/tenants.md): the KPL has no tenants. A record put with ``tenant="t1"`` first
 draws from that tenant's bucket in :meth:`Producer.submit <anykpl.Producer.submit>`, before
 the backpressure wait; then, inside the pipeline, the Limiter serves a shard's tenants round
 robin (``_limiter.py``), so a tenant's backlog cannot delay another tenant's records on the

@@ -180,7 +180,7 @@ TIMEOUT = "Timeout"
 CONNECTION_ERROR = "ConnectionError"
 
 # Codes that end a record at once. The KPL retries everything until the TTL (retrier.cc); we
-# fail fast where a retry cannot help (SPEC §5).
+# fail fast where a retry cannot help (docs/errors.md).
 _NON_RETRIABLE = frozenset(
     {
         "ResourceNotFoundException",

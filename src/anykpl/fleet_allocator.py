@@ -20,8 +20,7 @@ import time
 
 import anyio
 
-from ._coordinator import FleetAllocator
-from ._fleet import GrantsDocument
+from ._fleet import FleetAllocator, GrantsDocument
 from .config import FleetConfig, ProducerConfig
 from .errors import ConfigError
 

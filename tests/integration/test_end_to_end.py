@@ -1,9 +1,9 @@
 """End to end against moto's server: put through the public API, read the stream back.
 
-"Nothing lost" is judged from the stream itself (SPEC §6): every test that puts records reads
+"Nothing lost" is judged from the stream itself: every test that puts records reads
 every shard back with GetRecords, deaggregates, and checks what arrived — each user record
 exactly once, with its partition key and data, in the shard whose hash key range holds its hash
-key (SPEC §4) — not by counting callbacks. Every test runs on asyncio and on trio.
+key (docs/wire.md) — not by counting callbacks. Every test runs on asyncio and on trio.
 
 GetRecords does not return a record's explicit hash key, so a user record's hash key is taken
 from the aggregate's EHK table when it is there, from the MD5 of its partition key otherwise,
@@ -27,11 +27,10 @@ import pytest
 from aws_kinesis_agg import deaggregator
 
 from anykpl import PendingRecord, Producer, ProducerConfig, RecordResult, errors
+from anykpl._limits import MAX_HASH_KEY
 from anykpl._wire import MAGIC, DecodedRecord, deaggregate
 
 pytestmark = pytest.mark.anyio
-
-MAX_HASH_KEY = 2**128 - 1
 AGGREGATION_MAX_SIZE = 51200  # the default, stated here so the oversized records stay oversized
 
 

@@ -25,8 +25,7 @@ import anyio.abc
 import pytest
 
 from anykpl import FleetConfig, ProducerConfig
-from anykpl._coordinator import FleetWorker
-from anykpl._fleet import FleetDemand, GrantsDocument, parse_grants
+from anykpl._fleet import FleetDemand, FleetWorker, GrantsDocument, parse_grants
 from anykpl.emulator import EmulatorClient
 
 from .conftest import CREDENTIALS, REGION

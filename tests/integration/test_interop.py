@@ -38,6 +38,7 @@ import pytest
 from aws_kinesis_agg import deaggregator, messages_pb2
 
 from anykpl import PendingRecord, Producer, RecordResult, errors
+from anykpl._limits import MAX_HASH_KEY
 
 from . import interop_servers
 from .interop_servers import CREDENTIALS, REGION
@@ -52,7 +53,6 @@ if MISSING:
         allow_module_level=True,
     )
 
-MAX_HASH_KEY = 2**128 - 1
 RECORDS = 3000
 
 

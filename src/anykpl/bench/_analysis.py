@@ -4,8 +4,8 @@ and shares of its limits from the emulator's per-second rows.
 A shard's write limits are two (records/s and bytes/s) and whichever the traffic comes closer
 to is the one that binds: 100-byte records sent one per Kinesis record hit the record limit at
 a tenth of the byte limit, the same records aggregated hit the byte limit. So a shard's
-*utilisation* is the larger of its two shares, and the bar of SPEC §8 (≥ 97 % of each shard's
-limit) is judged on the worst shard's utilisation.
+*utilisation* is the larger of its two shares, and the bench's bar (docs/bench.md: ≥ 97 % of
+each shard's limit) is judged on the worst shard's utilisation.
 """
 
 from __future__ import annotations

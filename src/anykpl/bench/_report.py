@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 
 __all__ = ("BAR", "machine", "markdown_table", "size_label", "write_json", "write_plot")
 
-#: SPEC §8: a lone producer sustains at least this share of each shard's binding limit.
+#: The bench's bar (docs/bench.md): a lone producer sustains at least this share of each
+#: shard's binding limit.
 BAR = 0.97
 
 _PACKAGES = ("anyio", "trio", "aiobotocore", "aiohttp", "httpx2", "moto", "matplotlib")

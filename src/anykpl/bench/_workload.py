@@ -28,8 +28,9 @@ import anyio
 
 from .. import _limits
 from .._metrics import MetricKey
-from .._producer import Producer, ProducerStatistics
+from .._producer import Producer
 from .._records import PendingRecord, partition_key_hash
+from .._statistics import ProducerStatistics
 from ..config import ProducerConfig
 
 __all__ = ("Case", "CaseRun", "Snapshot", "expected_user_rate", "keys_per_shard", "run_case")

@@ -1,6 +1,6 @@
 """Reading a stream back as a consumer would, and judging it against what was acknowledged.
 
-"Nothing lost" is proved from the stream itself (SPEC §6), never by counting callbacks: every
+"Nothing lost" is proved from the stream itself (docs/demo.md), never by counting callbacks: every
 shard — open or closed — is read from ``TRIM_HORIZON`` with GetRecords, each Kinesis record is
 deaggregated the way the KCL does it (:func:`anykpl._wire.deaggregate`), and the user records
 that come out are compared with the ones the producer acknowledged.

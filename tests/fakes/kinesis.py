@@ -1,5 +1,8 @@
 """A fake Kinesis transport for unit tests: shards with hash ranges, per-record throttling and
-faults on demand, and a log of everything it stored. No network, no event-loop specifics."""
+faults on demand, and a log of everything it stored. No network, no event-loop specifics.
+
+The hash-key space comes from ``anykpl._limits``, the one place the service's numbers live, so
+the fake and the producer cannot disagree about where a shard ends."""
 
 from __future__ import annotations
 
@@ -9,16 +12,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import pytest
 
 from anykpl import _wire
-
-MAX_HASH = (1 << 128) - 1
+from anykpl._limits import MAX_HASH_KEY
 
 
 def even_ranges(count: int) -> list[tuple[int, int]]:
-    step = (MAX_HASH + 1) // count
-    return [(i * step, MAX_HASH if i == count - 1 else (i + 1) * step - 1) for i in range(count)]
+    """``count`` shards splitting the hash-key space evenly, as CreateStream does."""
+    step = (MAX_HASH_KEY + 1) // count
+    last = count - 1
+    return [(i * step, MAX_HASH_KEY if i == last else (i + 1) * step - 1) for i in range(count)]
 
 
 @dataclass
@@ -144,9 +147,5 @@ class FakeKinesis:
 
 
 def hash_of(partition_key: str) -> int:
+    """The hash key Kinesis derives from ``partition_key`` (MD5, big-endian)."""
     return int.from_bytes(hashlib.md5(partition_key.encode()).digest(), "big")
-
-
-@pytest.fixture
-def fake_kinesis() -> FakeKinesis:
-    return FakeKinesis()

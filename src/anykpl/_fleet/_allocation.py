@@ -1,0 +1,317 @@
+"""The allocator's maths: each generation of grants from the previous grants document and the
+workers' reports.
+
+Targets are max-min fair shares of the demand (Doorman's FAIR_SHARE, :func:`water_fill`), and
+Doorman's safety invariant bounds every grant (:func:`allocate_dimension`): the grants that may
+be in force never sum over the cap. Pure and clock-injected: S3's time comes in as bounds
+``(earliest, latest)``. docs/fleet.md ("Allocation") explains the invariant, learning mode and
+start-up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from ._clock import TIMESTAMP_RESOLUTION
+from ._documents import GrantsDocument, Outstanding, WorkerEntry, WorkerReport
+from ._rates import Rates, max_of
+
+__all__ = (
+    "HEADROOM",
+    "Allocator",
+    "ObservedReport",
+    "allocate_dimension",
+    "in_force",
+    "water_fill",
+)
+
+#: A worker is granted up to its demand times this, so it can grow before the next allocation.
+HEADROOM: Final = 1.25
+#: A relative margin kept below the cap against floating-point rounding.
+_ROUNDING: Final = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class ObservedReport:
+    """A worker report as the allocator read it, with S3's ``LastModified`` of the object."""
+
+    report: WorkerReport
+    last_modified: float
+
+
+def water_fill(capacity: float, demands: Mapping[str, float]) -> dict[str, float]:
+    """Max-min fair shares of ``capacity``: nobody gets more than it demands, and nobody who
+    gets less than it demands gets less than anybody else (Doorman's FAIR_SHARE)."""
+    shares: dict[str, float] = {}
+    remaining = max(0.0, capacity)
+    ordered = sorted(demands.items(), key=lambda item: (item[1], item[0]))
+    for index, (key, demand) in enumerate(ordered):
+        give = min(max(0.0, demand), remaining / (len(ordered) - index))
+        shares[key] = give
+        remaining = max(0.0, remaining - give)
+    return shares
+
+
+def allocate_dimension(
+    cap: float,
+    targets: Mapping[str, float],
+    in_force: Mapping[str, float],
+    in_use: Mapping[str, float],
+) -> dict[str, float]:
+    """New grants in one dimension, bounded by Doorman's invariant.
+
+    ``targets``: what each worker to be granted should get; ``in_force``: every worker's
+    largest grant that may still apply (workers not in ``targets`` included); ``in_use``: rates
+    applied outside any grant (bootstrap, safe), as the workers last reported them.
+
+    Reductions apply at once. An increase takes only capacity that is free now: the cap minus,
+    for every worker, the most it may apply while this generation is the newest — so the sum
+    of ``max(grant in force, new grant)`` never exceeds the cap, and room is kept for the
+    bootstrap and safe rates in use too.
+    """
+    limit = cap * (1 - _ROUNDING)
+    new = {j: min(t, max(in_force.get(j, 0.0), in_use.get(j, 0.0))) for j, t in targets.items()}
+    everyone = set(in_force) | set(targets)
+
+    def committed() -> float:
+        return sum(max(in_force.get(k, 0.0), new.get(k, 0.0)) for k in everyone)
+
+    # A worker keeps up to the rate it applies outside a grant, which is not in force as a
+    # grant: trim those keeps first if they would break the invariant.
+    excess = committed() - limit
+    if excess > 0:
+        above = {j: new[j] - in_force.get(j, 0.0) for j in new if new[j] > in_force.get(j, 0.0)}
+        total_above = sum(above.values())
+        if total_above > 0:
+            keep = max(0.0, 1 - excess / total_above)
+            for j, extra in above.items():
+                new[j] = in_force.get(j, 0.0) + extra * keep
+    # Grants in force already exceed the cap (the cap was lowered, or a document was lost):
+    # nothing more can be done for the instant, but the new grants alone fit.
+    granted = sum(new.values())
+    if granted > limit:
+        for j in new:
+            new[j] *= limit / granted
+    used = sum(max(in_force.get(k, 0.0), in_use.get(k, 0.0), new.get(k, 0.0)) for k in everyone)
+    free = limit - used
+    if free > 0:
+        deficits = {j: targets[j] - new[j] for j in new if targets[j] > new[j]}
+        for j, extra in water_fill(free, deficits).items():
+            new[j] += extra
+    # A worker without a grant in force that would get less than the rate it runs now only
+    # because the capacity is not free yet gets no grant yet: granting it a sliver would stall
+    # it, while its bootstrap or safe rate is already counted above.
+    for j, rate in list(new.items()):
+        if in_force.get(j, 0.0) <= 0 and rate < min(targets[j], in_use.get(j, 0.0)) * (1 - 1e-6):
+            new[j] = 0.0
+    return new
+
+
+def in_force(
+    previous: GrantsDocument | None, worker_id: str, acked: int | None, now_earliest: float
+) -> list[Outstanding]:
+    """A worker's grants from ``previous`` and before that may still apply: not surely
+    expired at S3 time ``now_earliest``, and not older than the last one it reported applying
+    (a worker never goes back to an older generation)."""
+    if previous is None:
+        return []
+    entry = previous.workers.get(worker_id)
+    if entry is None:
+        return []
+    candidates = list(entry.outstanding)
+    if entry.grant is not None:
+        candidates.append(Outstanding(previous.generation, entry.grant, previous.expires_at))
+    floor = -1 if acked is None else acked
+    return [c for c in candidates if c.generation >= floor and c.expires_at > now_earliest]
+
+
+class Allocator:
+    """Computes each generation of grants from the previous document and the reports.
+
+    Stateless apart from learning mode (and what :meth:`duplicates` remembers): everything it
+    needs about grants in force is in the previous document, so any member can take over from
+    any other.
+    """
+
+    #: incarnations remembered per worker id, to tell two processes sharing it from restarts
+    REMEMBERED_INCARNATIONS: Final = 4
+
+    def __init__(
+        self,
+        *,
+        allocator_id: str,
+        cap: Rates,
+        lease: float,
+        bootstrap_fraction: float,
+    ) -> None:
+        self.allocator_id = allocator_id
+        self.cap = cap
+        self.lease = lease
+        self.bootstrap_fraction = bootstrap_fraction
+        #: S3 time until which the allocator echoes grants instead of reallocating
+        self.learning_until: float | None = None
+        self._incarnations: dict[str, list[str]] = {}  # worker id -> recent, newest last
+        self._duplicated: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"<Allocator {self.allocator_id} cap={tuple(self.cap)}>"
+
+    def fresh(
+        self, reports: Iterable[ObservedReport], now: tuple[float, float]
+    ) -> list[ObservedReport]:
+        """The reports not surely older than a lease by S3's clock (``now``: its bounds)."""
+        return [r for r in reports if not self.is_stale(r.last_modified, now)]
+
+    def is_stale(self, last_modified: float, now: tuple[float, float]) -> bool:
+        """Whether an object written at ``last_modified`` is surely older than a lease."""
+        return now[0] - (last_modified + TIMESTAMP_RESOLUTION) > self.lease
+
+    def take_over(
+        self,
+        previous: GrantsDocument | None,
+        reports: Iterable[ObservedReport],
+        now: tuple[float, float],
+    ) -> bool:
+        """Start allocating after acquiring the lease; return whether grants may be in force.
+
+        If grants of the previous allocator may still be in force, run in learning mode
+        (Doorman): echo the grants in force and give new workers their bootstrap only, until
+        they have all expired — at ``expires_at`` of the last document, which bounds every
+        grant before it; or, when that document is missing or unreadable while a worker
+        reports a grant, for one lease.
+        """
+        granted = any(r.report.mode == "granted" for r in self.fresh(reports, now))
+        if previous is not None and previous.expires_at > now[0]:
+            self.learning_until = previous.expires_at
+            return True
+        if previous is None and granted:
+            self.learning_until = now[1] + self.lease
+            return True
+        self.learning_until = None
+        return False
+
+    def step_down(self) -> None:
+        """The lease was lost: a later acquisition is a new takeover."""
+        self.learning_until = None
+
+    def duplicates(self, reports: Iterable[ObservedReport]) -> list[str]:
+        """The worker ids found shared by two processes or more, each once: reports read
+        cycle after cycle whose ``incarnation`` goes back to one seen before. A restart only
+        ever brings a new incarnation; two processes with one ``worker_id`` overwrite each
+        other's report, and get one grant that each applies — a fleet that exceeds its cap."""
+        found: list[str] = []
+        present: set[str] = set()
+        for observed in reports:
+            worker_id, incarnation = observed.report.worker_id, observed.report.incarnation
+            present.add(worker_id)
+            seen = self._incarnations.setdefault(worker_id, [])
+            if seen and seen[-1] == incarnation:
+                continue
+            if incarnation in seen:
+                seen.remove(incarnation)
+                if worker_id not in self._duplicated:
+                    self._duplicated.add(worker_id)
+                    found.append(worker_id)
+            seen.append(incarnation)
+            del seen[: -self.REMEMBERED_INCARNATIONS]
+        for worker_id in set(self._incarnations) - present:
+            del self._incarnations[worker_id]
+        return found
+
+    def _generation(self, previous: GrantsDocument | None, reports: Iterable[WorkerReport]) -> int:
+        return 1 + max(
+            [previous.generation if previous else 0]
+            + [r.generation for r in reports if r.generation is not None]
+        )
+
+    def gather(
+        self,
+        previous: GrantsDocument | None,
+        reports: Sequence[ObservedReport],
+        now: tuple[float, float],
+    ) -> GrantsDocument:
+        """A document without grants that tells the fleet's size: written by the first
+        allocator of a starting fleet while it waits a cycle for every member's report, so
+        that the members' bootstrap rates already share the cap × ``bootstrap_fraction``."""
+        fresh = {r.report.worker_id: r.report for r in self.fresh(reports, now)}
+        issued_at = (now[0] + now[1]) / 2
+        return GrantsDocument(
+            generation=self._generation(previous, fresh.values()),
+            allocator=self.allocator_id,
+            issued_at=issued_at,
+            expires_at=issued_at + self.lease,
+            learning=False,
+            cap=self.cap,
+            workers={
+                w: WorkerEntry(grant=None, acked=r.generation) for w, r in sorted(fresh.items())
+            },
+            fleet_size=len(fresh),
+        )
+
+    def learning(self, now: tuple[float, float]) -> bool:
+        return self.learning_until is not None and now[0] < self.learning_until
+
+    def allocate(
+        self,
+        previous: GrantsDocument | None,
+        reports: Sequence[ObservedReport],
+        now: tuple[float, float],
+    ) -> GrantsDocument:
+        """The next generation of grants. ``now`` bounds S3's time (earliest, latest)."""
+        fresh = {r.report.worker_id: r.report for r in self.fresh(reports, now)}
+        learning = self.learning(now)
+        acks: dict[str, int | None] = {}
+        for worker_id in set(fresh) | set(previous.workers if previous else ()):
+            reported = fresh[worker_id].generation if worker_id in fresh else None
+            entry = previous.workers.get(worker_id) if previous is not None else None
+            earlier = entry.acked if entry is not None else None
+            acks[worker_id] = max_of((reported, earlier))
+        held = {w: in_force(previous, w, acks[w], now[0]) for w in acks}
+        generation = self._generation(previous, fresh.values())
+        fleet = max(1, len(fresh))
+        grants: dict[str, list[float | None]] = {w: [None, None] for w in fresh}
+        for i, cap in enumerate(self.cap):
+            if cap is None:
+                continue
+            floor = cap * self.bootstrap_fraction / fleet
+            force = {w: max((o.rates[i] or 0.0 for o in held[w]), default=0.0) for w in held}
+            use = {w: (r.has[i] or 0.0) for w, r in fresh.items()}
+            if learning:
+                targets = {}
+                for w, r in fresh.items():
+                    echo = previous.grant_for(w) if previous is not None else None
+                    if echo is not None and previous is not None and previous.expires_at > now[0]:
+                        targets[w] = echo[i] or 0.0
+                    elif r.mode == "granted":
+                        targets[w] = use[w]
+                    else:
+                        targets[w] = floor
+            else:
+                wants = {w: max((r.wants[i] or 0.0) * HEADROOM, floor) for w, r in fresh.items()}
+                targets = water_fill(cap, wants)
+            for w, rate in allocate_dimension(cap, targets, force, use).items():
+                grants[w][i] = rate
+        workers: dict[str, WorkerEntry] = {}
+        for w in sorted(acks):
+            outstanding = tuple(sorted(held[w], key=lambda o: o.generation))
+            grant: Rates | None = None
+            if w in grants:
+                values = grants[w]
+                if all(v is None or v > 0 for v in values):
+                    grant = Rates(values[0], values[1])
+            if grant is None and not outstanding and w not in fresh:
+                continue  # gone, and nothing of it in force: forget it
+            workers[w] = WorkerEntry(grant=grant, acked=acks[w], outstanding=outstanding)
+        issued_at = (now[0] + now[1]) / 2
+        return GrantsDocument(
+            generation=generation,
+            allocator=self.allocator_id,
+            issued_at=issued_at,
+            expires_at=issued_at + self.lease,
+            learning=learning,
+            cap=self.cap,
+            workers=workers,
+            fleet_size=len(fresh),
+        )

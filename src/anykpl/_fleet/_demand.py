@@ -1,0 +1,66 @@
+"""A worker's demand: what the producer tells its worker (:class:`FleetDemand`) and the
+estimate the worker reports (:class:`DemandEstimator`).
+
+Workers report demand, not the rate they achieved — achieved rate is capped by the grant, so
+it would keep the status quo. Pure and clock-injected. See docs/fleet.md ("The S3 objects").
+"""
+
+from __future__ import annotations
+
+from typing import Final, NamedTuple
+
+from ._rates import Rates
+
+__all__ = ("DEMAND_SMOOTHING", "DemandEstimator", "FleetDemand")
+
+#: The weight of the newest sample in the EWMA of the offered load.
+DEMAND_SMOOTHING: Final = 0.5
+
+
+class FleetDemand(NamedTuple):
+    """What the producer tells its worker, in the units of the grants (Kinesis records and
+    their bytes, as the service counts them: an aggregate is one record): the totals offered
+    to its Limiters so far (retries included) and the backlog waiting in them now."""
+
+    admitted_records: int
+    admitted_bytes: int
+    backlog_records: int
+    backlog_bytes: int
+
+
+class DemandEstimator:
+    """A worker's demand: EWMA of its offered load plus its backlog ÷ the sync interval.
+
+    The offered load is what the producer *admitted* per second — not what it sent, which its
+    grant caps. When backpressure holds callers back, admissions follow sending, and then the
+    backlog (records admitted and not yet finished, up to ``max_outstanding_records``) is what
+    says the worker wants more.
+    """
+
+    __slots__ = ("_last", "_last_at", "_sampled", "offered", "sync_interval")
+
+    def __init__(self, sync_interval: float) -> None:
+        self.sync_interval = sync_interval
+        self._last: FleetDemand | None = None
+        self._last_at = 0.0
+        self._sampled = False
+        self.offered = (0.0, 0.0)
+
+    def update(self, demand: FleetDemand, now: float) -> tuple[Rates, Rates]:
+        """Take a sample at local time ``now``; return ``(offered, wants)`` per second."""
+        last = self._last
+        if last is not None and now > self._last_at:
+            elapsed = now - self._last_at
+            records = max(0, demand.admitted_records - last.admitted_records) / elapsed
+            nbytes = max(0, demand.admitted_bytes - last.admitted_bytes) / elapsed
+            if self._sampled:
+                a = DEMAND_SMOOTHING
+                records = a * records + (1 - a) * self.offered[0]
+                nbytes = a * nbytes + (1 - a) * self.offered[1]
+            self.offered = (records, nbytes)
+            self._sampled = True
+        if last is None or now > self._last_at:
+            self._last, self._last_at = demand, now
+        wants_records = self.offered[0] + max(0, demand.backlog_records) / self.sync_interval
+        wants_bytes = self.offered[1] + max(0, demand.backlog_bytes) / self.sync_interval
+        return Rates(*self.offered), Rates(wants_records, wants_bytes)

@@ -1,0 +1,591 @@
+"""What every member of a fleet shares — a producer's :class:`~anykpl._fleet._worker.FleetWorker`
+and the standalone :class:`~anykpl._fleet._standalone_allocator.FleetAllocator`: the S3 client,
+error counting and logging, the allocator's lease, allocating while it holds it, S3's clock
+calibration, the cycle loop and closing.
+
+Each kind of member defines its own sync cycle (the abstract :meth:`Member._cycle`). S3 errors
+never stop a member: every call is bounded, every error is counted and logged at WARNING on the
+``anykpl.fleet`` logger once per kind (again after S3 has answered a whole cycle without
+error). docs/fleet.md draws the control loop and the failure modes.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import math
+import os
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from .._aws import create_client
+from .._sender import error_code
+from ..config import FleetConfig, ProducerConfig
+from ._allocation import Allocator, ObservedReport
+from ._clock import ServerClock
+from ._documents import (
+    DocumentError,
+    GrantsDocument,
+    LeaseDocument,
+    lease_expiry,
+    parse_grants,
+    parse_lease,
+    parse_report,
+)
+from ._rates import Rates
+from ._store import Conflict, S3Store
+
+__all__ = (
+    "CLOCK_TARGET",
+    "CLOSE_TIMEOUT",
+    "LEFTOVER_LEASES",
+    "READ_CONCURRENCY",
+    "ClientFactory",
+    "Member",
+)
+
+logger = logging.getLogger("anykpl.fleet")
+
+#: How long the last S3 calls may take on close (delete the report, release the lease);
+#: :meth:`Member.aclose` returns within half a second more.
+CLOSE_TIMEOUT = 1.5
+#: Reports read at once by the allocator.
+READ_CONCURRENCY = 16
+#: A report stale for this many leases is a crashed worker's leftover: the allocator deletes it.
+LEFTOVER_LEASES = 10
+#: S3's clock is known well enough once a member's uncertainty about it is below this.
+CLOCK_TARGET = 0.1
+#: After the holder's lease would expire, a contender looks again this much later.
+_LEASE_MARGIN = 0.01
+
+ClientFactory = Callable[[], AbstractAsyncContextManager[Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """``grants.json`` as read at the start of a cycle."""
+
+    document: GrantsDocument | None  # None: missing or junk
+    etag: str | None
+    exists: bool
+
+
+class Member(abc.ABC):
+    """What workers and the standalone allocator share: S3, errors, the lease, allocating."""
+
+    _role_name = "member"
+
+    def __init__(
+        self,
+        fleet: FleetConfig,
+        config: ProducerConfig,
+        *,
+        member_id: str,
+        client_factory: ClientFactory | None,
+        on_allocation: Callable[[GrantsDocument], None] | None,
+    ) -> None:
+        self.fleet = fleet
+        self.config = config
+        self.worker_id = member_id
+        self._incarnation = os.urandom(8).hex()
+        self._lease = float(fleet.lease or 3 * fleet.sync_interval)
+        self._client_factory = client_factory or self._default_client
+        self._on_allocation = on_allocation
+        self._clock = ServerClock()
+        self._allocator = Allocator(
+            allocator_id=member_id,
+            cap=Rates(fleet.records_per_second, fleet.bytes_per_second),
+            lease=self._lease,
+            bootstrap_fraction=fleet.bootstrap_fraction,
+        )
+        # every S3 call is bounded: a hung call must not hold a cycle much beyond an interval
+        self._call_timeout = min(
+            config.connect_timeout + config.request_timeout, max(1.0, fleet.sync_interval)
+        )
+        self._random = random.Random(os.urandom(8))
+        self._lease_etag: str | None = None
+        self._lease_acquired_at: float | None = None
+        self._lease_wake: float | None = None  # local time to look at someone else's lease
+        self._gather_until = -math.inf  # local time before which a fresh fleet gets no grants
+        self._taking_over = False  # acquired the lease; the takeover is decided when S3 answers
+        self._next_sweep = -math.inf  # local time to look for leftover presence objects
+        self._close_deadline: float | None = None  # local time by which closing must end
+        self.s3_errors = 0
+        self.last_error: str | None = None
+        self._logged: set[str] = set()
+        self._stopping = False
+        self._stop_event: anyio.Event | None = None
+        self._cycle_scope: anyio.CancelScope | None = None
+        self._run_scope: anyio.CancelScope | None = None
+        self._done: anyio.Event | None = None
+        #: the last grants document this member wrote
+        self.last_document: GrantsDocument | None = None
+
+    def __repr__(self) -> str:
+        role = "allocator" if self.holds_lease else self._role_name
+        return f"<{type(self).__name__} {self.worker_id} {role} errors={self.s3_errors}>"
+
+    @property
+    def holds_lease(self) -> bool:
+        return self._lease_etag is not None
+
+    def _default_client(self) -> AbstractAsyncContextManager[Any]:
+        return create_client(
+            self.config,
+            "s3",
+            max_pool_connections=READ_CONCURRENCY,
+            endpoint_url=self.fleet.endpoint_url,
+        )
+
+    # -- errors ---------------------------------------------------------------------------
+
+    def _record_error(self, operation: str, exc: BaseException) -> None:
+        if isinstance(exc, DocumentError):
+            code, message = "InvalidDocument", str(exc)
+        else:
+            code, message = error_code(exc)
+        self.s3_errors += 1
+        self.last_error = f"{operation}: {code}: {message}"
+        # once per kind of failure: an outage fails every call of a cycle, every cycle
+        if code in self._logged:
+            logger.debug("fleet %s: %s failed again: %s", self.worker_id, operation, message)
+            return
+        self._logged.add(code)
+        logger.warning(
+            "fleet %s: %s failed (%s: %s); %s",
+            self.worker_id,
+            operation,
+            code,
+            message,
+            self._fallback_description(),
+            extra={"operation": operation, "error_code": code},
+        )
+
+    def _fallback_description(self) -> str:
+        """What happens meanwhile, for the warning about a failed call."""
+        return "it tries again next cycle; the workers' grants expire into their safe rates"
+
+    def _recovered(self) -> None:
+        if self._logged:
+            logger.info("fleet %s: S3 answers again", self.worker_id)
+            self._logged.clear()
+
+    async def _attempt(self, operation: str, call: Awaitable[Any]) -> tuple[bool, Any]:
+        """Await ``call``; on an error, record it and return ``(False, None)``."""
+        try:
+            return True, await call
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Conflict:
+            raise
+        except Exception as exc:
+            self._record_error(operation, exc)
+            return False, None
+
+    # -- the lease ------------------------------------------------------------------------
+
+    def _server_now(self) -> tuple[float, float] | None:
+        return self._clock.bounds(anyio.current_time())
+
+    def _lease_document(self, now: tuple[float, float]) -> bytes:
+        middle = (now[0] + now[1]) / 2
+        if self._lease_acquired_at is None:
+            self._lease_acquired_at = middle
+        return LeaseDocument(
+            holder=self.worker_id,
+            incarnation=self._incarnation,
+            acquired_at=self._lease_acquired_at,
+            renewed_at=middle,
+            expires_at=middle + self._lease,
+            lease=self._lease,
+        ).to_json()
+
+    def _lost_lease(self, why: str) -> None:
+        if self._lease_etag is not None:
+            logger.info("fleet %s: no longer the allocator (%s)", self.worker_id, why)
+        self._lease_etag = None
+        self._lease_acquired_at = None
+        self._taking_over = False
+        self._allocator.step_down()
+
+    async def _lease_step(self, store: S3Store) -> str | None:
+        """Renew, acquire or watch the lease: ``"held"``, ``"acquired"``, ``"other"``, or
+        ``None`` when S3 did not answer."""
+        now = self._server_now()
+        if now is None:
+            return None
+        key = store.key("allocator.json")
+        if self._lease_etag is not None:
+            try:
+                ok, etag = await self._attempt(
+                    "renew the lease",
+                    store.put(key, self._lease_document(now), if_match=self._lease_etag),
+                )
+            except Conflict:
+                self._lost_lease("another member took the lease")
+                return "other"
+            if not ok:
+                return None
+            self._lease_etag = etag
+            return "held"
+        ok, found = await self._attempt("read the lease", store.get(key))
+        if not ok:
+            return None
+        if found is None:
+            return await self._acquire(store, key, now, if_match=None)
+        data, etag, last_modified = found
+        try:
+            lease: LeaseDocument | None = parse_lease(data)
+        except DocumentError:
+            lease = None
+        if lease is not None and (lease.holder, lease.incarnation) == (
+            self.worker_id,
+            self._incarnation,
+        ):
+            # our renewal went through although its answer was lost: still ours
+            self._lease_etag = etag
+            return "held"
+        expiry = lease_expiry(lease, last_modified, self._lease)
+        now = self._server_now() or now
+        if now[0] >= expiry:
+            return await self._acquire(store, key, now, if_match=etag)
+        local = anyio.current_time()
+        surely = self._clock.surely_local(expiry, local)
+        self._lease_wake = None if surely is None else surely + _LEASE_MARGIN
+        return "other"
+
+    async def _acquire(
+        self, store: S3Store, key: str, now: tuple[float, float], *, if_match: str | None
+    ) -> str | None:
+        self._lease_acquired_at = None
+        body = self._lease_document(now)
+        try:
+            ok, etag = await self._attempt(
+                "take the lease",
+                store.put(key, body, if_match=if_match, if_none_match=if_match is None),
+            )
+        except Conflict:
+            return "other"  # another member was quicker
+        if not ok:
+            return None
+        self._lease_etag = etag
+        self._lease_wake = None
+        self._taking_over = True
+        logger.info("fleet %s: now the allocator", self.worker_id)
+        return "acquired"
+
+    async def _release(self, store: S3Store) -> None:
+        if self._lease_etag is None:
+            return
+        etag, self._lease_etag = self._lease_etag, None
+        self._taking_over = False
+        self._allocator.step_down()
+        with suppress(Conflict):  # taken over meanwhile: not ours to delete
+            await self._attempt(
+                "release the lease", store.delete(store.key("allocator.json"), if_match=etag)
+            )
+
+    # -- allocating -----------------------------------------------------------------------
+
+    async def _read_grants(self, store: S3Store) -> _Read | None:
+        ok, found = await self._attempt("read grants", store.get(store.key("grants.json")))
+        if not ok:
+            return None
+        if found is None:
+            return _Read(None, None, False)
+        data, etag, _ = found
+        try:
+            return _Read(parse_grants(data), etag, True)
+        except DocumentError as exc:
+            self._record_error("read grants", exc)
+            return _Read(None, etag, True)
+
+    async def _read_reports(self, store: S3Store) -> list[ObservedReport] | None:
+        prefix = store.key("workers/")
+        ok, listing = await self._attempt("list reports", store.list(prefix))
+        if not ok:
+            return None
+        now = self._server_now()
+        if now is None:
+            return None
+        reports: list[ObservedReport] = []
+        failed = False
+        limiter = anyio.CapacityLimiter(READ_CONCURRENCY)
+
+        async def read(key: str) -> None:
+            nonlocal failed
+            async with limiter:
+                ok, found = await self._attempt("read a report", store.get(key))
+            if not ok:
+                failed = True
+                return
+            if found is None:
+                return  # deleted since the listing
+            data, _, last_modified = found
+            try:
+                report = parse_report(data)
+            except DocumentError as exc:
+                self._record_error(f"read {key.rsplit('/', 1)[-1]}", exc)
+                return
+            if f"{prefix}{report.worker_id}.json" != key:
+                self._record_error(
+                    "read a report",
+                    DocumentError(f"{key} holds the report of {report.worker_id}"),
+                )
+                return
+            reports.append(ObservedReport(report, last_modified))
+
+        leftover = LEFTOVER_LEASES * self._lease
+        async with anyio.create_task_group() as tg:
+            for key, last_modified, _ in listing:
+                if not key.endswith(".json"):
+                    continue
+                if now[0] - last_modified > leftover:
+                    tg.start_soon(self._delete_leftover, store, key)
+                elif not self._allocator.is_stale(last_modified, now):
+                    tg.start_soon(read, key)
+        return None if failed else reports
+
+    async def _delete_leftover(self, store: S3Store, key: str) -> None:
+        try:
+            await store.delete(key)
+            logger.info("fleet %s: deleted the leftover object %s", self.worker_id, key)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as exc:  # best effort: it is only a leftover
+            logger.debug("fleet %s: could not delete %s: %s", self.worker_id, key, exc)
+
+    async def _sweep_presence(self, store: S3Store) -> None:
+        """Delete the presence objects of standalone allocators gone for long (they rewrite
+        theirs every cycle; one stale for :data:`LEFTOVER_LEASES` leases is a leftover). Once
+        a lease at most: it costs a LIST."""
+        if anyio.current_time() < self._next_sweep:
+            return
+        self._next_sweep = anyio.current_time() + self._lease
+        ok, listing = await self._attempt("list allocators", store.list(store.key("allocators/")))
+        now = self._server_now()
+        if not ok or now is None:
+            return
+        for key, last_modified, _ in listing:
+            if now[0] - last_modified > LEFTOVER_LEASES * self._lease:
+                await self._delete_leftover(store, key)
+
+    def _warn_duplicates(self, reports: list[ObservedReport]) -> None:
+        for worker_id in self._allocator.duplicates(reports):
+            logger.warning(
+                "fleet %s: the report of worker %s keeps changing hands between processes: "
+                "several processes run with worker_id=%r, share one grant and each apply it, "
+                "so the fleet can exceed its cap. Give each process its own worker_id (such "
+                'as f"{hostname}-{pid}"), or leave it None for a random one',
+                self.worker_id,
+                worker_id,
+                worker_id,
+                extra={"duplicate_worker_id": worker_id},
+            )
+
+    async def _allocate(self, store: S3Store, grants: _Read | None, status: str | None) -> None:
+        if status not in ("held", "acquired") or grants is None:
+            return
+        if anyio.current_time() < self._gather_until:
+            return
+        reports = await self._read_reports(store)
+        now = self._server_now()
+        if reports is None or now is None:
+            return  # (a takeover is decided at the first cycle whose reads succeed)
+        self._warn_duplicates(reports)
+        if self._taking_over:
+            self._taking_over = False
+            if not self._allocator.take_over(grants.document, reports, now) and not grants.exists:
+                # No grants were ever written: the fleet is starting. Members that start
+                # together report within a cycle; a first allocation that saw only some of
+                # them would grant those the whole cap, and taking it back costs a cycle of
+                # acknowledgements. So the first grants wait one cycle — but the fleet size
+                # goes out at once, in a document without grants, so that the members'
+                # bootstrap rates share the cap × bootstrap_fraction meanwhile.
+                self._gather_until = anyio.current_time() + 0.8 * self.fleet.sync_interval
+                document = self._allocator.gather(grants.document, reports, now)
+            else:
+                document = self._allocator.allocate(grants.document, reports, now)
+        else:
+            document = self._allocator.allocate(grants.document, reports, now)
+        await self._write_grants(store, grants, document)
+        await self._sweep_presence(store)
+
+    async def _write_grants(self, store: S3Store, grants: _Read, document: GrantsDocument) -> None:
+        """PUT ``document`` as the next ``grants.json``, on condition that the one read
+        (``grants``) is still there."""
+        key = store.key("grants.json")
+        try:
+            ok, _ = await self._attempt(
+                "write grants",
+                store.put(
+                    key,
+                    document.to_json(),
+                    if_match=grants.etag if grants.exists else None,
+                    if_none_match=not grants.exists,
+                ),
+            )
+        except Conflict:
+            logger.info(
+                "fleet %s: grants.json changed under this allocator; it reads it again",
+                self.worker_id,
+            )
+            return
+        if not ok:
+            return
+        self.last_document = document
+        logger.debug(
+            "fleet %s: generation %d for %d worker(s)",
+            self.worker_id,
+            document.generation,
+            document.granted,
+        )
+        self._allocated(document)
+        if self._on_allocation is not None:
+            self._on_allocation(document)
+
+    def _allocated(self, document: GrantsDocument) -> None:  # noqa: B027 (a hook: a no-op here)
+        """The member wrote ``document``."""
+
+    # -- running --------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def _cycle(self, store: S3Store) -> None:
+        """One sync cycle: each kind of member (FleetWorker, FleetAllocator) defines its own."""
+
+    async def _cleanup(self, store: S3Store) -> None:
+        await self._release(store)
+
+    def _interval(self) -> float:
+        return self.fleet.sync_interval * self._random.uniform(0.9, 1.1)
+
+    def _next_start(self, start: float) -> float:
+        """When the cycle after the one that began at ``start`` begins."""
+        return start + self._interval()
+
+    async def _cycles(self, store: S3Store) -> None:
+        assert self._stop_event is not None
+        failures: set[str] = set()  # kinds of exception logged since the last clean cycle
+        while not self._stopping:
+            start = anyio.current_time()
+            errors = self.s3_errors
+            with anyio.CancelScope() as scope:
+                self._cycle_scope = scope
+                try:
+                    await self._cycle(store)
+                except anyio.get_cancelled_exc_class():
+                    raise
+                except Exception as exc:  # a bug must not stop the producer either
+                    # with its traceback once per kind, not once per cycle
+                    kind = type(exc).__qualname__
+                    if kind in failures:
+                        logger.debug("fleet %s: a sync cycle failed again: %r", self.worker_id, exc)
+                    else:
+                        failures.add(kind)
+                        logger.exception("fleet %s: a sync cycle failed", self.worker_id)
+                    self._record_error("sync", exc)
+                else:
+                    failures.clear()
+            self._cycle_scope = None
+            if self.s3_errors == errors:
+                self._recovered()
+            now = anyio.current_time()
+            wake = self._next_start(start)
+            if self._lease_wake is not None and self._lease_wake < wake:
+                wake = self._lease_wake
+                self._lease_wake = None
+            with anyio.move_on_after(max(0.0, wake - now)):
+                await self._stop_event.wait()
+
+    @asynccontextmanager
+    async def _store(self) -> AsyncIterator[S3Store]:
+        async with self._client_factory() as client:
+            yield S3Store(client, self.fleet, self._clock, self._call_timeout)
+
+    async def _serve(self) -> None:
+        """Cycle until stopped, reopening the S3 client if it fails; then clean up."""
+        assert self._stop_event is not None
+        while not self._stopping:
+            try:
+                async with self._store() as store:
+                    try:
+                        async with anyio.create_task_group() as tg:
+                            tg.start_soon(self._calibrate, store)
+                            await self._cycles(store)
+                            tg.cancel_scope.cancel()
+                    finally:
+                        with anyio.move_on_after(self._cleanup_time(), shield=True):
+                            await self._cleanup(store)
+                return
+            except anyio.get_cancelled_exc_class():
+                raise
+            except Exception as exc:
+                self._record_error("open an S3 client", exc)
+                with anyio.move_on_after(self._interval()):
+                    await self._stop_event.wait()
+
+    def _probe(self, store: S3Store) -> tuple[str, bytes] | None:
+        """An object this member may rewrite at any moment, and its body (see
+        :meth:`_calibrate`)."""
+        return None
+
+    async def _calibrate(self, store: S3Store) -> None:
+        """Learn S3's clock to better than its one-second stamps.
+
+        Grants and leases are judged by S3's time, and a member's view of it is as wide as
+        the fractions of a second its observations fell at; cycles locked to the allocator's
+        phase keep falling at the same ones. While the uncertainty is over
+        :data:`CLOCK_TARGET` (or twice the best round trip, if that is more), rewrite this
+        member's own object — its report, or an allocator's presence — at the moment that
+        halves it; at most once per ``sync_interval``. A few PUTs at start-up bring it from a
+        second to a few milliseconds on a fast network.
+        """
+        while True:
+            now = anyio.current_time()
+            width = self._clock.width(now)
+            probe = self._probe(store)
+            target = max(CLOCK_TARGET, 2 * store.round_trip)
+            at = self._clock.probe_time(now)
+            if width is None or width <= target or probe is None or at is None:
+                await anyio.sleep(self.fleet.sync_interval)
+                continue
+            await anyio.sleep(max(0.0, at - now))
+            await self._rewrite(store, probe)
+            await anyio.sleep(self.fleet.sync_interval)
+
+    async def _rewrite(self, store: S3Store, probe: tuple[str, bytes]) -> None:
+        """Rewrite the object :meth:`_probe` named, for :meth:`_calibrate`."""
+        await self._attempt("calibrate the clock", store.put(*probe))
+
+    def _cleanup_time(self) -> float:
+        """How long the last S3 calls may take: :data:`CLOSE_TIMEOUT`, or less if
+        :meth:`aclose` was given less."""
+        if self._close_deadline is None:
+            return CLOSE_TIMEOUT
+        return max(0.0, min(CLOSE_TIMEOUT, self._close_deadline - anyio.current_time()))
+
+    async def aclose(self, *, deadline: float | None = None) -> None:
+        """Stop: delete this member's objects (its report; the lease if it holds it), best
+        effort, and return by ``deadline`` (``anyio.current_time()``; default: within
+        :data:`CLOSE_TIMEOUT` and half a second more), whatever S3 is doing. What is not
+        deleted by then expires on its own: a report goes stale, a lease runs out."""
+        now = anyio.current_time()
+        latest = now + CLOSE_TIMEOUT + 0.5
+        self._close_deadline = latest if deadline is None else min(latest, deadline)
+        bound = max(0.0, self._close_deadline - now)
+        self._stopping = True
+        if self._stop_event is not None:
+            self._stop_event.set()
+        if self._cycle_scope is not None:
+            self._cycle_scope.cancel()
+        if self._done is None:
+            return
+        with anyio.move_on_after(bound, shield=True):
+            await self._done.wait()
+        if not self._done.is_set() and self._run_scope is not None:
+            self._run_scope.cancel()

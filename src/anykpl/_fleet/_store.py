@@ -1,0 +1,160 @@
+"""The S3 store: the few S3 calls the fleet makes (conditional PUT, GET, LIST, conditional
+DELETE), each bounded in time and each answer fed to S3's clock.
+
+A conditional write or delete that loses raises :class:`Conflict`; a missing object is
+``None``; every other error propagates for the member to count and log. See docs/fleet.md.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import math
+from typing import Any
+
+import anyio
+
+from ..config import FleetConfig
+from ._clock import ServerClock
+from ._documents import MAX_DOCUMENT_BYTES, DocumentError
+
+__all__ = ("Conflict", "S3Store")
+
+_CONFLICT_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict", "412", "409"})
+_MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+
+
+class Conflict(Exception):
+    """A conditional write or delete lost: someone else changed the object first."""
+
+
+class S3Store:
+    """The few S3 calls of the coordinator, each bounded in time and fed to S3's clock."""
+
+    def __init__(self, client: Any, fleet: FleetConfig, clock: ServerClock, timeout: float) -> None:
+        self._client = client
+        self._bucket = fleet.bucket
+        self._prefix = fleet.prefix.rstrip("/")
+        self._clock = clock
+        self._timeout = timeout
+        #: the shortest round trip of a dated answer: how well S3's clock can be known
+        self.round_trip = math.inf
+
+    def key(self, name: str) -> str:
+        return f"{self._prefix}/{name}"
+
+    def _observe(self, response: Any, sent_at: float, *, written: bool) -> None:
+        headers = (response or {}).get("ResponseMetadata", {}).get("HTTPHeaders", {}) or {}
+        # S3 dates every answer; a server that does not (moto) still dates what it stores,
+        # and a write's Last-Modified is the time of the write.
+        stamp = headers.get("date") or (headers.get("last-modified") if written else None)
+        if not stamp:
+            return
+        try:
+            when = email.utils.parsedate_to_datetime(stamp).timestamp()
+        except (TypeError, ValueError, IndexError, OverflowError):
+            return
+        received_at = anyio.current_time()
+        self.round_trip = min(self.round_trip, received_at - sent_at)
+        self._clock.observe(when, sent_at, received_at)
+
+    async def _call(self, operation: str, *, written: bool = False, **kwargs: Any) -> Any:
+        from botocore.exceptions import ClientError
+
+        sent_at = anyio.current_time()
+        try:
+            with anyio.fail_after(self._timeout):
+                response = await getattr(self._client, operation)(Bucket=self._bucket, **kwargs)
+        except ClientError as exc:
+            self._observe(exc.response, sent_at, written=False)
+            raise
+        self._observe(response, sent_at, written=written)
+        return response
+
+    async def put(
+        self, key: str, body: bytes, *, if_match: str | None = None, if_none_match: bool = False
+    ) -> str:
+        """Write an object; return its ETag. Raises :class:`Conflict` if a condition fails."""
+        from botocore.exceptions import ClientError
+
+        kwargs: dict[str, Any] = {"Key": key, "Body": body, "ContentType": "application/json"}
+        if if_match is not None:
+            kwargs["IfMatch"] = if_match
+        if if_none_match:
+            kwargs["IfNoneMatch"] = "*"
+        try:
+            response = await self._call("put_object", written=True, **kwargs)
+        except ClientError as exc:
+            code = _code(exc)
+            if code in _CONFLICT_CODES or (if_match is not None and code in _MISSING_CODES):
+                raise Conflict(code) from None
+            raise
+        return str(response.get("ETag", ""))
+
+    async def get(self, key: str) -> tuple[bytes, str, float] | None:
+        """``(body, ETag, LastModified)`` of an object, or ``None`` if there is none."""
+        from botocore.exceptions import ClientError
+
+        sent_at = anyio.current_time()
+        try:
+            with anyio.fail_after(self._timeout):
+                response = await self._client.get_object(Bucket=self._bucket, Key=key)
+                length = response.get("ContentLength")
+                async with response["Body"] as stream:
+                    if isinstance(length, int) and length > MAX_DOCUMENT_BYTES:
+                        raise DocumentError(f"{key} is {length} bytes, over {MAX_DOCUMENT_BYTES}")
+                    data = await stream.read()
+        except ClientError as exc:
+            self._observe(exc.response, sent_at, written=False)
+            if _code(exc) in _MISSING_CODES:
+                return None
+            raise
+        self._observe(response, sent_at, written=False)
+        return bytes(data), str(response.get("ETag", "")), _epoch(response.get("LastModified"))
+
+    async def list(self, prefix: str) -> list[tuple[str, float, str]]:
+        """``(key, LastModified, ETag)`` of every object under ``prefix``."""
+        found: list[tuple[str, float, str]] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Prefix": prefix}
+            if token:
+                kwargs["ContinuationToken"] = token
+            response = await self._call("list_objects_v2", **kwargs)
+            for item in response.get("Contents", ()) or ():
+                found.append(
+                    (str(item["Key"]), _epoch(item.get("LastModified")), str(item.get("ETag")))
+                )
+            token = response.get("NextContinuationToken")
+            if not response.get("IsTruncated") or not token:
+                return found
+
+    async def delete(self, key: str, *, if_match: str | None = None) -> None:
+        from botocore.exceptions import ClientError
+
+        kwargs: dict[str, Any] = {"Key": key}
+        if if_match is not None:
+            kwargs["IfMatch"] = if_match
+        try:
+            await self._call("delete_object", **kwargs)
+        except ClientError as exc:
+            code = _code(exc)
+            if code in _CONFLICT_CODES or code in _MISSING_CODES:
+                raise Conflict(code) from None
+            raise
+
+
+def _code(exc: Any) -> str:
+    error = exc.response.get("Error", {}) or {}
+    code = str(error.get("Code") or "")
+    if not code:
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        code = str(status or "")
+    return code
+
+
+def _epoch(value: Any) -> float:
+    if value is None:
+        return -math.inf  # unknown: as stale as can be
+    if hasattr(value, "timestamp"):
+        return float(value.timestamp())
+    return float(value)

@@ -1,0 +1,357 @@
+"""A producer's member of a fleet: :class:`FleetWorker` reports its demand, applies its grant
+to the producer's fleet bucket, and may allocate.
+
+One cycle, every ``sync_interval`` × U(0.9, 1.1), start to start, half a period after the
+allocator's once it reads live grants:
+
+1. GET ``grants.json``; apply this worker's grant if it is newer and unexpired.
+2. PUT ``workers/<id>.json``: its demand, the rate it applies, and the generation applied —
+   after step 1, so the report acknowledges the grant just read. ``If-Match`` on the ETag of
+   its own last write tells it when another process shares its ``worker_id``.
+3. With ``elect``: hold, take or renew the lease, and allocate while it holds it
+   (:class:`~anykpl._fleet._member.Member`).
+
+Grants expire into the safe rate on a timer of its own, whatever the S3 calls are doing. See
+docs/fleet.md ("The control loop").
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable
+from contextlib import suppress
+
+import anyio
+import anyio.abc
+
+from ..config import FleetConfig, ProducerConfig
+from ._demand import DemandEstimator, FleetDemand
+from ._documents import GrantsDocument, WorkerReport
+from ._member import ClientFactory, Member
+from ._rates import Mode, Rates
+from ._statistics import FleetStatistics
+from ._store import Conflict, S3Store
+from ._worker_state import WorkerState
+
+__all__ = ("OVERWRITTEN_REPORTS", "FleetWorker")
+
+logger = logging.getLogger("anykpl.fleet")
+
+#: A worker whose report was overwritten by someone else this many times in a row says that
+#: another process shares its worker_id.
+OVERWRITTEN_REPORTS = 3
+
+
+class FleetWorker(Member):
+    """A producer's member of a fleet: reports demand, applies grants, may allocate.
+
+    ``demand()`` returns the producer's :class:`~anykpl._fleet.FleetDemand`;
+    ``apply(records_per_second, bytes_per_second)`` sets the producer's shared bucket
+    (``None``: unlimited). Start :meth:`run` with ``await task_group.start(worker.run)``: it
+    applies the bootstrap rate before it reports started, so the producer never runs
+    unlimited. Stop with :meth:`aclose`.
+    """
+
+    _role_name = "worker"
+
+    def __init__(
+        self,
+        fleet: FleetConfig,
+        config: ProducerConfig,
+        demand: Callable[[], FleetDemand],
+        apply: Callable[[float | None, float | None], None],
+        *,
+        client_factory: ClientFactory | None = None,
+        on_allocation: Callable[[GrantsDocument], None] | None = None,
+    ) -> None:
+        super().__init__(
+            fleet,
+            config,
+            member_id=fleet.worker_id or f"worker-{os.urandom(6).hex()}",
+            client_factory=client_factory,
+            on_allocation=on_allocation,
+        )
+        self._demand = demand
+        self._apply = apply
+        self._estimator = DemandEstimator(fleet.sync_interval)
+        self._state = WorkerState(
+            worker_id=self.worker_id,
+            cap=Rates(fleet.records_per_second, fleet.bytes_per_second),
+            lease=self._lease,
+            safe_fraction=fleet.safe_fraction,
+            bootstrap_fraction=fleet.bootstrap_fraction,
+            started_at=0.0,
+        )
+        self._applied: Rates | None = None
+        self._mode: Mode | None = None
+        self._warned_cap = False
+        self._sequence = 0
+        self._rate_changed: anyio.Event | None = None
+        self._pending: GrantsDocument | None = None  # read before S3's clock was known
+        self._phase_source: GrantsDocument | None = None  # the grants read this cycle
+        self._report_body: bytes | None = None  # the last report written
+        self._report_etag: str | None = None  # its ETag, if this process wrote it last
+        self._overwritten = 0  # times in a row someone else wrote the report in between
+        self._warned_overwritten = False
+        self._report_lock: anyio.Lock | None = None
+
+    def statistics(self) -> FleetStatistics:
+        """A snapshot: role, mode, the rates applied, the grant's expiry, errors."""
+        try:
+            now = anyio.current_time()
+        except Exception:  # outside the event loop, after close
+            now = math.inf
+        mode, rates = self._state.rates(now)
+        if self._mode is not None and self._applied is not None:
+            mode, rates = self._mode, self._applied  # what the producer's bucket holds
+        return FleetStatistics(
+            worker_id=self.worker_id,
+            role="allocator" if self.holds_lease else "worker",
+            mode=mode,
+            records_per_second=rates.records_per_second,
+            bytes_per_second=rates.bytes_per_second,
+            grant_expires_at=self._state.grant_expires_at if mode == "granted" else None,
+            fleet_size=self._state.fleet_size or 1,
+            s3_errors=self.s3_errors,
+            last_error=self.last_error,
+            generation=self._state.generation,
+        )
+
+    def _fallback_description(self) -> str:
+        mode, rates = self._state.rates(anyio.current_time())
+        if self._mode is not None and self._applied is not None:
+            mode, rates = self._mode, self._applied
+        return (
+            f"the producer carries on ({mode} rate now {_describe(rates)}; an expired grant "
+            "falls back to the safe rate)"
+        )
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Run until cancelled or :meth:`aclose` (started: the bootstrap rate is applied)."""
+        self._state.bootstrap_until = anyio.current_time() + self._lease
+        self._done = anyio.Event()
+        self._stop_event = anyio.Event()
+        self._rate_changed = anyio.Event()
+        try:
+            with anyio.CancelScope() as self._run_scope:
+                self._refresh()
+                task_status.started()
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._enforce)
+                    await self._serve()
+                    tg.cancel_scope.cancel()
+        finally:
+            self._done.set()
+
+    # -- applying rates -------------------------------------------------------------------
+
+    def _refresh(self) -> None:
+        """Apply the state machine's rate for now, if it changed. Never raises: the rate
+        stays as it was if the producer refuses the new one."""
+        now = anyio.current_time()
+        mode, rates = self._state.rates(now)
+        if rates != self._applied:
+            try:
+                self._apply(rates.records_per_second, rates.bytes_per_second)
+            except Exception as exc:  # (the state machine never makes such a rate)
+                self._record_error("apply the rate", exc)
+                return
+            self._applied = rates
+        if mode != self._mode:
+            if self._mode is not None:
+                log = logger.warning if mode == "safe" else logger.info
+                log(
+                    "fleet %s: %s → %s, %s",
+                    self.worker_id,
+                    self._mode,
+                    mode,
+                    _describe(rates),
+                    extra={"mode": mode},
+                )
+            self._mode = mode
+
+    def _changed(self) -> None:
+        """The state machine took something in: apply its rate now, and wake the timer,
+        whose next change may be another one."""
+        self._refresh()
+        if self._rate_changed is not None:
+            self._rate_changed.set()
+
+    async def _enforce(self) -> None:
+        """Keep the applied rate true to the state machine as time passes (grants expire on
+        this timer, whatever the S3 calls are doing)."""
+        while True:
+            self._refresh()
+            now = anyio.current_time()
+            change = self._state.next_change(now)
+            self._rate_changed = event = anyio.Event()
+            delay = math.inf if change is None else max(0.0, change - now)
+            with anyio.move_on_after(delay):
+                await event.wait()
+
+    def _receive(self, document: GrantsDocument) -> None:
+        if not self._warned_cap and self._state.foreign_cap(document):
+            self._warned_cap = True
+            logger.warning(
+                "fleet %s: grants.json was written for the caps %s, this worker's are %s: "
+                "every member of a fleet (and anykpl fleet-allocator) needs the same caps. "
+                "It applies its grants within its own caps; in a dimension only its own "
+                "configuration caps, at its safe share",
+                self.worker_id,
+                _describe(document.cap),
+                _describe(self._state.cap),
+                extra={"document_cap": tuple(document.cap), "cap": tuple(self._state.cap)},
+            )
+        # even without a new grant: the fleet size, or the time its bootstrap lasts, may change
+        self._state.receive(document, self._clock, anyio.current_time())
+        self._changed()
+
+    # -- the cycle ------------------------------------------------------------------------
+
+    async def _cycle(self, store: S3Store) -> None:
+        grants = await self._read_grants(store)
+        self._phase_source = grants.document if grants is not None else None
+        if grants is not None and not grants.exists:
+            self._state.no_grants_yet(anyio.current_time())
+            self._changed()
+        if grants is not None and grants.document is not None:
+            if self._clock.known:
+                self._receive(grants.document)
+                self._pending = None
+            else:
+                self._pending = grants.document
+        self._report_body = self._report().to_json()
+        await self._write_report(store, "write the report")
+        if self._pending is not None and self._clock.known:
+            self._receive(self._pending)
+            self._pending = None
+        if self.fleet.elect:
+            status = await self._lease_step(store)
+            await self._allocate(store, grants, status)
+        elif self.holds_lease:  # pragma: no cover - elect cannot change
+            await self._release(store)
+
+    def _report(self) -> WorkerReport:
+        now = anyio.current_time()
+        demand = self._demand()
+        offered, wants = self._estimator.update(demand, now)
+        mode, rates = self._state.rates(now)
+        if self._mode is not None and self._applied is not None:
+            mode, rates = self._mode, self._applied  # what it applies, not what it should
+        self._sequence += 1
+        return WorkerReport(
+            worker_id=self.worker_id,
+            incarnation=self._incarnation,
+            sequence=self._sequence,
+            mode=mode,
+            generation=self._state.generation,
+            has=rates,
+            wants=wants,
+            offered=offered,
+            backlog=(max(0, demand.backlog_records), max(0, demand.backlog_bytes)),
+        )
+
+    def _allocated(self, document: GrantsDocument) -> None:
+        self._receive(document)  # the allocator's own grant applies at once
+
+    def _probe(self, store: S3Store) -> tuple[str, bytes] | None:
+        if self._report_body is None:
+            return None
+        return store.key(f"workers/{self.worker_id}.json"), self._report_body
+
+    async def _rewrite(self, store: S3Store, probe: tuple[str, bytes]) -> None:
+        await self._write_report(store, "calibrate the clock")
+
+    async def _write_report(self, store: S3Store, operation: str) -> None:
+        """PUT the report, with ``If-Match`` on the ETag of this process's last write.
+
+        Nobody else writes ``workers/<id>.json``, unless another process runs with the same
+        ``worker_id``: then the two overwrite each other's report, the allocator sees one
+        worker, and each applies its grant — the fleet exceeds its cap. The condition fails
+        when someone wrote in between; the report is written anyway, and after
+        :data:`OVERWRITTEN_REPORTS` such cycles in a row the worker says so, once. (The
+        allocator notices it too when the reports it reads alternate between the two.)"""
+        if self._report_lock is None:
+            self._report_lock = anyio.Lock()
+        async with self._report_lock:  # (the cycle and the clock's calibration both write it)
+            assert self._report_body is not None
+            key = store.key(f"workers/{self.worker_id}.json")
+            etag, self._report_etag = self._report_etag, None
+            if etag is not None:
+                try:
+                    ok, written = await self._attempt(
+                        operation, store.put(key, self._report_body, if_match=etag)
+                    )
+                except Conflict:
+                    self._overwritten += 1
+                    if self._overwritten >= OVERWRITTEN_REPORTS and not self._warned_overwritten:
+                        self._warned_overwritten = True
+                        self._warn_overwritten()
+                else:
+                    if ok:
+                        self._overwritten = 0
+                        self._report_etag = written
+                    return
+            ok, written = await self._attempt(operation, store.put(key, self._report_body))
+            if ok:
+                self._report_etag = written
+
+    def _warn_overwritten(self) -> None:
+        logger.warning(
+            "fleet %s: another process keeps overwriting this worker's report: several "
+            "processes run with worker_id=%r, share one grant and each apply it, so the "
+            "fleet can exceed its cap. Give each process its own worker_id (such as "
+            'f"{hostname}-{pid}"), or leave it None for a random one',
+            self.worker_id,
+            self.worker_id,
+            extra={"duplicate_worker_id": self.worker_id},
+        )
+
+    def _next_start(self, start: float) -> float:
+        """Half a period after the allocator's, when one is alive.
+
+        Capacity a worker gives up can be granted to others only once its report says it
+        applied the reduction. A worker whose cycles fall just after the allocator's would
+        report that a whole period late; one whose cycles fall half a period after the
+        allocator's always reports in time for the next allocation. So a worker that read
+        live grants locks its phase to them: its next cycle is the one point ``issued_at +
+        (k + ½) × sync_interval`` between a half and one and a half periods after this start,
+        with the usual ±10 % jitter. Its second cycle only comes half a period after its
+        first, whatever the phase.
+        """
+        period = self.fleet.sync_interval
+        if self._sequence <= 1 and not self.holds_lease:
+            # A first report says nothing of demand (a rate takes two samples), and a first
+            # allocation that sees only first reports grants each worker its floor: the second
+            # comes half a period later, before the allocator's next cycle.
+            return start + self._interval() / 2
+        document = self._phase_source
+        offsets = self._clock.offsets(start)
+        if self.holds_lease or document is None or offsets is None:
+            return super()._next_start(start)
+        issued = document.issued_at - (offsets[0] + offsets[1]) / 2  # local time
+        if document.expires_at - offsets[0] <= start:  # no allocator alive
+            return super()._next_start(start)
+        aligned = issued + period / 2
+        aligned += math.ceil((start + period / 2 - aligned) / period) * period
+        return aligned + period * self._random.uniform(-0.1, 0.1)
+
+    async def _cleanup(self, store: S3Store) -> None:
+        with suppress(Conflict):
+            await self._attempt(
+                "delete the report", store.delete(store.key(f"workers/{self.worker_id}.json"))
+            )
+        await self._release(store)
+
+
+def _describe(rates: Rates) -> str:
+    parts = []
+    if rates.records_per_second is not None:
+        parts.append(f"{rates.records_per_second:.1f} records/s")
+    if rates.bytes_per_second is not None:
+        parts.append(f"{rates.bytes_per_second:.0f} bytes/s")
+    return ", ".join(parts) or "unlimited"

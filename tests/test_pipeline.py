@@ -1,0 +1,243 @@
+"""One stream's Pipeline through its own API (``put``, ``flush``, ``start``, ``stop``, and
+admission by ``admit``/``has_room``/``finish`` under the limit ``update_backlog_limit`` plans),
+over a FakeKinesis, on asyncio and trio. The Producer's tests cover the same stages end to end;
+these pin the pipeline's contract with the producer."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+
+from anykpl import _limits
+from anykpl._metrics import Metrics
+from anykpl._pipeline import Pipeline
+from anykpl._records import PendingRecord
+from anykpl.config import ProducerConfig
+
+from .fakes import FakeKinesis, hash_of
+
+pytestmark = pytest.mark.anyio
+
+STREAM = "stream"
+
+
+class Finished:
+    """The producer's side of ``finish``: what the pipeline resolved, and an event once
+    ``expected`` records are terminal."""
+
+    def __init__(self, expected: int) -> None:
+        self.records: list[tuple[PendingRecord, bool]] = []
+        self.expected = expected
+        self.all_done = anyio.Event()
+
+    def __call__(self, records: Sequence[PendingRecord], success: bool) -> tuple[int, int]:
+        self.records.extend((record, success) for record in records)
+        if len(self.records) >= self.expected:
+            self.all_done.set()
+        return len(records), sum(record.size for record in records)
+
+
+def pipeline_for(
+    fake: FakeKinesis, finished: Callable[..., tuple[int, int]], **options: Any
+) -> Pipeline:
+    config = ProducerConfig(retry_backoff_initial=0.001, retry_backoff_max=0.01, **options)
+    return Pipeline(STREAM, config, fake, Metrics(), finished)
+
+
+def record(pipeline: Pipeline, key: str, data: bytes) -> PendingRecord:
+    """A record as the producer admits it: stamped now, counted, then put."""
+    now = anyio.current_time()
+    config = pipeline.config
+    size = len(data) + len(key)
+    pending = PendingRecord(
+        STREAM,
+        key,
+        data,
+        hash_of(key),
+        None,
+        now,
+        now + config.record_max_buffered_time,
+        now + config.record_ttl,
+        size,
+    )
+    pipeline.admit(size)
+    pipeline.put(pending)
+    return pending
+
+
+async def guard(stage: Callable[[], Any]) -> None:
+    await stage()
+
+
+@asynccontextmanager
+async def running(pipeline: Pipeline) -> AsyncIterator[Pipeline]:
+    """The pipeline's stages running in a task group; stopped on the way out (which is also
+    what closes the streams between them)."""
+    async with anyio.create_task_group() as tg:
+        pipeline.start(tg, guard)
+        try:
+            yield pipeline
+        finally:
+            pipeline.stop()
+
+
+async def test_a_started_pipeline_delivers_every_record_and_finishes_each_once() -> None:
+    fake = FakeKinesis()
+    finished = Finished(200)
+    pipeline = pipeline_for(fake, finished, record_max_buffered_time=0.01)
+    async with anyio.create_task_group() as tg:
+        pipeline.start(tg, guard)
+        sent = [record(pipeline, f"key-{i}", b"%d" % i) for i in range(200)]
+        assert pipeline.outstanding_records == 200
+        with anyio.fail_after(5):
+            await finished.all_done.wait()
+        pipeline.stop()
+    assert sorted(r.data for r in fake.user_records()) == sorted(r.data for r in sent)
+    assert {id(r) for r, _ in finished.records} == {id(r) for r in sent}
+    assert len(finished.records) == 200
+    assert all(success for _, success in finished.records)
+    assert all(r.shard_id is not None and r.sequence_number is not None for r in sent)
+    # finish gave every record's room back
+    assert (pipeline.outstanding_records, pipeline.outstanding_bytes) == (0, 0)
+    # aggregated: far fewer Kinesis records than user records went out
+    assert sum(len(request) for request in fake.requests) < 50
+
+
+async def test_flush_sends_what_the_stages_hold_before_their_deadlines() -> None:
+    fake = FakeKinesis()
+    finished = Finished(3)
+    # an hour of buffering: only the flush marker can make these records go
+    pipeline = pipeline_for(fake, finished, record_max_buffered_time=3600.0)
+    async with anyio.create_task_group() as tg:
+        pipeline.start(tg, guard)
+        for i in range(3):
+            record(pipeline, f"key-{i}", b"x%d" % i)
+        pipeline.flush()
+        with anyio.fail_after(5):
+            await finished.all_done.wait()
+        pipeline.stop()
+    assert sorted(r.data for r in fake.user_records()) == [b"x0", b"x1", b"x2"]
+
+
+@pytest.mark.autojump
+async def test_records_are_held_until_their_deadline_or_a_flush() -> None:
+    fake = FakeKinesis()
+    finished = Finished(2)
+    pipeline = pipeline_for(fake, finished, record_max_buffered_time=60.0, record_ttl=600.0)
+    async with anyio.create_task_group() as tg:
+        pipeline.start(tg, guard)
+        started = anyio.current_time()
+        record(pipeline, "key", b"held")
+        await anyio.sleep(59.0)  # virtual time: the autojump clock
+        assert fake.requests == []
+        with anyio.fail_after(2):
+            while not finished.records:  # noqa: ASYNC110 (the pipeline's tasks)
+                await anyio.sleep(0.1)
+        # sent at its deadline (the collector may wait as long again for more records)
+        assert 60.0 <= anyio.current_time() - started <= 121.0
+        record(pipeline, "other", b"flushed")
+        pipeline.flush()
+        with anyio.fail_after(1):  # long before another deadline
+            await finished.all_done.wait()
+        pipeline.stop()
+    assert sorted(r.data for r in fake.user_records()) == [b"flushed", b"held"]
+
+
+async def test_stop_ends_every_stage_and_the_task_group_exits() -> None:
+    fake = FakeKinesis()
+    pipeline = pipeline_for(fake, Finished(1))
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            pipeline.start(tg, guard)
+            while not pipeline.shard_map.ready:  # noqa: ASYNC110 (the shard map's task)
+                await anyio.sleep(0.001)
+            assert not pipeline.stopped
+            pipeline.stop()
+    assert pipeline.stopped
+
+
+async def test_stop_before_start_ends_the_stages_at_once() -> None:
+    fake = FakeKinesis()
+    pipeline = pipeline_for(fake, Finished(1))
+    pipeline.stop()
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            pipeline.start(tg, guard)
+    assert pipeline.stopped
+    assert fake.requests == []
+
+
+async def test_the_backlog_limit_starts_at_one_shards_ceiling_for_max_outstanding_time() -> None:
+    pipeline = pipeline_for(
+        FakeKinesis(), Finished(1), aggregation_enabled=False, max_outstanding_time=0.01
+    )
+    async with running(pipeline):
+        # 10 ms of one shard: 10 records, 10 KiB (the shard map is not ready yet)
+        assert pipeline.backlog_records == pytest.approx(_limits.SHARD_RECORDS_PER_SECOND * 0.01)
+        assert pipeline.backlog_bytes == pytest.approx(_limits.SHARD_BYTES_PER_SECOND * 0.01)
+        for _ in range(10):
+            assert pipeline.has_room(100)
+            pipeline.admit(100)
+        assert not pipeline.has_room(100)  # the eleventh record waits
+        assert (pipeline.outstanding_records, pipeline.outstanding_bytes) == (10, 1000)
+
+
+async def test_finish_gives_room_back() -> None:
+    finished = Finished(1)
+    pipeline = pipeline_for(
+        FakeKinesis(), finished, aggregation_enabled=False, max_outstanding_time=0.01
+    )
+    async with running(pipeline):
+        held = [record(pipeline, f"k{i}", b"x" * 98) for i in range(10)]
+        assert not pipeline.has_room(100)
+        pipeline.finish(held[:1], True)
+        assert pipeline.has_room(100)
+        assert (pipeline.outstanding_records, pipeline.outstanding_bytes) == (9, 900)
+        assert finished.records == [(held[0], True)]
+
+
+async def test_an_empty_stream_takes_one_record_of_any_size() -> None:
+    pipeline = pipeline_for(
+        FakeKinesis(), Finished(1), aggregation_enabled=False, max_outstanding_time=0.01
+    )
+    async with running(pipeline):
+        too_big = _limits.SHARD_BYTES_PER_SECOND  # a second of the shard: 100 times the limit
+        assert pipeline.has_room(too_big)
+        pipeline.admit(too_big)
+        assert not pipeline.has_room(1)
+
+
+async def test_the_backlog_limit_counts_only_bytes_until_the_aggregation_ratio_is_known() -> None:
+    pipeline = pipeline_for(FakeKinesis(), Finished(1), max_outstanding_time=0.01)
+    async with running(pipeline):
+        assert pipeline.backlog_records == float("inf")
+        assert pipeline.backlog_bytes == pytest.approx(_limits.SHARD_BYTES_PER_SECOND * 0.01)
+
+
+async def test_the_backlog_time_defaults_to_half_the_record_ttl() -> None:
+    pipeline = pipeline_for(FakeKinesis(), Finished(1), aggregation_enabled=False, record_ttl=0.2)
+    async with running(pipeline):
+        assert pipeline.backlog_records == pytest.approx(_limits.SHARD_RECORDS_PER_SECOND * 0.1)
+
+
+async def test_the_backlog_limit_is_planned_again_at_most_every_quarter_second() -> None:
+    pipeline = pipeline_for(
+        FakeKinesis(), Finished(1), aggregation_enabled=False, max_outstanding_time=0.01
+    )
+    async with running(pipeline):
+        calls: list[None] = []
+        pipeline.on_room = lambda: calls.append(None)
+        now = anyio.current_time()
+        pipeline.update_backlog_limit(now)
+        planned = pipeline.backlog_records
+        pipeline.backlog_records = 1.0  # as if planned low: only a new plan raises it again
+        pipeline.update_backlog_limit(now + 0.1)
+        assert pipeline.backlog_records == 1.0
+        assert calls == []
+        pipeline.update_backlog_limit(now + 0.3)
+        assert pipeline.backlog_records == planned
+        assert calls == [None]  # it grew: the producer's waiters are woken
