@@ -234,7 +234,8 @@ def test_drain_at_the_returned_wake_time_makes_progress(start: float, percent: f
 
 # --- Adaptive control, the shared (fleet) bucket, fair queuing across tenants -------------
 
-from anykpl._limiter import FAIR_QUANTUM, AdaptiveSettings  # noqa: E402
+from anykpl._limiter import AdaptiveSettings  # noqa: E402
+from anykpl._shard_queue import FAIR_QUANTUM  # noqa: E402
 from anykpl._token_bucket import TokenBucket  # noqa: E402
 
 

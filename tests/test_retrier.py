@@ -11,7 +11,7 @@ import pytest
 from anykpl import errors
 from anykpl._limits import MAX_HASH_KEY as MAX_HASH
 from anykpl._records import Attempt, KinesisRecord, PendingRecord
-from anykpl._retrier import Retrier
+from anykpl._retrier import Observe, Retrier, StatisticSet
 from anykpl._sender import Outcome
 from anykpl._shard_map import ShardMap
 
@@ -50,6 +50,7 @@ class Harness:
         record_max_buffered_time: float = 0.1,
         backoff_initial: float = 0.05,
         backoff_max: float = 1.0,
+        observe: Observe | None = None,
     ) -> None:
         self.shard_map = ShardMap()
         self.shard_map.begin_update()
@@ -69,6 +70,7 @@ class Harness:
             backoff_initial=backoff_initial,
             backoff_max=backoff_max,
             rng=rng,
+            observe=observe,
         )
 
     def _finish(self, records: Sequence[PendingRecord], success: bool) -> None:
@@ -157,6 +159,43 @@ def test_success_resolves_every_user_record_with_its_position() -> None:
     assert h.count_of("KinesisRecordsPut") == 1
     assert h.count_of("UserRecordsPut") == 3
     assert h.refreshes == 0
+
+
+def test_one_response_gives_one_statistic_set_per_metric_and_shard() -> None:
+    """What the metrics merge (see test_metrics.py): per metric and shard, the samples of the
+    whole response — with the KPL's 0 samples for the failed Kinesis records."""
+    seen: dict[tuple[str, str | None], StatisticSet] = {}
+
+    def observe(name: str, shard: str | None, code: str | None, stats: StatisticSet) -> None:
+        assert (name, shard) not in seen, "one call per metric and shard"
+        seen[name, shard] = stats
+
+    h = Harness(observe=observe)
+    delivered = make_kinesis_record([make_record(1), make_record(2)])
+    failed = make_kinesis_record([make_record(3)])
+    other = make_kinesis_record([make_record(HALF + 5)], predicted=SHARD_1)
+    response = [ok(), err("InternalFailure"), ok(shard=SHARD_1)]
+    h.retrier.handle(outcome([delivered, failed, other], response, start=1.0, end=1.5), now=1.5)
+    size = delivered.size
+    assert seen == {
+        ("RequestTime", None): StatisticSet(1, 500.0, 500.0, 500.0),
+        ("KinesisRecordsPerPutRecordsRequest", None): StatisticSet(1, 3, 3, 3),
+        ("UserRecordsPerPutRecordsRequest", None): StatisticSet(1, 4, 4, 4),
+        ("UserRecordsPerKinesisRecord", SHARD_0): StatisticSet(2, 3, 1, 2),
+        ("UserRecordsPerKinesisRecord", SHARD_1): StatisticSet(1, 1, 1, 1),
+        ("BufferingTime", SHARD_0): StatisticSet(2, 2000.0, 1000.0, 1000.0),
+        ("BufferingTime", SHARD_1): StatisticSet(1, 1000.0, 1000.0, 1000.0),
+        ("KinesisRecordsPut", SHARD_0): StatisticSet(2, 1, 0.0, 1.0),
+        ("KinesisRecordsPut", SHARD_1): StatisticSet(1, 1, 1.0, 1.0),
+        ("AllErrors", SHARD_0): StatisticSet(2, 1, 0.0, 1.0),
+        ("AllErrors", SHARD_1): StatisticSet(1, 0, 0.0, 0.0),
+        ("KinesisRecordsDataPut", SHARD_0): StatisticSet(1, size, size, size),
+        ("KinesisRecordsDataPut", SHARD_1): StatisticSet(1, other.size, other.size, other.size),
+        ("UserRecordsPut", SHARD_0): StatisticSet(2, 2, 1, 1),
+        ("UserRecordsPut", SHARD_1): StatisticSet(1, 1, 1, 1),
+        ("UserRecordsDataPut", SHARD_0): StatisticSet(2, 8, 4, 4),  # b"data" each
+        ("UserRecordsDataPut", SHARD_1): StatisticSet(1, 4, 4, 4),
+    }
 
 
 def test_entries_are_matched_by_position() -> None:

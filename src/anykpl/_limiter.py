@@ -31,19 +31,22 @@ Beyond the KPL (see docs/adaptive.md, docs/fleet.md and docs/tenants.md):
   within their shard, and the lanes are served by deficit round robin (bytes), so a tenant
   with a backlog cannot hold back a quiet tenant's records on the same shard. Records without
   a tenant share one lane; a shard that never sees a tenant keeps the plain deadline queue.
+
+The queues live in ``_shard_queue.py`` behind one interface (push, release, expire, take all),
+so the flow here is the KPL's whichever queue a shard has: a bucket and a queue per shard, and
+``drain`` asks each waiting shard's queue to release what ``_ShardLimiter.admit`` gives tokens.
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
 import math
-from collections import deque
 from collections.abc import Sequence
 
 from . import _limits
 from ._adaptive import RateController
 from ._records import KinesisRecord
+from ._shard_queue import DeadlineQueue, FairQueue, QueuedRecord, ShardQueue
 from ._statistics import LimiterShardStatistics, LimiterStatistics
 from ._token_bucket import BURST_SECONDS, TokenBucket
 
@@ -56,12 +59,6 @@ EXPIRY_SCAN_INTERVAL = 0.25
 #: The shortest wait for tokens of a saturated shard (the KPL's ``kDrainDelayMillis``).
 MIN_REFILL_WAIT = 0.025
 
-#: Bytes a tenant's lane may release per round of the fair queue (deficit round robin): about
-#: 16 ms of a shard's 1 MiB/s, so a quiet tenant's record waits at most that long per busy
-#: tenant ahead of it in the round. An aggregate bigger than this (up to
-#: ``aggregation_max_size``, 50 KiB by default) goes once its lane has saved up enough turns.
-FAIR_QUANTUM = 16 * 1024
-
 #: A change of the adaptive fraction smaller than this is not applied to the bucket yet.
 _RATE_STEP = 0.005
 
@@ -72,8 +69,8 @@ SHARE_SMOOTHING = 0.3
 #: expiration (the Collector's buffering and the request itself come after).
 DEADLINE_MARGIN = 1.0
 
-#: (deadline, tie-breaker, record, time queued)
-_Item = tuple[float, int, KinesisRecord, float]
+# QueuedRecord without its generated __new__ (a Python call): this is once per Kinesis record
+_new_queued = tuple.__new__
 
 
 class AdaptiveSettings:
@@ -91,44 +88,43 @@ class AdaptiveSettings:
 class ShardCounters:
     """What one shard's limiter has done (for ``statistics()``)."""
 
-    __slots__ = ("bytes_sent", "records_sent", "token_wait")
+    __slots__ = ("bytes_sent", "records_sent", "token_wait", "user_records_sent")
 
     def __init__(self) -> None:
         self.records_sent = 0  # Kinesis records released
         self.bytes_sent = 0
+        self.user_records_sent = 0  # the user records they carry
         self.token_wait = 0.0  # user-record seconds spent waiting for tokens
 
 
 class _ShardLimiter:
+    """One shard's bucket and queue (the KPL's ``ShardLimiter``)."""
+
     __slots__ = (
         "blocked_until",
         "bucket",
         "controller",
         "counters",
-        "deficits",
         "fraction",
-        "lanes",
         "need",
         "next_expiry_scan",
         "next_need_at",
         "offered_bytes",
         "offered_records",
         "queue",
-        "turns",
+        "shared",
     )
 
-    def __init__(self, bucket: TokenBucket, controller: RateController | None) -> None:
+    def __init__(
+        self, bucket: TokenBucket, controller: RateController | None, shared: TokenBucket | None
+    ) -> None:
         self.bucket = bucket
         self.controller = controller
+        self.shared = shared
         self.fraction = 1.0  # the adaptive fraction last applied to the bucket
         self.counters = ShardCounters()
-        # the records without a tenant, in deadline order
-        self.queue: list[_Item] = []
-        # with tenants: one deadline queue per tenant (None: no tenant, the list above), the
-        # round robin's order and each lane's deficit
-        self.lanes: dict[str | None, list[_Item]] | None = None
-        self.turns: deque[str | None] = deque()
-        self.deficits: dict[str | None, float] = {}
+        # a DeadlineQueue until the shard's first record with a tenant, then a FairQueue
+        self.queue: ShardQueue = DeadlineQueue()
         self.next_expiry_scan = -math.inf
         # Kinesis records and bytes put for the shard (its share of the stream's load)
         self.offered_records = 0
@@ -139,15 +135,36 @@ class _ShardLimiter:
         # a saturated shard is not drained again before this, whatever arrives meanwhile
         self.blocked_until = -math.inf
 
-    def queued(self) -> int:
-        if self.lanes is None:
-            return len(self.queue)
-        return sum(len(lane) for lane in self.lanes.values())
+    def admit(self, item: QueuedRecord, now: float) -> bool:
+        """Take the tokens for ``item``'s record from the shard's bucket and the shared one,
+        and count it released; or block the shard until they could be there.
 
-    def all_items(self) -> list[_Item]:
-        if self.lanes is None:
-            return self.queue
-        return [item for lane in self.lanes.values() for item in lane]
+        The shared bucket is *reserved*, not just tried: a record it refuses takes its tokens
+        anyway, pushing the bucket into debt, and waits until the debt is paid (Go's
+        ``rate.Reserve``). Every other shard then finds the bucket empty until the record's
+        turn has come. With a plain try, shards with small records would take every refill,
+        and a bigger record on another shard (or stream) would never find enough tokens."""
+        kr = item.record
+        bucket, size, shared = self.bucket, kr.size, self.shared
+        if not bucket.try_take(1, size, now):
+            wait = bucket.time_until(1, size, now)
+        elif (
+            shared is not None
+            and not kr.shared_paid
+            and (wait := shared.reserve(1, size, now)) > 0.0
+        ):
+            bucket.refund(1, size)
+            kr.shared_paid = True  # it goes once its shard's tokens are there, after the wait
+        else:
+            counters = self.counters
+            users = len(kr.records)
+            counters.records_sent += 1
+            counters.bytes_sent += size
+            counters.user_records_sent += users
+            counters.token_wait += (now - item.queued_at) * users
+            return True
+        self.blocked_until = now + (wait if wait > MIN_REFILL_WAIT else MIN_REFILL_WAIT)
+        return False
 
 
 class Limiter:
@@ -177,9 +194,6 @@ class Limiter:
         # Kinesis records (and bytes) put so far: the offered load a fleet worker reports
         self.offered_records = 0
         self.offered_bytes = 0
-        # user records carried by the Kinesis records released (with the shards' records_sent,
-        # the aggregation ratio that turns a rate in Kinesis records into one in user records)
-        self.released_user_records = 0
         # each shard's share of the offered load, for deliverable()
         self._offered_before: dict[str, tuple[int, int]] = {}
         self._shares: dict[str, tuple[float, float]] = {}
@@ -204,6 +218,7 @@ class Limiter:
             limiter = self._shards[shard] = _ShardLimiter(
                 TokenBucket(self.records_ceiling, self.bytes_ceiling, now, burst=self.burst),
                 controller,
+                self.shared,
             )
         return limiter
 
@@ -222,28 +237,12 @@ class Limiter:
             if limiter.fraction < 1.0:
                 limiter.next_need_at = -math.inf  # the deadline floor must count it
             self._counter += 1
-            item = (kr.deadline, self._counter, kr, now)
-            if kr.tenant is None and limiter.lanes is None:
-                heapq.heappush(limiter.queue, item)
-            else:
-                self._put_fair(limiter, kr.tenant, item)
+            queue = limiter.queue
+            if kr.tenant is not None and type(queue) is DeadlineQueue:
+                queue = limiter.queue = FairQueue(queue)
+            queue.push(_new_queued(QueuedRecord, (kr.deadline, self._counter, kr, now)))
             self._waiting.add(shard)
             self.queued += 1
-
-    def _put_fair(self, limiter: _ShardLimiter, tenant: str | None, item: _Item) -> None:
-        lanes = limiter.lanes
-        if lanes is None:
-            lanes = limiter.lanes = {None: limiter.queue}
-            if limiter.queue:
-                limiter.turns.append(None)
-                limiter.deficits[None] = 0.0
-        lane = lanes.get(tenant)
-        if lane is None:
-            lane = lanes[tenant] = []
-        if not lane:
-            limiter.turns.append(tenant)
-            limiter.deficits[tenant] = 0.0
-        heapq.heappush(lane, item)
 
     # -- releasing ------------------------------------------------------------------------
 
@@ -271,11 +270,20 @@ class Limiter:
                     self._apply_fraction(limiter, fraction, now)
                     rising = limiter.fraction < 1.0
             if now >= limiter.blocked_until:
-                if limiter.lanes is None:
-                    released += self._drain_queue(limiter, now, out, expired)
-                else:
-                    released += self._drain_fair(limiter, now, out, expired)
-                if not limiter.queued():
+                queue = limiter.queue
+                before = len(queue)
+                if queue.release(now, limiter.admit, out, expired) and (
+                    now >= limiter.next_expiry_scan
+                ):
+                    # A record deeper in the queue may expire while the head waits for
+                    # tokens: scan for expiries at most every EXPIRY_SCAN_INTERVAL (the KPL's
+                    # limiter checks on every 25 ms poll; an O(n) scan per drain would be too
+                    # costly).
+                    queue.expire(now, expired)
+                    limiter.next_expiry_scan = now + EXPIRY_SCAN_INTERVAL
+                left = len(queue)
+                released += before - left
+                if not left:
                     done.append(shard)
                     continue
                 wake = min(limiter.blocked_until, limiter.next_expiry_scan)
@@ -289,165 +297,6 @@ class Limiter:
             self._waiting.discard(shard)
         self.queued -= released
         return next_wake
-
-    def _take(self, limiter: _ShardLimiter, kr: KinesisRecord, now: float) -> bool:
-        """Take the tokens for ``kr`` from the shard's bucket and the shared one, or block
-        the shard until they could be there.
-
-        The shared bucket is *reserved*, not just tried: a record it refuses takes its tokens
-        anyway, pushing the bucket into debt, and waits until the debt is paid (Go's
-        ``rate.Reserve``). Every other shard then finds the bucket empty until the record's
-        turn has come. With a plain try, shards with small records would take every refill,
-        and a bigger record on another shard (or stream) would never find enough tokens."""
-        bucket, size = limiter.bucket, kr.size
-        shared = self.shared
-        if not bucket.try_take(1, size, now):
-            wait = bucket.time_until(1, size, now)
-        elif shared is None or kr.shared_paid:
-            return True
-        else:
-            wait = shared.reserve(1, size, now)
-            if wait <= 0.0:
-                return True
-            bucket.refund(1, size)
-            kr.shared_paid = True  # it goes once its shard's tokens are there, after the wait
-        limiter.blocked_until = now + (wait if wait > MIN_REFILL_WAIT else MIN_REFILL_WAIT)
-        return False
-
-    def _release(self, limiter: _ShardLimiter, item: _Item, now: float) -> None:
-        kr = item[2]
-        counters = limiter.counters
-        users = len(kr.records)
-        counters.records_sent += 1
-        counters.bytes_sent += kr.size
-        counters.token_wait += (now - item[3]) * users
-        self.released_user_records += users
-
-    def _drain_queue(
-        self,
-        limiter: _ShardLimiter,
-        now: float,
-        out: list[KinesisRecord],
-        expired: list[KinesisRecord],
-    ) -> int:
-        released = 0
-        queue = limiter.queue
-        counters = limiter.counters
-        # the hot loop (one pass per Kinesis record): _take and _release inlined for the common
-        # case of no shared bucket
-        try_take = limiter.bucket.try_take
-        shared = self.shared
-        while queue:
-            item = queue[0]
-            kr = item[2]
-            if kr.expiration < now:
-                heapq.heappop(queue)
-                expired.append(kr)
-                released += 1
-                continue
-            if try_take(1, kr.size, now) if shared is None else self._take(limiter, kr, now):
-                heapq.heappop(queue)
-                out.append(kr)
-                users = len(kr.records)
-                counters.records_sent += 1
-                counters.bytes_sent += kr.size
-                counters.token_wait += (now - item[3]) * users
-                self.released_user_records += users
-                released += 1
-                continue
-            if shared is None:
-                wait = limiter.bucket.time_until(1, kr.size, now)
-                limiter.blocked_until = now + (wait if wait > MIN_REFILL_WAIT else MIN_REFILL_WAIT)
-            # A record deeper in the queue may expire while the head waits for tokens:
-            # scan for expiries at most every EXPIRY_SCAN_INTERVAL (the KPL's limiter
-            # checks on every 25 ms poll; an O(n) scan per drain would be too costly).
-            if now >= limiter.next_expiry_scan:
-                released += self._expire_lane(queue, now, expired)
-                limiter.next_expiry_scan = now + EXPIRY_SCAN_INTERVAL
-            break
-        return released
-
-    def _drain_fair(
-        self,
-        limiter: _ShardLimiter,
-        now: float,
-        out: list[KinesisRecord],
-        expired: list[KinesisRecord],
-    ) -> int:
-        """Deficit round robin over the shard's tenant lanes: each turn adds
-        ``FAIR_QUANTUM`` bytes to a lane's deficit and releases its records (deadline order)
-        while they fit in it; a lane that empties leaves the round."""
-        assert limiter.lanes is not None
-        lanes, turns, deficits = limiter.lanes, limiter.turns, limiter.deficits
-        released = 0
-        blocked = False
-        while turns and not blocked:
-            tenant = turns[0]
-            lane = lanes[tenant]
-            deficit = deficits[tenant] + FAIR_QUANTUM
-            took = False
-            while lane:
-                item = lane[0]
-                kr = item[2]
-                if kr.expiration < now:
-                    heapq.heappop(lane)
-                    expired.append(kr)
-                    released += 1
-                    continue
-                if kr.size > deficit:
-                    break
-                if not self._take(limiter, kr, now):
-                    blocked = True
-                    break
-                heapq.heappop(lane)
-                out.append(kr)
-                self._release(limiter, item, now)
-                deficit -= kr.size
-                released += 1
-                took = True
-            if blocked and not took:
-                # out of tokens before this lane released anything: it keeps its turn (and
-                # what it had saved), so the next refill is its own. Rotating it would let the
-                # other lanes take every refill first, and a record needing more tokens than
-                # they leave would never go.
-                deficits[tenant] = deficit - FAIR_QUANTUM
-            elif blocked:
-                # out of tokens after releasing some: the next drain starts with the next
-                # lane, so each refill goes to a different tenant first; what is left of this
-                # turn's quantum is dropped (a deficit carried over from earlier turns is
-                # kept), which keeps deficits bounded however often a turn is cut short
-                deficits[tenant] = max(0.0, deficit - FAIR_QUANTUM)
-                turns.rotate(-1)
-            elif lane:
-                deficits[tenant] = deficit
-                turns.rotate(-1)
-            else:
-                turns.popleft()
-                del deficits[tenant]
-                if tenant is not None:
-                    del lanes[tenant]
-        if blocked and now >= limiter.next_expiry_scan:
-            for tenant in list(turns):
-                released += self._expire_lane(lanes[tenant], now, expired)
-                if not lanes[tenant]:
-                    turns.remove(tenant)
-                    del deficits[tenant]
-                    if tenant is not None:
-                        del lanes[tenant]
-            limiter.next_expiry_scan = now + EXPIRY_SCAN_INTERVAL
-        return released
-
-    @staticmethod
-    def _expire_lane(lane: list[_Item], now: float, expired: list[KinesisRecord]) -> int:
-        """Remove the expired records of a deadline queue, in place."""
-        keep = [item for item in lane if item[2].expiration >= now]
-        if len(keep) == len(lane):
-            return 0
-        expired.extend(item[2] for item in lane if item[2].expiration < now)
-        removed = len(lane) - len(keep)
-        heapq.heapify(keep)
-        lane[:] = keep
-        return removed
 
     # -- adaptive control -----------------------------------------------------------------
 
@@ -479,10 +328,9 @@ class Limiter:
         """The smallest fraction of the ceiling that releases every queued record of the shard
         ``DEADLINE_MARGIN`` before its expiration (records in expiration order: the first
         ``k`` of them need ``k`` records and their bytes within the time the ``k``-th has)."""
-        items = limiter.all_items()
-        if not items:
+        if not limiter.queue:
             return 0.0
-        pending = sorted((item[2].expiration, item[2].size) for item in items)
+        pending = sorted((item.record.expiration, item.record.size) for item in limiter.queue)
         records_ceiling, bytes_ceiling = self.records_ceiling, self.bytes_ceiling
         need = 0.0
         total = 0
@@ -534,6 +382,13 @@ class Limiter:
     def released_kinesis_records(self) -> int:
         """Kinesis records the shards released so far."""
         return sum(lim.counters.records_sent for lim in self._shards.values())
+
+    @property
+    def released_user_records(self) -> int:
+        """User records carried by the Kinesis records released so far (with
+        :meth:`released_kinesis_records`, the aggregation ratio that turns a rate in Kinesis
+        records into one in user records)."""
+        return sum(lim.counters.user_records_sent for lim in self._shards.values())
 
     def deliverable(self, shards: Sequence[str]) -> tuple[float, float]:
         """(Kinesis records/s, bytes/s) the stream can deliver now over ``shards`` (its open
@@ -599,7 +454,7 @@ class Limiter:
     # -- introspection --------------------------------------------------------------------
 
     def queue_depths(self) -> dict[str, int]:
-        depths = {shard: lim.queued() for shard, lim in self._shards.items()}
+        depths = {shard: len(lim.queue) for shard, lim in self._shards.items()}
         return {shard: depth for shard, depth in depths.items() if depth}
 
     def rates(self) -> dict[str, tuple[float, float]]:
@@ -621,7 +476,7 @@ class Limiter:
                 records_sent=counters.records_sent,
                 bytes_sent=counters.bytes_sent,
                 token_wait=counters.token_wait,
-                queued=lim.queued(),
+                queued=len(lim.queue),
                 cuts=0 if controller is None else controller.cuts,
                 noise=0.0 if controller is None else controller.noise_share,
             )
@@ -639,14 +494,7 @@ class Limiter:
         """Remove and return every queued record (used when failing everything)."""
         records: list[KinesisRecord] = []
         for lim in self._shards.values():
-            lanes = lim.lanes if lim.lanes is not None else {None: lim.queue}
-            for lane in lanes.values():
-                records.extend(item[2] for item in lane)
-                lane.clear()
-            if lim.lanes is not None:
-                lim.lanes = {None: lim.queue}
-            lim.turns.clear()
-            lim.deficits.clear()
+            records.extend(lim.queue.take_all())
         self._waiting.clear()
         self.queued = 0
         return records

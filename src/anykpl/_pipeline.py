@@ -39,7 +39,7 @@ from ._collector import Collector
 from ._limiter import AdaptiveSettings, Limiter
 from ._metrics import Metrics
 from ._records import AttemptRecord, KinesisRecord, PendingRecord
-from ._retrier import Retrier, RetryBudget
+from ._retrier import Retrier, RetryBudget, StatisticSet
 from ._sender import Transport, error_code, run_sender
 from ._shard_map import ShardMap, run_shard_map
 from ._statistics import ShardStatistics, StreamStatistics
@@ -381,17 +381,10 @@ class Pipeline:
     def _count(self, name: str, value: int, shard: str | None, code: str | None) -> None:
         self.metrics.add(name, value, self.stream, shard, code)
 
-    def _observe(
-        self,
-        name: str,
-        shard: str | None,
-        code: str | None,
-        count: float,
-        total: float,
-        low: float,
-        high: float,
-    ) -> None:
-        self.metrics.observe(name, self.stream, shard, code, count, total, low, high)
+    def _observe(self, name: str, shard: str | None, code: str | None, stats: StatisticSet) -> None:
+        self.metrics.observe(
+            name, self.stream, shard, code, stats.count, stats.total, stats.minimum, stats.maximum
+        )
 
     def _request_refresh(self) -> None:
         self._refresh_event.set()

@@ -47,17 +47,77 @@ from ._sender import Outcome
 from ._shard_map import ShardMap, shard_number
 from ._statistics import RetrierStatistics
 
-__all__ = ("Retrier",)
+__all__ = ("Retrier", "RetryBudget", "StatisticSet")
 
 logger = logging.getLogger("anykpl.retrier")
 
 Finish = Callable[[Sequence[PendingRecord], bool], None]
 Count = Callable[[str, int, str | None, str | None], None]
-#: (name, shard, error code, count, sum, min, max): a statistic set for the metrics
-Observe = Callable[[str, str | None, str | None, float, float, float, float], None]
+#: (name, shard, error code, statistic set): what one outcome adds to a metric
+Observe = Callable[[str, str | None, str | None, "StatisticSet"], None]
 #: (shard, Kinesis records sent, of them throttled, accepted records, accepted bytes, when
 #: their request was sent, now): one call per predicted shard of a PutRecords response
 ShardOutcome = Callable[[str, int, int, int, int, float, float], None]
+
+
+class StatisticSet:
+    """``count`` samples summing to ``total``, between ``minimum`` and ``maximum``: what one
+    outcome adds to a metric, merged into the metrics' own statistic sets (the KPL's
+    ``StatisticSet``; see ``_metrics.py``, "Counting per batch"). Mutable: the Retrier fills
+    one per shard as it goes through a response's records."""
+
+    __slots__ = ("count", "maximum", "minimum", "total")
+
+    def __init__(self, count: float, total: float, minimum: float, maximum: float) -> None:
+        self.count = count
+        self.total = total
+        self.minimum = minimum
+        self.maximum = maximum
+
+    def __repr__(self) -> str:
+        return (
+            f"StatisticSet(count={self.count!r}, total={self.total!r}, "
+            f"minimum={self.minimum!r}, maximum={self.maximum!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StatisticSet):
+            return NotImplemented
+        return (self.count, self.total, self.minimum, self.maximum) == (
+            other.count,
+            other.total,
+            other.minimum,
+            other.maximum,
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    @classmethod
+    def sample(cls, value: float) -> StatisticSet:
+        """One sample of ``value``."""
+        return cls(1, value, value, value)
+
+
+class _ShardResponse:
+    """What one response did for the Kinesis records predicted for a shard: the sizes of
+    those delivered, and how many failed."""
+
+    __slots__ = ("delivered", "failed")
+
+    def __init__(self) -> None:
+        self.delivered = StatisticSet(0, 0, math.inf, 0)
+        self.failed = 0
+
+
+class _RequestShard:
+    """The Kinesis records of one request predicted for a shard: how many user records each
+    carries, and how long each waited (its oldest user record, in milliseconds)."""
+
+    __slots__ = ("buffering", "user_records")
+
+    def __init__(self, users: int, wait: float) -> None:
+        self.user_records = StatisticSet(1, users, users, users)
+        self.buffering = StatisticSet(1, wait, wait, wait)
 
 
 class RetryBudget:
@@ -209,18 +269,18 @@ class Retrier:
                 self._fail(kr.records, attempt, kr.predicted_shard)
             return
         # Per shard, one statistic set per metric for the whole response (see
-        # anykpl/_metrics.py): Kinesis records at their predicted shard — [delivered, failed,
-        # bytes delivered, smallest, largest] — and user records at their actual shard.
-        kinesis: dict[str | None, list[float]] = {}
-        users: dict[str, list[float]] = {}
+        # anykpl/_metrics.py): Kinesis records at their predicted shard, and the sizes of the
+        # user records delivered at their actual shard.
+        kinesis: dict[str | None, _ShardResponse] = {}
+        users: dict[str, StatisticSet] = {}
         for kr, entry in zip(records, entries, strict=True):
             predicted = kr.predicted_shard
-            stats = kinesis.get(predicted)
-            if stats is None:
-                stats = kinesis[predicted] = [0, 0, 0, math.inf, 0]
+            response = kinesis.get(predicted)
+            if response is None:
+                response = kinesis[predicted] = _ShardResponse()
             sequence_number = entry.get("SequenceNumber")
             if sequence_number is None:
-                stats[1] += 1
+                response.failed += 1
                 code = entry.get("ErrorCode") or "UnknownError"
                 self.count("ErrorsByCode", 1, predicted, code)
                 attempt = AttemptRecord(
@@ -228,13 +288,14 @@ class Retrier:
                 )
                 self._fail_or_retry(kr, attempt, now)
             else:
-                stats[0] += 1
+                delivered = response.delivered
                 size = kr.size
-                stats[2] += size
-                if size < stats[3]:
-                    stats[3] = size
-                if size > stats[4]:
-                    stats[4] = size
+                delivered.count += 1
+                delivered.total += size
+                if size < delivered.minimum:
+                    delivered.minimum = size
+                if size > delivered.maximum:
+                    delivered.maximum = size
                 self._succeed_if_correct_shard(
                     kr, entry["ShardId"], sequence_number, outcome, now, users
                 )
@@ -242,9 +303,10 @@ class Retrier:
         if on_outcome is not None:
             # every shard's outcome, throttled or not: adaptive control learns from both
             throttles = self._throttles
-            for predicted, stats in kinesis.items():
+            for predicted, response in kinesis.items():
                 if predicted is not None:
-                    accepted, accepted_bytes = int(stats[0]), int(stats[2])
+                    delivered = response.delivered
+                    accepted, accepted_bytes = int(delivered.count), int(delivered.total)
                     throttled = throttles.get(predicted, 0)
                     on_outcome(
                         predicted,
@@ -257,20 +319,25 @@ class Retrier:
                     )
         observe = self.observe
         budget = self.retry_budget
-        for shard, (put, failed, put_bytes, smallest, largest) in kinesis.items():
+        for shard, response in kinesis.items():
+            delivered, failed = response.delivered, response.failed
+            put = delivered.count
             if budget is not None and put:
                 budget.deposit(1)
             # the KPL's 1 per delivered Kinesis record and 0 per failed one (and the reverse
             # for AllErrors): the zeros count as samples only
             count = put + failed
             low, high = (0.0 if failed else 1.0), (1.0 if put else 0.0)
-            observe("KinesisRecordsPut", shard, None, count, put, low, high)
-            observe("AllErrors", shard, None, count, failed, 1.0 - high, 1.0 - low)
+            observe("KinesisRecordsPut", shard, None, StatisticSet(count, put, low, high))
+            observe("AllErrors", shard, None, StatisticSet(count, failed, 1.0 - high, 1.0 - low))
             if put:
-                observe("KinesisRecordsDataPut", shard, None, put, put_bytes, smallest, largest)
-        for shard, (delivered, data_bytes, smallest, largest) in users.items():
-            observe("UserRecordsPut", shard, None, delivered, delivered, 1, 1)
-            observe("UserRecordsDataPut", shard, None, delivered, data_bytes, smallest, largest)
+                observe("KinesisRecordsDataPut", shard, None, delivered)
+        for shard, sizes in users.items():
+            delivered_users = sizes.count
+            observe(
+                "UserRecordsPut", shard, None, StatisticSet(delivered_users, delivered_users, 1, 1)
+            )
+            observe("UserRecordsDataPut", shard, None, sizes)
 
     def _observe_request(self, outcome: Outcome) -> None:
         """The per-request metrics: one statistic set each, per predicted shard for the
@@ -278,16 +345,12 @@ class Retrier:
         observe = self.observe
         records: Sequence[KinesisRecord] = outcome.records
         start = outcome.start
-        milliseconds = (outcome.end - start) * 1000
-        observe("RequestTime", None, None, 1, milliseconds, milliseconds, milliseconds)
+        observe("RequestTime", None, None, StatisticSet.sample((outcome.end - start) * 1000))
         if not records:
             return
-        count = len(records)
-        observe("KinesisRecordsPerPutRecordsRequest", None, None, 1, count, count, count)
+        observe("KinesisRecordsPerPutRecordsRequest", None, None, StatisticSet.sample(len(records)))
         users = 0
-        # predicted shard -> [Kinesis records, user records, fewest, most, waited, shortest,
-        # longest]
-        by_shard: dict[str | None, list[float]] = {}
+        by_shard: dict[str | None, _RequestShard] = {}
         for kr in records:
             n = len(kr.records)
             users += n
@@ -296,25 +359,28 @@ class Retrier:
             oldest = kr.records[0]
             last = oldest._last_attempt
             wait = (start - (oldest.arrival if last is None else last.end)) * 1000
-            stats = by_shard.get(kr.predicted_shard)
-            if stats is None:
-                by_shard[kr.predicted_shard] = [1, n, n, n, wait, wait, wait]
+            request = by_shard.get(kr.predicted_shard)
+            if request is None:
+                by_shard[kr.predicted_shard] = _RequestShard(n, wait)
                 continue
-            stats[0] += 1
-            stats[1] += n
-            if n < stats[2]:
-                stats[2] = n
-            elif n > stats[3]:
-                stats[3] = n
-            stats[4] += wait
-            if wait < stats[5]:
-                stats[5] = wait
-            elif wait > stats[6]:
-                stats[6] = wait
-        observe("UserRecordsPerPutRecordsRequest", None, None, 1, users, users, users)
-        for shard, (krs, in_krs, fewest, most, waited, shortest, longest) in by_shard.items():
-            observe("UserRecordsPerKinesisRecord", shard, None, krs, in_krs, fewest, most)
-            observe("BufferingTime", shard, None, krs, waited, shortest, longest)
+            stats = request.user_records
+            stats.count += 1
+            stats.total += n
+            if n < stats.minimum:
+                stats.minimum = n
+            elif n > stats.maximum:
+                stats.maximum = n
+            stats = request.buffering
+            stats.count += 1
+            stats.total += wait
+            if wait < stats.minimum:
+                stats.minimum = wait
+            elif wait > stats.maximum:
+                stats.maximum = wait
+        observe("UserRecordsPerPutRecordsRequest", None, None, StatisticSet.sample(users))
+        for shard, request in by_shard.items():
+            observe("UserRecordsPerKinesisRecord", shard, None, request.user_records)
+            observe("BufferingTime", shard, None, request.buffering)
 
     def _succeed_if_correct_shard(
         self,
@@ -323,7 +389,7 @@ class Retrier:
         sequence_number: str,
         outcome: Outcome,
         now: float,
-        users: dict[str, list[float]],
+        users: dict[str, StatisticSet],
     ) -> None:
         predicted = kr.predicted_shard
         if predicted is not None and predicted != actual:
@@ -355,22 +421,22 @@ class Retrier:
             ):
                 self.request_refresh()
         attempt = AttemptRecord(outcome.start, outcome.end, True, None, None)
-        # [user records, data bytes, smallest, largest] at the actual shard, for the response
-        stats = users.get(actual)
-        if stats is None:
-            stats = users[actual] = [0, 0, math.inf, 0]
-        stats[0] += len(kr.records)
+        # the sizes of the user records delivered at the actual shard, for the response
+        sizes = users.get(actual)
+        if sizes is None:
+            sizes = users[actual] = StatisticSet(0, 0, math.inf, 0)
+        sizes.count += len(kr.records)
         for index, record in enumerate(kr.records):
             record._add_attempt(attempt)
             record.shard_id = actual
             record.sequence_number = sequence_number
             record.sub_sequence_number = index
             size = len(record.data)
-            stats[1] += size
-            if size < stats[2]:
-                stats[2] = size
-            if size > stats[3]:
-                stats[3] = size
+            sizes.total += size
+            if size < sizes.minimum:
+                sizes.minimum = size
+            if size > sizes.maximum:
+                sizes.maximum = size
         self._streaks.pop(predicted, None)
         self.finish(kr.records, True)
 
@@ -426,7 +492,8 @@ class Retrier:
         if attempt.code == errors.EXPIRED:
             self.count("UserRecordExpired", failed, shard, None)
         self.count("UserRecordsFailed", failed, shard, attempt.code)
-        self.observe("UserRecordsPut", shard, None, failed, 0, 0, 0)  # the KPL's 0 samples
+        # the KPL's 0 samples
+        self.observe("UserRecordsPut", shard, None, StatisticSet(failed, 0, 0, 0))
         self.finish(records, False)
 
     def expire(self, records: Sequence[KinesisRecord], now: float) -> None:
@@ -521,16 +588,8 @@ def _sums_only(count: Count) -> Observe:
     """An ``observe`` that passes each statistic set's sum to ``count`` (when a caller only
     counts events, as the Retrier's tests do)."""
 
-    def observe(
-        name: str,
-        shard: str | None,
-        code: str | None,
-        samples: float,
-        total: float,
-        low: float,
-        high: float,
-    ) -> None:
-        if total:
-            count(name, int(total), shard, code)
+    def observe(name: str, shard: str | None, code: str | None, stats: StatisticSet) -> None:
+        if stats.total:
+            count(name, int(stats.total), shard, code)
 
     return observe

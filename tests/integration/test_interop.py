@@ -23,7 +23,6 @@ Only a machine without node or npm skips this module; a failed install fails it.
 from __future__ import annotations
 
 import base64
-import hashlib
 import random
 import time
 from collections.abc import Iterator
@@ -42,6 +41,7 @@ from anykpl._limits import MAX_HASH_KEY
 
 from . import interop_servers
 from .interop_servers import CREDENTIALS, REGION
+from .test_end_to_end import md5_hash_key
 
 pytestmark = pytest.mark.anyio
 
@@ -134,10 +134,6 @@ class Sent:
         if self.explicit_hash_key is not None:
             return int(self.explicit_hash_key)
         return md5_hash_key(self.partition_key)
-
-
-def md5_hash_key(partition_key: str) -> int:
-    return int.from_bytes(hashlib.md5(partition_key.encode()).digest(), "big")
 
 
 def workload(seed: int) -> dict[int, Sent]:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from .. import _limits
 
 if TYPE_CHECKING:
-    from ._workload import CaseRun
+    from ._workload import CaseRun, Snapshot
 
 __all__ = (
     "ShardWindow",
@@ -229,15 +229,7 @@ def summarise(run: CaseRun) -> dict[str, Any]:
         "throttled_records": sum(int(row["throttled_records"]) for row in shards),
         "throttled_records_total": sum(int(row["throttled_records_total"]) for row in shards),
         "producer_errors_by_code": _difference(end.errors_by_code, start.errors_by_code),
-        "producer_errors_by_code_total": dict(sorted(run.final_errors_by_code.items())),
-        "failed_samples": run.failed_samples,
-        "latency_ms": _milliseconds(run.latencies),
-        "producer_latency_ms": _milliseconds(run.producer_latencies),
-        "cpu_seconds": round(end.cpu - start.cpu, 3),
-        "cpu_seconds_per_100k": _round(per_100k(end.cpu - start.cpu, int(user_records)), 3),
-        "submitted_user_records": run.submitted,
-        "max_outstanding_records": run.max_outstanding_records,
-        "max_outstanding_bytes": run.max_outstanding_bytes,
+        **_producer_side(run, start, end, user_records),
         "shards": [
             {
                 name: _round(value, 4) if isinstance(value, float) else value
@@ -316,6 +308,16 @@ def summarise_external(run: CaseRun) -> dict[str, Any]:
         "throttled_records": errors.get(THROTTLED, 0),
         "throttled_records_total": int(run.final_errors_by_code.get(THROTTLED, 0)),
         "producer_errors_by_code": errors,
+        **_producer_side(run, start, end, user_records),
+        "shards": shards,
+    }
+
+
+def _producer_side(
+    run: CaseRun, start: Snapshot, end: Snapshot, user_records: float
+) -> dict[str, Any]:
+    """The figures the producer's process measures itself, in either mode."""
+    return {
         "producer_errors_by_code_total": dict(sorted(run.final_errors_by_code.items())),
         "failed_samples": run.failed_samples,
         "latency_ms": _milliseconds(run.latencies),
@@ -325,7 +327,6 @@ def summarise_external(run: CaseRun) -> dict[str, Any]:
         "submitted_user_records": run.submitted,
         "max_outstanding_records": run.max_outstanding_records,
         "max_outstanding_bytes": run.max_outstanding_bytes,
-        "shards": shards,
     }
 
 
