@@ -27,7 +27,7 @@ import contextlib
 import math
 from collections.abc import Callable, Sequence
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from anyio.abc import TaskGroup
@@ -40,7 +40,7 @@ from ._limiter import AdaptiveSettings, Limiter
 from ._metrics import Metrics
 from ._records import AttemptRecord, KinesisRecord, PendingRecord
 from ._retrier import Retrier, RetryBudget, StatisticSet
-from ._sender import Transport, error_code, run_sender
+from ._sender import Outcome, Transport, error_code, run_sender
 from ._shard_map import ShardMap, run_shard_map
 from ._statistics import ShardStatistics, StreamStatistics
 from ._token_bucket import TokenBucket
@@ -71,11 +71,18 @@ class Control(Enum):
 WAKE, FLUSH, END = Control.WAKE, Control.FLUSH, Control.END
 
 
-def _stream() -> tuple[MemoryObjectSendStream[Any], MemoryObjectReceiveStream[Any]]:
-    return anyio.create_memory_object_stream[Any](math.inf)
+#: What travels each stream: the Aggregator's input carries retries (user records); the
+#: Limiter's and the Collector's, Kinesis records; the Sender's, PutRecords requests; the
+#: Retrier's, outcomes; control messages ride along where a stage needs them.
+AggregatorMessage = list[PendingRecord] | Control
+LimiterMessage = list[KinesisRecord] | Control
+CollectorMessage = list[KinesisRecord] | Control
+_T = TypeVar("_T")
 
 
-async def _receive_until(stream: MemoryObjectReceiveStream[Any], deadline: float) -> Any:
+async def _receive_until(
+    stream: MemoryObjectReceiveStream[_T], deadline: float
+) -> _T | Control | None:
     """The next message, ``None`` once ``deadline`` (absolute) has passed, or ``END`` when the
     upstream side has closed (shutdown cascades through the stages this way)."""
     try:
@@ -92,7 +99,9 @@ async def _receive_until(stream: MemoryObjectReceiveStream[Any], deadline: float
 MAX_COALESCE = 1024
 
 
-async def _receive_batch(stream: MemoryObjectReceiveStream[Any], deadline: float) -> list[Any]:
+async def _receive_batch(
+    stream: MemoryObjectReceiveStream[_T], deadline: float
+) -> list[_T | Control]:
     """The next message and every message already queued behind it (up to ``MAX_COALESCE``);
     ``[]`` once ``deadline`` has passed; ending with ``END`` if the upstream side has closed.
 
@@ -104,7 +113,7 @@ async def _receive_batch(stream: MemoryObjectReceiveStream[Any], deadline: float
     first = await _receive_until(stream, deadline)
     if first is None:
         return []
-    messages = [first]
+    messages: list[_T | Control] = [first]
     while first is not END and len(messages) < MAX_COALESCE:
         try:
             messages.append(stream.receive_nowait())
@@ -181,11 +190,30 @@ class Pipeline:
                 else RetryBudget(config.retry_budget, anyio.current_time())
             ),
         )
-        self.aggregator_send, self.aggregator_in = _stream()
-        self.limiter_send, self.limiter_in = _stream()
-        self.collector_send, self.collector_in = _stream()
-        self.sender_send, self.sender_in = _stream()
-        self.retrier_send, self.retrier_in = _stream()
+        # unbounded: see the module's docstring
+        self.aggregator_send: MemoryObjectSendStream[AggregatorMessage]
+        self.aggregator_in: MemoryObjectReceiveStream[AggregatorMessage]
+        self.aggregator_send, self.aggregator_in = anyio.create_memory_object_stream[
+            AggregatorMessage
+        ](math.inf)
+        self.limiter_send: MemoryObjectSendStream[LimiterMessage]
+        self.limiter_in: MemoryObjectReceiveStream[LimiterMessage]
+        self.limiter_send, self.limiter_in = anyio.create_memory_object_stream[LimiterMessage](
+            math.inf
+        )
+        self.collector_send: MemoryObjectSendStream[CollectorMessage]
+        self.collector_in: MemoryObjectReceiveStream[CollectorMessage]
+        self.collector_send, self.collector_in = anyio.create_memory_object_stream[
+            CollectorMessage
+        ](math.inf)
+        self.sender_send: MemoryObjectSendStream[list[KinesisRecord]]
+        self.sender_in: MemoryObjectReceiveStream[list[KinesisRecord]]
+        self.sender_send, self.sender_in = anyio.create_memory_object_stream[list[KinesisRecord]](
+            math.inf
+        )
+        self.retrier_send: MemoryObjectSendStream[Outcome]
+        self.retrier_in: MemoryObjectReceiveStream[Outcome]
+        self.retrier_send, self.retrier_in = anyio.create_memory_object_stream[Outcome](math.inf)
         self._aggregator_wake_at = math.inf
         self._refresh_event = anyio.Event()
         self._sealed: list[KinesisRecord] = []
@@ -435,10 +463,10 @@ class Pipeline:
                 message = await _receive_until(self.aggregator_in, deadline)
                 if message is END:
                     return
-                out: list[Any] = []
+                out: list[KinesisRecord] = []
                 if message is FLUSH:
                     aggregator.flush_all(out)
-                elif message is not None and message is not WAKE:
+                elif isinstance(message, list):  # retries
                     for record in message:
                         aggregator.put(record, out)
                 aggregator.flush_due(anyio.current_time(), out)
@@ -464,7 +492,7 @@ class Pipeline:
                 out: list[KinesisRecord] = []
                 expired: list[KinesisRecord] = []
                 for message in messages:
-                    if message is not FLUSH and message is not END and message is not WAKE:
+                    if isinstance(message, list):
                         limiter.put(message, now, out)
                 wake = limiter.drain(now, out, expired)
                 self.update_backlog_limit(now)
@@ -490,7 +518,7 @@ class Pipeline:
                 for message in messages:
                     if message is FLUSH:
                         collector.flush(out)
-                    elif message is not END:
+                    elif isinstance(message, list):
                         collector.put(message, now, out)
                 collector.flush_due(now, out)
                 for request in out:
@@ -517,7 +545,7 @@ class Pipeline:
                 if outcome is END:
                     return
                 now = anyio.current_time()
-                if outcome is not None:
+                if outcome is not None and not isinstance(outcome, Control):
                     self.in_flight -= 1
                     retrier.handle(outcome, now)
                 due = retrier.take_due(now)
