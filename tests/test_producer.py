@@ -1137,3 +1137,78 @@ async def test_a_long_explicit_hash_key_of_leading_zeros_is_sent_without_them(
     for result, number in zip(results, [MAX_HASH, 0, 1], strict=True):
         lo, hi = range_of(fake_kinesis, str(result.shard_id))
         assert lo <= number <= hi
+
+
+# -- submit_many ------------------------------------------------------------------------------
+
+
+async def test_submit_many_admits_every_record_in_order(fake_kinesis: FakeKinesis) -> None:
+    async with Producer(transport=fake_kinesis, **FAST) as producer:
+        handles = await producer.submit_many(
+            STREAM,
+            [b"bare", (b"keyed", "k1"), (b"hashed", "k2", MAX_HASH), (bytearray(b"ba"),)],
+        )
+        assert len(handles) == 4
+        assert producer.outstanding_records == 4
+        results = [await handle for handle in handles]
+    assert all(result.success for result in results)
+    stored = {r.data: r for r in fake_kinesis.user_records()}
+    assert stored[b"keyed"].partition_key == "k1"
+    # the explicit hash key placed it: the last shard's range ends at MAX_HASH
+    assert stored[b"hashed"].shard_id == fake_kinesis.shards[-1].shard_id
+    assert set(stored) == {b"bare", b"keyed", b"hashed", b"ba"}
+    assert [h.data for h in handles] == [b"bare", b"keyed", b"hashed", b"ba"]
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        ("text", errors.RecordTypeError),
+        ((b"x", ""), errors.InvalidRecordError),
+        ((b"x", "k", "not-a-number"), errors.InvalidRecordError),
+        ((b"x", "k", None, "extra"), errors.RecordTypeError),
+        (42, errors.RecordTypeError),
+    ],
+)
+async def test_submit_many_validates_everything_first(
+    fake_kinesis: FakeKinesis, bad: object, error: type[Exception]
+) -> None:
+    async with Producer(transport=fake_kinesis, **FAST) as producer:
+        records = [(b"a", "k"), (b"b", "k"), (b"c", "k"), bad]
+        with pytest.raises(error, match=r"^records\[3\]: "):
+            await producer.submit_many(STREAM, records)  # type: ignore[arg-type]
+        assert producer.outstanding_records == 0
+    assert fake_kinesis.user_records() == []
+
+
+async def test_submit_many_waits_for_room_and_reports_what_it_admitted() -> None:
+    fake = GatedKinesis()
+    async with Producer(
+        transport=fake, max_outstanding_records=10, admission_timeout=0.1, **FAST
+    ) as producer:
+        await ready(producer)
+        fake.close_gate()
+        records = [(b"%d" % i, "k") for i in range(15)]
+        with pytest.raises(errors.BackpressureTimeout) as caught:
+            await producer.submit_many(STREAM, records)
+        admitted = caught.value.admitted
+        assert [h.data for h in admitted] == [b"%d" % i for i in range(10)]
+        assert producer.outstanding_records == 10
+        assert fake.gate is not None
+        fake.gate.set()
+        await producer.flush()
+        assert all(h.result().success for h in admitted)
+    assert stored(fake) == Counter(b"%d" % i for i in range(10))
+
+
+async def test_submit_many_of_nothing(fake_kinesis: FakeKinesis) -> None:
+    async with Producer(transport=fake_kinesis, **FAST) as producer:
+        assert await producer.submit_many(STREAM, []) == []
+        assert await producer.submit_many(STREAM, iter(())) == []
+
+
+async def test_submit_many_after_close_is_refused(fake_kinesis: FakeKinesis) -> None:
+    async with Producer(transport=fake_kinesis, **FAST) as producer:
+        pass
+    with pytest.raises(errors.ProducerClosedError):
+        await producer.submit_many(STREAM, [b"x"])

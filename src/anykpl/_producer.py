@@ -21,7 +21,7 @@ import logging
 import math
 import re
 import sys
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -52,6 +52,17 @@ else:  # pragma: no cover
 __all__ = ("Producer",)
 
 CHECKPOINT_EVERY = 128
+
+#: One record of :meth:`Producer.submit_many`: its data, or (data, partition_key) or
+#: (data, partition_key, explicit_hash_key).
+BatchRecord = (
+    bytes
+    | bytearray
+    | memoryview
+    | tuple[bytes | bytearray | memoryview]
+    | tuple[bytes | bytearray | memoryview, str | None]
+    | tuple[bytes | bytearray | memoryview, str | None, str | int | None]
+)
 #: A token bucket rate that never binds (a fleet bucket before its first grant).
 UNLIMITED = 1e15
 _KEY_CACHE_LIMIT = 65536
@@ -466,6 +477,84 @@ class Producer(anyio.AsyncContextManagerMixin):
         pipeline.put(record)
         return record
 
+    async def submit_many(
+        self,
+        stream: str,
+        records: Iterable[BatchRecord],
+        *,
+        tenant: str | None = None,
+    ) -> list[PendingRecord]:
+        """Admit many records of one stream in one call and return their handles, in order.
+
+        Each item of ``records`` is the record's data (``bytes``, ``bytearray`` or
+        ``memoryview``; a random partition key), or a tuple ``(data, partition_key)`` or
+        ``(data, partition_key, explicit_hash_key)``. The same results and backpressure as
+        :meth:`submit`, with the per-call cost paid once for the batch: for a firehose.
+
+        Every record is validated before any is admitted: bad input raises at once (the
+        message names the item, ``records[3]: ...``) and nothing is enqueued. Then each is
+        admitted in order, waiting for room as :meth:`submit` does; if ``admission_timeout``
+        runs out part-way, :class:`~anykpl.errors.BackpressureTimeout` is raised and its
+        ``admitted`` holds the handles of the records admitted before it (they go on).
+
+        :raises: as :meth:`submit`.
+        """
+        if self._state != "open":
+            raise self._not_open()
+        checked_tenant = None if tenant is None else _check_tenant(tenant)
+        made: list[PendingRecord] = []
+        for index, item in enumerate(records):
+            try:
+                data, partition_key, explicit_hash_key = _unpack_batch_record(item)
+                record = self._make_record(stream, data, partition_key, explicit_hash_key)
+            except (errors.RecordTypeError, errors.InvalidRecordError) as exc:
+                raise type(exc)(f"records[{index}]: {exc}") from None
+            record.tenant = checked_tenant
+            made.append(record)
+        if not made:
+            await anyio.lowlevel.checkpoint()
+            return made
+        pipeline = self._pipelines.get(stream) or self._open_pipeline(stream)
+        outstanding = self._outstanding
+        clock = self._clock
+        for position, record in enumerate(made):
+            reservation = None
+            if checked_tenant is not None:
+                reservation = await self._admit_tenant(record, checked_tenant)
+            if (
+                len(outstanding) >= self._max_records
+                or (self._outstanding_bytes + record.size > self._max_bytes and outstanding)
+                or not pipeline.has_room(record.size)
+                or self._state != "open"
+            ):
+                try:
+                    await self._wait_for_room(record.size, reservation, pipeline)
+                    if self._state != "open":
+                        raise self._not_open()
+                except BaseException as exc:
+                    if reservation is not None:
+                        self._tenants.release(reservation, clock())
+                    if isinstance(exc, errors.BackpressureTimeout):
+                        exc.admitted = tuple(made[:position])
+                    raise
+                if pipeline.stopped:
+                    # the stream went idle and its pipeline closed while this call waited
+                    pipeline = self._pipelines.get(stream) or self._open_pipeline(stream)
+            config = pipeline.config
+            now = clock()
+            record.arrival = now
+            deadline = now + config.record_max_buffered_time
+            expiration = now + config.record_ttl
+            record.deadline = deadline if deadline < expiration else expiration
+            record.expiration = expiration
+            outstanding.add(record)
+            self._outstanding_bytes += record.size
+            pipeline.admit(record.size)
+            pipeline.put(record)
+        # one checkpoint for the batch: the stages run, and cancellation gets in
+        await anyio.lowlevel.checkpoint()
+        return made
+
     def _not_open(self) -> errors.ProducerClosedError:
         if self._state == "new":
             return errors.ProducerClosedError(
@@ -716,6 +805,23 @@ class Producer(anyio.AsyncContextManagerMixin):
             received = p.take_received()
             if received:
                 self._metrics.add_to_bucket("UserRecordsReceived", received, name, None, None)
+
+
+def _unpack_batch_record(
+    item: object,
+) -> tuple[bytes | bytearray | memoryview, str | None, str | int | None]:
+    """(data, partition key, explicit hash key) of one item of :meth:`Producer.submit_many`."""
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        return item, None, None
+    if isinstance(item, tuple) and 1 <= len(item) <= 3:
+        data = item[0]
+        partition_key = item[1] if len(item) > 1 else None
+        explicit_hash_key = item[2] if len(item) > 2 else None
+        return data, partition_key, explicit_hash_key
+    raise errors.RecordTypeError(
+        "each record is its data (bytes, bytearray or memoryview) or a tuple (data, "
+        f"partition_key[, explicit_hash_key]), not {type(item).__name__}"
+    )
 
 
 def _check_stream_name(stream: object) -> None:

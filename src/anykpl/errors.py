@@ -26,7 +26,7 @@ single place that says which codes are retried.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -84,9 +84,13 @@ class ProducerClosedError(AnyKplError):
 
 class BackpressureTimeout(AnyKplError, TimeoutError):
     """``admission_timeout`` ran out while waiting for room under ``max_outstanding_*``.
-    Nothing was enqueued. Retriable by the caller."""
+    Nothing was enqueued by the call that raised it, except, from ``submit_many``, the records
+    before the one that waited: their handles are in ``admitted`` (they go on). Retriable by
+    the caller."""
 
     retriable = True
+    #: handles of the records ``submit_many`` admitted before it ran out of time
+    admitted: tuple[Any, ...] = ()
 
 
 class TenantQuotaExceeded(AnyKplError):

@@ -634,3 +634,37 @@ async def test_a_record_failed_at_close_ends_with_its_failing_attempt(
         f"{len(inconsistent)} records whose outcome disagrees with their last attempt "
         f"(close {step + 1}), e.g. {inconsistent[0]}"
     )
+
+
+# -- submit_many: a firehose's batches ------------------------------------------------------
+
+
+async def test_submit_many_delivers_every_record_with_its_own_key(
+    make_stream: Any, kinesis_client: Any, producer_options: dict[str, Any]
+) -> None:
+    stream = make_stream(4)
+    rng = random.Random(11)
+    sent = {
+        uid: make_sent(
+            uid,
+            f"device-{uid % 500}",
+            explicit_hash_key=str(rng.randint(0, MAX_HASH_KEY)) if uid % 7 == 0 else None,
+        )
+        for uid in range(6000)
+    }
+    items = list(sent.values())
+    async with Producer(**producer_options) as producer:
+        handles: list[PendingRecord] = []
+        for start in range(0, len(items), 500):
+            batch = items[start : start + 500]
+            handles += await producer.submit_many(
+                stream, [(s.data, s.partition_key, s.explicit_hash_key) for s in batch]
+            )
+        await producer.flush()
+        results = [await handle for handle in handles]
+    assert [uid_of(h.data) for h in handles] == list(sent)
+    for result in results:
+        assert_success(result)
+    contents = await read_stream_async(kinesis_client, stream)
+    # check_read_back compares each user record's own partition key with what was sent
+    assert check_read_back(contents, sent) == Counter(set(sent))
