@@ -235,10 +235,6 @@ class Pipeline:
         # the stages' scope: cancelled by stop() (created now, so stop() works before start)
         self._scope = anyio.CancelScope()
         self.stopped = False
-        # ListShards failed with an error a retry cannot fix (a missing stream, access
-        # denied): new records go out raw at once and fail fast with the service's code, and
-        # ListShards is tried again only when records come (after its backoff)
-        self.shard_map_unavailable = False
 
     def __repr__(self) -> str:
         return f"<Pipeline {self.stream!r} {self.shard_map!r} {self.aggregator!r}>"
@@ -246,7 +242,9 @@ class Pipeline:
     # -- intake (called synchronously by the producer) ------------------------------------
 
     def put(self, record: PendingRecord) -> None:
-        if self.shard_map_unavailable and not self.shard_map.refresh_requested:
+        if self.aggregator.map_unavailable and not self.shard_map.refresh_requested:
+            # ListShards failed for good (a missing stream): this record goes out raw and
+            # fails fast; ListShards is tried again now records come (after its backoff)
             self.shard_map.refresh_requested = True
             self._refresh_event.set()
         sealed = self._sealed
@@ -440,7 +438,6 @@ class Pipeline:
         # records waiting for it go now, raw, and fail fast with the service's error code, as
         # do the records that come later. ListShards is tried again only when they come: an
         # idle producer does not call it for a missing stream for ever.
-        self.shard_map_unavailable = True
         self.aggregator.map_unavailable = True
         if self.aggregator.waiting_for_shard_map:
             self.aggregator.stop_waiting_for_shard_map()
@@ -448,7 +445,6 @@ class Pipeline:
         return False
 
     def _shard_map_ready(self) -> None:
-        self.shard_map_unavailable = False
         self.aggregator.map_unavailable = False
         # records that waited for the map can be aggregated now
         if self.aggregator.waiting_for_shard_map:

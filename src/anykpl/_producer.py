@@ -432,11 +432,7 @@ class Producer(anyio.AsyncContextManagerMixin):
         # the tenant's quota first: a record that waits for its tokens holds no room meanwhile
         reservation = None if tenant is None else await self._admit_tenant(record, tenant)
         try:
-            if (
-                len(self._outstanding) >= self._max_records
-                or (self._outstanding_bytes + record.size > self._max_bytes and self._outstanding)
-                or not pipeline.has_room(record.size)
-            ):
+            if not self._has_room(record.size, pipeline):
                 await self._wait_for_room(record.size, reservation, pipeline)
                 if self._state != "open":
                     raise self._not_open()
@@ -445,8 +441,7 @@ class Producer(anyio.AsyncContextManagerMixin):
                 # than the rest of the admission, so a loop of submits yields every
                 # CHECKPOINT_EVERY calls (letting the stages run and cancellation in) instead
                 # of on each one — except while the stream's shard map is not ready: then
-                # every record goes out unaggregated, and ListShards must not wait behind a
-                # busy caller.
+                # ListShards must not wait behind a busy caller.
                 self._admitted_since_checkpoint += 1
                 if (
                     self._admitted_since_checkpoint >= CHECKPOINT_EVERY
@@ -460,8 +455,22 @@ class Producer(anyio.AsyncContextManagerMixin):
             if reservation is not None:  # not enqueued after all: the tenant's tokens go back
                 self._tenants.release(reservation, self._clock())
             raise
+        self._enqueue(stream, pipeline, record)
+        return record
+
+    def _has_room(self, size: int, pipeline: Pipeline) -> bool:
+        """Whether a record of ``size`` bytes fits under the producer's caps and its
+        stream's backlog limit now."""
+        return (
+            len(self._outstanding) < self._max_records
+            and (self._outstanding_bytes + size <= self._max_bytes or not self._outstanding)
+            and pipeline.has_room(size)
+        )
+
+    def _enqueue(self, stream: str, pipeline: Pipeline, record: PendingRecord) -> None:
+        """Admit ``record``: it is outstanding from now on, and in its stream's pipeline."""
         if pipeline.stopped:
-            # the stream went idle and its pipeline closed while this submit waited
+            # the stream went idle and its pipeline closed while the caller waited
             pipeline = self._pipelines.get(stream) or self._open_pipeline(stream)
         # the record's clock starts at admission, as the KPL's starts when the daemon sees it
         now = self._clock()
@@ -475,7 +484,6 @@ class Producer(anyio.AsyncContextManagerMixin):
         self._outstanding_bytes += record.size
         pipeline.admit(record.size)
         pipeline.put(record)
-        return record
 
     async def submit_many(
         self,
@@ -515,42 +523,24 @@ class Producer(anyio.AsyncContextManagerMixin):
             await anyio.lowlevel.checkpoint()
             return made
         pipeline = self._pipelines.get(stream) or self._open_pipeline(stream)
-        outstanding = self._outstanding
-        clock = self._clock
         for position, record in enumerate(made):
             reservation = None
             if checked_tenant is not None:
                 reservation = await self._admit_tenant(record, checked_tenant)
-            if (
-                len(outstanding) >= self._max_records
-                or (self._outstanding_bytes + record.size > self._max_bytes and outstanding)
-                or not pipeline.has_room(record.size)
-                or self._state != "open"
-            ):
+            if not self._has_room(record.size, pipeline) or self._state != "open":
                 try:
                     await self._wait_for_room(record.size, reservation, pipeline)
                     if self._state != "open":
                         raise self._not_open()
                 except BaseException as exc:
                     if reservation is not None:
-                        self._tenants.release(reservation, clock())
+                        self._tenants.release(reservation, self._clock())
                     if isinstance(exc, errors.BackpressureTimeout):
                         exc.admitted = tuple(made[:position])
                     raise
-                if pipeline.stopped:
-                    # the stream went idle and its pipeline closed while this call waited
-                    pipeline = self._pipelines.get(stream) or self._open_pipeline(stream)
-            config = pipeline.config
-            now = clock()
-            record.arrival = now
-            deadline = now + config.record_max_buffered_time
-            expiration = now + config.record_ttl
-            record.deadline = deadline if deadline < expiration else expiration
-            record.expiration = expiration
-            outstanding.add(record)
-            self._outstanding_bytes += record.size
-            pipeline.admit(record.size)
-            pipeline.put(record)
+            self._enqueue(stream, pipeline, record)
+            if pipeline.stopped:  # it went idle while this call waited: _enqueue reopened it
+                pipeline = self._pipelines[stream]
         # one checkpoint for the batch: the stages run, and cancellation gets in
         await anyio.lowlevel.checkpoint()
         return made
@@ -622,11 +612,7 @@ class Producer(anyio.AsyncContextManagerMixin):
             limit = max(0.0, limit - reservation.wait)  # admission_timeout bounds both waits
         try:
             with anyio.fail_after(limit):
-                while (
-                    len(self._outstanding) >= self._max_records
-                    or (self._outstanding_bytes + size > self._max_bytes and self._outstanding)
-                    or not pipeline.has_room(size)
-                ):
+                while not self._has_room(size, pipeline):
                     if self._state != "open":
                         raise self._not_open()
                     if self._room is None:

@@ -64,7 +64,8 @@ class StatisticSet:
     """``count`` samples summing to ``total``, between ``minimum`` and ``maximum``: what one
     outcome adds to a metric, merged into the metrics' own statistic sets (the KPL's
     ``StatisticSet``; see ``_metrics.py``, "Counting per batch"). Mutable: the Retrier fills
-    one per shard as it goes through a response's records."""
+    one per shard as it goes through a response's records, updating the fields inline (once
+    per record, a method call would cost more than the update)."""
 
     __slots__ = ("count", "maximum", "minimum", "total")
 

@@ -788,7 +788,7 @@ def _check_streams(config: ProducerConfig) -> None:
         # each stream's settings are validated with the producer's other fields, as the
         # stream's pipeline will use them
         try:
-            dataclasses.replace(config, streams={}, **settings.overrides())
+            config.for_stream(stream)
         except ConfigError as error:
             raise _config_error(
                 f"streams[{stream!r}].{error.field}", error.value, error.allowed

@@ -198,9 +198,6 @@ def summarise(run: CaseRun) -> dict[str, Any]:
     )
     uptime = float(end.emulator["uptime"]) - float(start.emulator["uptime"])
 
-    def mean(name: str) -> float:
-        return sum(float(row[name]) for row in shards) / len(shards)
-
     return {
         "record_size": case.record_size,
         "aggregation": case.aggregation,
@@ -216,12 +213,12 @@ def summarise(run: CaseRun) -> dict[str, Any]:
         ),
         "requests_per_second": round(requests / uptime, 1),
         "kinesis_records_per_request": round(sent / requests, 1) if requests else None,
-        "kinesis_records_per_second_per_shard": round(mean("records_per_second"), 1),
-        "bytes_per_second_per_shard": round(mean("bytes_per_second"), 1),
-        "record_share": round(mean("record_share"), 4),
-        "byte_share": round(mean("byte_share"), 4),
+        "kinesis_records_per_second_per_shard": round(_mean(shards, "records_per_second"), 1),
+        "bytes_per_second_per_shard": round(_mean(shards, "bytes_per_second"), 1),
+        "record_share": round(_mean(shards, "record_share"), 4),
+        "byte_share": round(_mean(shards, "byte_share"), 4),
         "utilisation": round(float(worst["utilisation"]), 4),
-        "utilisation_mean": round(mean("utilisation"), 4),
+        "utilisation_mean": round(_mean(shards, "utilisation"), 4),
         "binding_limit": worst["binding_limit"],
         "worst_second_utilisation": round(
             min(float(row["worst_second_utilisation"]) for row in shards), 4
@@ -279,9 +276,6 @@ def summarise_external(run: CaseRun) -> dict[str, Any]:
     worst = min(shards, key=lambda row: float(row["utilisation"]))
     errors = _difference(end.errors_by_code, start.errors_by_code)
 
-    def mean(name: str) -> float:
-        return sum(float(row[name]) for row in shards) / len(shards)
-
     return {
         "record_size": case.record_size,
         "aggregation": case.aggregation,
@@ -297,12 +291,12 @@ def summarise_external(run: CaseRun) -> dict[str, Any]:
         ),
         "requests_per_second": None,
         "kinesis_records_per_request": None,
-        "kinesis_records_per_second_per_shard": round(mean("records_per_second"), 1),
-        "bytes_per_second_per_shard": round(mean("bytes_per_second"), 1),
-        "record_share": round(mean("record_share"), 4),
-        "byte_share": round(mean("byte_share"), 4),
+        "kinesis_records_per_second_per_shard": round(_mean(shards, "records_per_second"), 1),
+        "bytes_per_second_per_shard": round(_mean(shards, "bytes_per_second"), 1),
+        "record_share": round(_mean(shards, "record_share"), 4),
+        "byte_share": round(_mean(shards, "byte_share"), 4),
         "utilisation": round(float(worst["utilisation"]), 4),
-        "utilisation_mean": round(mean("utilisation"), 4),
+        "utilisation_mean": round(_mean(shards, "utilisation"), 4),
         "binding_limit": worst["binding_limit"],
         "worst_second_utilisation": None,
         "throttled_records": errors.get(THROTTLED, 0),
@@ -311,6 +305,10 @@ def summarise_external(run: CaseRun) -> dict[str, Any]:
         **_producer_side(run, start, end, user_records),
         "shards": shards,
     }
+
+
+def _mean(shards: Sequence[Mapping[str, Any]], name: str) -> float:
+    return sum(float(row[name]) for row in shards) / len(shards)
 
 
 def _producer_side(

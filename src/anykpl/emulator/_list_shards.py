@@ -69,6 +69,30 @@ _EXCLUSIVE_WITH_TOKEN = (
 Streams = Callable[[str, str], Mapping[str, Any]]
 
 
+def find_stream(
+    name: object, arn: object, account: str, region: str, streams: Streams
+) -> tuple[str, str, Any]:
+    """(account, region, stream) that a request's ``StreamName`` or ``StreamARN`` names (the
+    ARN names its own account and region, as for cross-account access); the service's
+    ResourceNotFoundException when there is none. At least one of the two is a str."""
+    if isinstance(arn, str):
+        parts = arn.split(":", 5)
+        if len(parts) == 6 and parts[5].startswith("stream/"):
+            account, region = parts[4], parts[3]
+    backend = streams(account, region)
+    stream = backend.get(name) if isinstance(name, str) else None
+    if stream is None and isinstance(arn, str):
+        stream = next((s for s in backend.values() if s.arn == arn), None)
+    if stream is None or (isinstance(arn, str) and stream.arn != arn):
+        missing = name if isinstance(name, str) else arn
+        raise KinesisError(
+            400,
+            "ResourceNotFoundException",
+            f"Stream {missing} under account {account} not found.",
+        )
+    return account, region, stream
+
+
 def _invalid(message: str) -> KinesisError:
     return KinesisError(400, "InvalidArgumentException", message)
 
@@ -154,23 +178,7 @@ class ShardLister:
         arn = payload.get("StreamARN")
         if not isinstance(name, str) and not isinstance(arn, str):
             raise _invalid("Either NextToken or StreamName or StreamARN should be provided.")
-        if isinstance(arn, str):
-            # the ARN names its own account and region
-            parts = arn.split(":", 5)
-            if len(parts) == 6 and parts[5].startswith("stream/"):
-                account, region = parts[4], parts[3]
-        backend = streams(account, region)
-        stream = backend.get(name) if isinstance(name, str) else None
-        if stream is None and isinstance(arn, str):
-            stream = next((s for s in backend.values() if s.arn == arn), None)
-        if stream is None or (isinstance(arn, str) and stream.arn != arn):
-            missing = name if isinstance(name, str) else arn
-            raise KinesisError(
-                400,
-                "ResourceNotFoundException",
-                f"Stream {missing} under account {account} not found.",
-            )
-        return account, region, stream
+        return find_stream(name, arn, account, region, streams)
 
     @staticmethod
     def _filter(payload: Mapping[str, Any]) -> tuple[str | None, str | None]:

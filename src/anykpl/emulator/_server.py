@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 from urllib.parse import unquote
 
-from ._list_shards import ShardLister
+from ._list_shards import ShardLister, find_stream
 from ._options import Faults, HttpLimits, Limits, Reshard, Storm, from_json, to_json
 from ._write_path import RECORD_COUNTERS, KinesisError, WritePath
 
@@ -558,17 +558,19 @@ class EmulatorServer:
             return self._list_shards(request)
         return self._call_moto(request)
 
-    def _list_shards(self, request: _Request) -> _Response:
+    @staticmethod
+    def _streams(account: str, region: str) -> Mapping[str, Any]:
+        """moto's streams of ``account`` in ``region``, by name."""
         from moto.kinesis.models import kinesis_backends
 
-        def streams(account: str, region: str) -> Mapping[str, Any]:
-            result: Mapping[str, Any] = kinesis_backends[account][region].streams
-            return result
+        result: Mapping[str, Any] = kinesis_backends[account][region].streams
+        return result
 
+    def _list_shards(self, request: _Request) -> _Response:
         try:
             payload = _json_object(request.body)
             response = self._shard_lister.list_shards(
-                payload, self._caller(request.headers), streams, self._loop.time()
+                payload, self._caller(request.headers), self._streams, self._loop.time()
             )
         except KinesisError as exc:
             return _json_response(exc.status, exc.body(), "application/x-amz-json-1.1")
@@ -615,28 +617,16 @@ class EmulatorServer:
         return _json_response(503, body, "application/x-amz-json-1.1")
 
     def _put(self, request: _Request, operation: str) -> dict[str, Any]:
-        from moto.kinesis.models import kinesis_backends
-
         payload = _json_object(request.body)
-        account_id, region = self._caller(request.headers)
         name = payload.get("StreamName")
         arn = payload.get("StreamARN")
         if not isinstance(name, str) and not isinstance(arn, str):
             raise KinesisError(
                 400, "ValidationException", "Either StreamName or StreamARN must be provided."
             )
-        backend = kinesis_backends[account_id][region]
-        if isinstance(name, str):
-            stream = backend.streams.get(name)
-        else:
-            stream = next((s for s in backend.streams.values() if s.arn == arn), None)
-        if stream is None:
-            missing = name if isinstance(name, str) else arn
-            raise KinesisError(
-                400,
-                "ResourceNotFoundException",
-                f"Stream {missing} under account {account_id} not found.",
-            )
+        account_id, region, stream = find_stream(
+            name, arn, *self._caller(request.headers), self._streams
+        )
         self._known[(account_id, region, stream.stream_name)] = None
         now = self._loop.time()
         if operation == "PutRecords":
