@@ -8,7 +8,8 @@ for ``--duration`` seconds, it measures:
 
 - the aggregate the emulator accepted, as a share of the shards' capacity (per-second
   counters of the emulator, the binding limit of each shard);
-- throttled Kinesis records as a share of those sent (accepted + throttled);
+- throttled Kinesis records as a share of those sent (accepted + throttled), and throttled
+  bytes as a share of the bytes sent (records of different sizes weigh by what they cost);
 - each producer's delivered bytes against its fair share (capacity ÷ producers).
 
 Every producer checks every result; the run fails if any record failed. ::
@@ -153,7 +154,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     first = int(start + args.warmup - origin) + 1  # whole seconds inside the window
     last = int(start + args.warmup + args.duration - origin) - 1
     seconds = last - first + 1
-    accepted_records = throttled_records = 0
+    accepted_records = throttled_records = accepted_bytes = throttled_bytes = 0
     used = capacity = 0.0
     per_shard = {}
     for shard in stats["shards"]:
@@ -163,6 +164,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         throttled = sum(row[3] for row in rows)
         accepted_records += records
         throttled_records += throttled
+        accepted_bytes += nbytes
+        throttled_bytes += sum(row[4] for row in rows)
         # the binding limit: the larger share of the shard's records or bytes limit
         share = max(
             records / (shard["limit_records"] * seconds), nbytes / (shard["limit_bytes"] * seconds)
@@ -189,6 +192,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "utilisation": round(used / capacity, 4),
         "throttled_share": round(
             throttled_records / max(1, accepted_records + throttled_records), 4
+        ),
+        "throttled_bytes_share": round(
+            throttled_bytes / max(1, accepted_bytes + throttled_bytes), 4
         ),
         "per_shard": per_shard,
         "producer_share_of_fair": [round(r["delivered_bytes"] / fair_bytes, 3) for r in results],
