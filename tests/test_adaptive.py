@@ -9,6 +9,7 @@ and is tested in ``test_limiter.py``.
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from collections.abc import Callable
 
@@ -207,3 +208,68 @@ def test_static_producers_sharing_a_shard_throttle_most_of_what_they_send() -> N
     producers = [sim.SimProducer(None) for _ in range(4)]
     sim.run(producers, 20.0, seed=1)
     assert sum(p.throttled for p in producers) / sum(p.sent for p in producers) > 0.5
+
+
+def _verdicts(clustered: bool, seed: int) -> list[str | None]:
+    """A lone producer's verdicts, response by response, with a quarter of its records
+    throttled whatever its rate: each record on its own (noise), or the five records of a
+    response together (what a shard over its limit does to the pieces of an aggregate)."""
+    rng = random.Random(seed)
+    c = make()
+    verdicts = []
+    now = 0.0
+    while now < 20.0:
+        now += 0.1
+        if clustered:
+            throttled = 5 if rng.random() < 0.25 else 0
+        else:
+            throttled = sum(rng.random() < 0.25 for _ in range(5))
+        c.outcome(now, now - 0.05, 5, throttled)
+        verdicts.append(c.verdict)
+    return verdicts
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_throttles_that_come_together_are_not_taken_for_noise(seed: int) -> None:
+    assert NOISE in _verdicts(clustered=False, seed=seed)
+    assert NOISE not in _verdicts(clustered=True, seed=seed)
+
+
+def test_the_controller_samples_through_a_throttled_period() -> None:
+    """From the first throttle until a clean second ends the period, the Limiter splits the
+    shard's aggregates (more outcomes, and the dispersion that tells congestion from noise);
+    outside one it does not."""
+    rng = random.Random(3)
+    c = make()
+    assert not c.sampling
+    now = 0.0
+    seen = set()
+    while now < 20.0:
+        now += 0.1
+        noisy = now < 10.0
+        c.outcome(now, now - 0.05, 5, sum(rng.random() < 0.25 for _ in range(5)) if noisy else 0)
+        seen.add((noisy, c.verdict, c.sampling))
+    assert (True, CONGESTION, True) in seen
+    assert (True, NOISE, True) in seen
+    assert c.verdict is None
+    assert not c.sampling
+    assert all(sampling == (verdict is not None) for _, verdict, sampling in seen)
+
+
+def test_a_noise_verdict_ends_when_the_throttles_come_together() -> None:
+    """Producers sharing a shard can take each other's throttles for noise while the others
+    hold their rates; the pieces of an aggregate, throttled together, give it away."""
+    rng = random.Random(5)
+    c = make()
+    now = 0.0
+    while c.verdict != NOISE:
+        now += 0.1
+        c.outcome(now, now - 0.05, 5, sum(rng.random() < 0.25 for _ in range(5)))
+        assert now < 20.0
+    # the same share of throttles, but whole responses at a time
+    start = now
+    while c.verdict == NOISE:
+        now += 0.1
+        c.outcome(now, now - 0.05, 5, 5 if rng.random() < 0.25 else 0)
+        assert now - start < 5.0, "the verdict outlived the clustered throttles"
+    assert c.verdict == CONGESTION

@@ -399,3 +399,58 @@ def test_aggregates_never_exceed_the_size_limit_and_decode_exactly(
             assert [(d.partition_key, d.explicit_hash_key, d.data) for d in decoded] == [
                 (r.partition_key, r.explicit_hash_key, r.data) for r in kr.records
             ]
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 3000), min_size=2, max_size=60),
+    ehks=st.booleans(),
+    max_size=st.sampled_from([512, 4096, 10 * 1024]),
+)
+def test_a_split_aggregate_carries_the_same_records_in_order(
+    sizes: list[int], ehks: bool, max_size: int
+) -> None:
+    """What the Limiter sends while a controller samples: pieces of at most ``max_size``
+    bytes (or one record alone), each a valid Kinesis record of the predicted shard, their
+    user records together those of the aggregate, in order, with their own keys."""
+    agg = make_aggregator()
+    records = [
+        make_record(f"key-{i % 7}", bytes([i % 251]) * size, explicit_hash_key=i if ehks else None)
+        for i, size in enumerate(sizes)
+    ]
+    out: list[KinesisRecord] = []
+    for record in records:
+        agg.put(record, out)
+    agg.flush_all(out)
+    expected = [(r.partition_key, r.explicit_hash_key, r.data) for kr in out for r in kr.records]
+    pieces = [piece for kr in out for piece in kr.split(max_size)]
+    got: list[tuple[str, str | None, bytes]] = []
+    for piece in pieces:
+        assert piece.predicted_shard == SHARD
+        if len(piece.records) > 1:
+            assert piece.size <= max_size + len(piece.partition_key)
+        decoded = _wire.deaggregate(piece.data, piece.partition_key, piece.explicit_hash_key)
+        if len(piece.records) == 1:
+            # sent raw, as the Aggregator sends a record alone: its hash key is explicit
+            (record,) = piece.records
+            assert decoded[0].explicit_hash_key == str(record.hash_key)
+            got.append((decoded[0].partition_key, record.explicit_hash_key, decoded[0].data))
+            continue
+        got += [(d.partition_key, d.explicit_hash_key, d.data) for d in decoded]
+        assert piece.deadline == min(r.deadline for r in piece.records)
+        assert piece.expiration == min(r.expiration for r in piece.records)
+    assert got == expected
+
+
+def test_a_serialized_aggregate_or_a_raw_record_is_not_split() -> None:
+    agg = make_aggregator()
+    out: list[KinesisRecord] = []
+    for i in range(10):
+        agg.put(make_record(f"k{i}", bytes(1000)), out)
+    agg.flush_all(out)
+    (kr,) = out
+    raw = KinesisRecord.single(make_record("k", bytes(5000)))
+    assert raw.split(1000) == [raw]
+    assert kr.split(100_000) == [kr]
+    assert kr.data  # serialized for a request: its builder is gone
+    assert kr.split(1000) == [kr]

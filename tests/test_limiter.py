@@ -7,7 +7,7 @@ import math
 import pytest
 
 from anykpl import _limits
-from anykpl._limiter import MIN_REFILL_WAIT, Limiter
+from anykpl._limiter import MIN_REFILL_WAIT, SAMPLE_SIZE, Limiter
 from anykpl._records import KinesisRecord, PendingRecord
 from anykpl._token_bucket import BURST_SECONDS
 
@@ -444,3 +444,32 @@ def test_a_big_record_in_a_tenant_lane_is_not_starved_by_another_lane() -> None:
         now = wake
     assert big in released
     assert now < 3.0
+
+
+def _aggregate(records: int, size: int, *, deadline: float = 0.0) -> KinesisRecord:
+    from anykpl._wire import AggregateBuilder
+
+    builder = AggregateBuilder()
+    users = []
+    for i in range(records):
+        data = bytes(size)
+        users.append(PendingRecord("stream", f"k{i}", data, 1, None, 0.0, deadline, 1000.0))
+        builder.add(f"k{i}", None, data)
+    return KinesisRecord.aggregate(users, builder, "a", "1", SHARD, deadline, 1000.0)
+
+
+def test_aggregates_leave_in_pieces_while_the_controller_weighs_the_evidence() -> None:
+    """A throttled period without a verdict: more, smaller Kinesis records for the same bytes
+    (SAMPLE_SIZE), so the controller learns faster; none before it or after."""
+    limiter = adaptive_limiter()
+    limiter.put([_aggregate(40, 1000)], 0.0, [])
+    out, _, _ = _drain(limiter, 0.0)
+    assert [len(kr.records) for kr in out] == [40]  # no throttle yet: whole
+    _throttle_round(limiter, 0.5, sent=10, throttled=3)
+    assert limiter._shards[SHARD].controller.sampling  # type: ignore[union-attr]
+    limiter.put([_aggregate(40, 1000, deadline=1.0)], 0.5, [])
+    out, _, _ = _drain(limiter, 2.0)
+    assert len(out) == 4
+    assert all(kr.size <= SAMPLE_SIZE + 1 for kr in out)
+    assert sum(len(kr.records) for kr in out) == 40
+    assert limiter.statistics(2.0).shards[SHARD].records_sent == 1 + 4

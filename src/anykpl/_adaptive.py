@@ -36,6 +36,15 @@ every ``NOISE_HOLD`` seconds a probe cut to ``PROBE_SHARE`` must fail to lower i
 several producers sharing a shard, throttles the others cause can look like noise while the
 others hold their rates; without these checks that producer would keep the shard congested.
 
+**Sampling finer while throttled.** A shard of 50 KB aggregates sends twenty Kinesis records a
+second, so the guard needed seconds of them at two or three cut rates (1.2-1.6 times the static
+limiter's time on a 7 s job under noise). While the controller is ``sampling`` (through a
+throttled period) the Limiter sends the shard's aggregates in pieces of ``SAMPLE_SIZE`` (10
+KiB): five times the outcomes per second for the same bytes. Pieces of one aggregate are
+throttled together under congestion, though, and independently under noise; so noise is only
+judged, and a noise verdict only kept, while the throttles pass a test of dispersion
+(``_clustered``), without which producers sharing a shard took each other's throttles for noise.
+
 **Recovery: back to what was good, gently at first.** The controller remembers the highest rate
 it held for ``GOOD_HOLD`` seconds without a throttle (for ``GOOD_MEMORY`` seconds). Once
 ``probe_delay`` has passed after a cut without another, it climbs towards ``GOOD_SHARE`` of that
@@ -78,6 +87,15 @@ NOISE_RECORDS = 20
 NOISE_MAX = 0.5
 #: Rates are counted in steps of this share of the ceiling for the evidence.
 _BIN = 0.02
+#: Noise is only judged once this many responses carried two or more of the shard's records
+#: and their throttles look independent (see ``RateController._clustered``).
+DISPERSION_REQUESTS = 5
+#: ... at this many standard deviations of the chi-square statistic above its mean. A check
+#: of a noise verdict comes every 40 records, several times a second while sampling, and each
+#: false alarm sends the shard back to cutting: it asks for more (the pieces of an aggregate
+#: that producers sharing a shard have throttled together give about five times the mean).
+DISPERSION_SIGMAS = 3.0
+DISPERSION_SIGMAS_CHECK = 5.0
 _EPSILON = 0.01
 
 #: A throttled period ends after this many seconds without a throttle, with at least
@@ -185,12 +203,14 @@ class RateController:
     __slots__ = (
         "_bins",
         "_clean_sent",
+        "_dispersion",
         "_ended",
         "_good",
         "_good_at",
         "_high",
         "_last_throttle_at",
         "_noise_counts",
+        "_noise_dispersion",
         "_probe_after",
         "_probe_at",
         "_probe_delay",
@@ -242,11 +262,17 @@ class RateController:
         # to it); the last period's end (time, highest rate, verdict, noise share)
         self.verdict: str | None = None
         self._bins: dict[int, list[int]] = {}
+        # the period's responses that carried two or more records, their records, throttles,
+        # and the sum of throttled² / records (for ``_clustered``)
+        self._dispersion: list[float] = [0, 0, 0, 0.0]
         self._high = 1.0
-        self._ended: tuple[float, float, str | None, float, dict[int, list[int]]] | None = None
+        self._ended: (
+            tuple[float, float, str | None, float, dict[int, list[int]], list[float]] | None
+        ) = None
         # under a noise verdict: the records since the last check, and the probe (when it is
         # due, and its records so far, None while not probing)
         self._noise_counts = [0, 0]
+        self._noise_dispersion: list[float] = [0, 0, 0, 0.0]
         self._probe_at = math.inf
         self._probe_after: list[int] | None = None
         self.evidence = 0.0  # the period's log-likelihood ratio, noise over congestion
@@ -265,6 +291,34 @@ class RateController:
         """The share of the shard's records throttled whatever the rate (0 unless the
         throttles of the current period were judged to be noise)."""
         return self.noise if self.verdict == NOISE else 0.0
+
+    @property
+    def sampling(self) -> bool:
+        """Whether the shard is in a throttled period. The Limiter then sends its aggregates
+        in smaller pieces: more outcomes per second tell noise from congestion sooner, and
+        their dispersion (``_clustered``) tells them apart at all."""
+        return self.verdict is not None
+
+    @staticmethod
+    def _clustered(dispersion: list[float], sigmas: float = DISPERSION_SIGMAS) -> bool:
+        """Whether the period's throttles come in clusters within a response rather than
+        independently of each other.
+
+        A shard over its limit throttles the records of a request that come after its tokens
+        ran out, so the pieces of one aggregate are throttled together; noise throttles each
+        record on its own. Counted as independent trials, clustered throttles make the
+        likelihood guard far too sure of itself (four producers sharing a stream took each
+        other's throttles for noise, 35-47 % of their bytes throttled, once aggregates were
+        split). A chi-square test of dispersion over the responses that carried two or more
+        of the shard's records: under independent throttles at the period's share ``p`` the
+        statistic has about one degree of freedom per response."""
+        responses, sent, throttled, squares = dispersion
+        if responses < DISPERSION_REQUESTS or not throttled or throttled == sent:
+            return False
+        p = throttled / sent
+        # sum over responses of (t - n p)^2 / (n p (1 - p)), from the running sums
+        chi2 = (squares - 2.0 * p * throttled + p * p * sent) / (p * (1.0 - p))
+        return chi2 > responses + sigmas * math.sqrt(2.0 * responses)
 
     # -- the curve ------------------------------------------------------------------------
 
@@ -326,6 +380,13 @@ class RateController:
                 counts = self._bins[step] = [0, 0]
             counts[0] += sent
             counts[1] += throttled
+        if this_round and sent >= 2 and self.verdict is not None:
+            # the period's, or under a noise verdict the current check's
+            dispersion = self._dispersion if self.verdict == CONGESTION else self._noise_dispersion
+            dispersion[0] += 1
+            dispersion[1] += sent
+            dispersion[2] += throttled
+            dispersion[3] += throttled * throttled / sent
         if self.verdict == NOISE and self._probe_at <= now:
             return self._probe(now, sent_at, sent, throttled)
         if (
@@ -352,6 +413,7 @@ class RateController:
         self.verdict = CONGESTION
         self._high = self._fraction_at(sent_at)
         self._bins = {}
+        self._dispersion = [0, 0, 0, 0.0]
         self.evidence = 0.0
         self.noise = 0.0
         ended = self._ended
@@ -361,14 +423,15 @@ class RateController:
             # not leave the rate it was cut to as the new normal), its records keep counting
             # as evidence (rare throttles pause often: each pause used to restart the cuts
             # from nothing), and its verdict carries on if it was noise.
-            _, high, verdict, noise, bins = ended
+            _, high, verdict, noise, bins, dispersion = ended
             self._high = max(self._high, high)
             self._bins = bins
+            self._dispersion = dispersion
             if verdict == NOISE:
                 self._to_noise(now, noise)
 
     def _end_period(self, now: float) -> None:
-        self._ended = (now, self._high, self.verdict, self.noise, self._bins)
+        self._ended = (now, self._high, self.verdict, self.noise, self._bins, self._dispersion)
         self.verdict = None
         self.evidence = 0.0
         self.noise = 0.0
@@ -389,6 +452,7 @@ class RateController:
             and share < NOISE_MAX
             and min(self._bins) <= NOISE_SPREAD * max(self._bins)
             and sum(n for n, _ in self._bins.values()) >= NOISE_RECORDS
+            and not self._clustered(self._dispersion)
         ):
             self._high = max(self._high, _BIN * max(self._bins))
             self._to_noise(now, share)
@@ -408,19 +472,23 @@ class RateController:
             if (
                 _lower_tail(counts[1], counts[0], self.noise) < NOISE_CHECK_SIGNIFICANCE
                 or counts[1] >= NOISE_MAX * counts[0]
+                or self._clustered(self._noise_dispersion, DISPERSION_SIGMAS_CHECK)
             ):
                 # Far fewer throttles than the noise verdict said, at the same rate: they were
                 # not noise (producers sharing the shard changed their rates) or the noise is
                 # gone. Or half or more throttled: producers that took each other's throttles
-                # for noise. Either way, throttles are congestion again.
+                # for noise. Or throttles that come together: a shard out of tokens. Either
+                # way, throttles are congestion again.
                 self.verdict = CONGESTION
                 self._bins = {}
+                self._dispersion = [0, 0, 0, 0.0]
                 self.noise = 0.0
                 self._round_sent = self._round_throttled = 0
                 return False
             # the noise level follows what this window saw (weighted like three windows)
             self.noise = (3.0 * self.noise + counts[1] / counts[0]) / 4.0
             self._noise_counts = [0, 0]
+            self._noise_dispersion = [0, 0, 0, 0.0]
         noise = self.noise
         excess = throttled / sent - noise - 2.0 * math.sqrt(noise * (1.0 - noise) / sent)
         if excess <= 0.0:
@@ -436,6 +504,7 @@ class RateController:
         self.verdict = NOISE
         self.noise = share
         self._noise_counts = [0, 0]
+        self._noise_dispersion = [0, 0, 0, 0.0]
         self._probe_at = now + NOISE_HOLD
         self._probe_after = None
         # the period's highest rate is good under this noise: the climb returns to it after
@@ -470,6 +539,7 @@ class RateController:
             # the share fell with our rate: congestion after all; the probe's cut stays
             self.verdict = CONGESTION
             self._bins = {}
+            self._dispersion = [0, 0, 0, 0.0]
             self.noise = 0.0
             self._set(now, self.fraction(now))
             return True

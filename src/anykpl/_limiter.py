@@ -69,6 +69,11 @@ SHARE_SMOOTHING = 0.3
 #: expiration (the Collector's buffering and the request itself come after).
 DEADLINE_MARGIN = 1.0
 
+#: Through a shard's throttled period (``RateController.sampling``) its aggregates leave in
+#: pieces of at most this many bytes: five times the outcomes per second of 50 KB aggregates,
+#: for a few header bytes more. 5 KiB measured no faster under noise.
+SAMPLE_SIZE = 10 * 1024
+
 # QueuedRecord without its generated __new__ (a Python call): this is once per Kinesis record
 _new_queued = tuple.__new__
 
@@ -272,6 +277,7 @@ class Limiter:
             if now >= limiter.blocked_until:
                 queue = limiter.queue
                 before = len(queue)
+                start = len(out)
                 if queue.release(now, limiter.admit, out, expired) and (
                     now >= limiter.next_expiry_scan
                 ):
@@ -281,6 +287,8 @@ class Limiter:
                     # costly).
                     queue.expire(now, expired)
                     limiter.next_expiry_scan = now + EXPIRY_SCAN_INTERVAL
+                if controller is not None and controller.sampling and len(out) > start:
+                    self._split(limiter, out, start)
                 left = len(queue)
                 released += before - left
                 if not left:
@@ -297,6 +305,19 @@ class Limiter:
             self._waiting.discard(shard)
         self.queued -= released
         return next_wake
+
+    def _split(self, limiter: _ShardLimiter, out: list[KinesisRecord], start: int) -> None:
+        """Split the aggregates just released for ``limiter``'s shard into ``SAMPLE_SIZE``
+        pieces while it is in a throttled period (``RateController.sampling``). The tokens were
+        taken for the whole; each piece adds its own 20-byte header and container key (well
+        under 1 % at this size), and records are far from binding."""
+        released = out[start:]
+        pieces: list[KinesisRecord] = []
+        for kr in released:
+            pieces.extend(kr.split(SAMPLE_SIZE))
+        if len(pieces) > len(released):
+            limiter.counters.records_sent += len(pieces) - len(released)
+            out[start:] = pieces
 
     # -- adaptive control -----------------------------------------------------------------
 

@@ -17,6 +17,7 @@ per try, shared by every user record in the aggregate — and turned into public
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Generator
 from hashlib import md5
 from typing import Any, NamedTuple
@@ -371,6 +372,46 @@ class KinesisRecord:
             data = self._data = self._builder.serialize()
             self._builder = None
         return data
+
+    def split(self, max_size: int) -> list[KinesisRecord]:
+        """This aggregate as smaller ones of at most ``max_size`` bytes, its user records in
+        order (itself alone if it is not an aggregate, already serialized, or small enough)."""
+        builder = self._builder
+        records = self.records
+        if builder is None or len(records) < 2 or builder.size <= max_size:
+            return [self]
+        pieces: list[KinesisRecord] = []
+        part: list[PendingRecord] = []
+        current = AggregateBuilder()
+        for record in records:
+            pk, ehk = record.partition_key, record.explicit_hash_key
+            if not current.add_within(pk, ehk, record.data, max_size):
+                if part:
+                    pieces.append(self._piece(part, current))
+                    part, current = [], AggregateBuilder()
+                # too big for a piece of its own: it goes alone, raw
+                current.add_within(pk, ehk, record.data, math.inf)
+            part.append(record)
+        pieces.append(self._piece(part, current))
+        return pieces
+
+    def _piece(self, records: list[PendingRecord], builder: AggregateBuilder) -> KinesisRecord:
+        first = records[0]
+        if len(records) == 1:
+            piece = KinesisRecord.single(first)
+        else:
+            piece = KinesisRecord.aggregate(
+                records,
+                builder,
+                self.partition_key,
+                first.explicit_hash_key or str(first.hash_key),
+                self.predicted_shard or "",
+                min(r.deadline for r in records),
+                min(r.expiration for r in records),
+            )
+            piece.predicted_shard = self.predicted_shard
+        piece.shared_paid = self.shared_paid
+        return piece
 
     def release(self) -> None:
         """Drop the serialized bytes of an aggregate once its request is done (the user
