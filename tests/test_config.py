@@ -5,6 +5,7 @@ against the KPL's, bounds, types, secrets, ``replace`` and the docs. Reading the
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import re
 from pathlib import Path
@@ -494,10 +495,12 @@ def test_replace_rejects_unknown_fields() -> None:
 
 
 def test_docstring_documents_every_field() -> None:
-    doc = ProducerConfig.__doc__ or ""
+    # cleandoc: Python 3.13 strips the docstring's indentation when it compiles it, 3.12 and
+    # older keep it
+    doc = inspect.cleandoc(ProducerConfig.__doc__ or "")
     attributes = doc.split("Attributes:")[1]
     for f in dataclasses.fields(ProducerConfig):
-        assert re.search(rf"^        {f.name}: ", attributes, re.MULTILINE), f.name
+        assert re.search(rf"^    {f.name}: ", attributes, re.MULTILINE), f.name
 
 
 def test_docs_page_documents_every_field() -> None:

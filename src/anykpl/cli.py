@@ -1,8 +1,11 @@
-"""The ``anykpl`` command: ``anykpl emulator``, ``anykpl demo``, ``anykpl bench``.
+"""The ``anykpl`` command: ``anykpl emulator``, ``anykpl emulator-stats``, ``anykpl demo``,
+``anykpl bench``, ``anykpl fleet-allocator``.
 
-Each subcommand lives in its own package (``anykpl.emulator``, ``anykpl.demo``,
-``anykpl.bench``) and exposes ``add_arguments(parser)`` and ``run(args) -> int``; this module
-only wires them together. The producer core never imports any of them.
+Each subcommand lives in its own module (``anykpl.emulator``, ``anykpl.demo``,
+``anykpl.bench``...) and exposes ``add_arguments(parser)`` and ``run(args) -> int``; this module
+only wires them together, with one line of help and examples each. Exit status: what the command
+returns (0 success, 1 a failed check), 2 for bad options (argparse's, as every command says what
+is wrong), 130 when interrupted. The producer core never imports any of them.
 """
 
 from __future__ import annotations
@@ -11,27 +14,92 @@ import argparse
 import importlib
 import sys
 
+from . import __version__
+
+#: command -> (module, one line of help, examples for its --help unless the module has its own)
 _COMMANDS = {
-    "emulator": ("anykpl.emulator.__main__", "a local Kinesis (and S3) that enforces shard limits"),
-    "demo": ("anykpl.demo", "an IoT workload through the producer into the emulator, read back"),
-    "bench": ("anykpl.bench", "measure shard throughput on the emulator: JSON, table, plot"),
-    "fleet-allocator": ("anykpl.fleet_allocator", "allocate a fleet's cap over S3, standalone"),
+    "emulator": (
+        "anykpl.emulator.__main__",
+        "a local Kinesis (and S3) that enforces shard limits",
+        """\
+examples:
+  anykpl emulator                                   # http://127.0.0.1:4567, no streams yet
+  anykpl emulator --port 4600 --streams demo:4,logs:1
+  anykpl emulator --streams demo:2 --record-throttle-rate 0.25   # throttles whatever the rate
+  anykpl emulator --no-limits                       # accept any rate
+""",
+    ),
+    "emulator-stats": (
+        "anykpl.emulator.stats_command",
+        "what a running emulator has seen, per shard (table or --json)",
+        None,
+    ),
+    "demo": (
+        "anykpl.demo",
+        "an IoT workload through the producer into the emulator, read back",
+        None,
+    ),
+    "bench": (
+        "anykpl.bench",
+        "measure shard throughput on the emulator: JSON, table, plot",
+        """\
+examples:
+  anykpl bench --quick                              # about a minute: 2 sizes, short cases
+  anykpl bench                                      # every size, aggregation on and off
+  anykpl bench --sizes 100,10000 --aggregation on --backend trio
+  anykpl bench --quick --json > bench.json          # the results document on stdout
+  anykpl bench --endpoint http://127.0.0.1:4567 --stream mine   # an endpoint of your own
+""",
+    ),
+    "fleet-allocator": (
+        "anykpl.fleet_allocator",
+        "allocate a fleet's cap over S3, standalone",
+        """\
+examples:
+  anykpl fleet-allocator --bucket my-fleet --bytes-per-second 4000000
+  anykpl fleet-allocator --bucket my-fleet --records-per-second 5000 \\
+      --endpoint-url http://127.0.0.1:4567 --region us-east-1
+""",
+    ),
 }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``anykpl`` parser with every command (imports each command's module)."""
     parser = argparse.ArgumentParser(
-        prog="anykpl", description="anykpl: a Kinesis producer for asyncio and trio, and its tools."
+        prog="anykpl",
+        description="anykpl: a Kinesis producer for asyncio and trio, and its tools.",
+        epilog="Run 'anykpl COMMAND --help' for a command's options and examples.",
     )
+    parser.add_argument("--version", action="version", version=f"anykpl {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    modules = {}
-    for name, (module_name, help_text) in _COMMANDS.items():
+    for name, (module_name, help_text, examples) in _COMMANDS.items():
         module = importlib.import_module(module_name)
-        modules[name] = module
-        sub = commands.add_parser(name, help=help_text, description=module.__doc__)
+        sub = commands.add_parser(
+            name,
+            help=help_text,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        sub.set_defaults(_module=module, _parser=sub)
         module.add_arguments(sub)
-    args = parser.parse_args(argv)
-    result: int = modules[args.command].run(args)
+        if sub.epilog is None:
+            sub.epilog = examples if examples is not None else getattr(module, "EXAMPLES", None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # said by the command's own parser, with its usage (argparse's top-level parser
+        # would name only "anykpl")
+        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    try:
+        result: int = args._module.run(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     return result
 
 

@@ -319,11 +319,15 @@ def test_bench_measures_an_outside_endpoint_from_the_producer_side(
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "outside")
     argv = ("--sizes", "1024", "--aggregation", "on", "--duration", "2", "--warmup", "1")
     with spawn(streams={"outside": 2}) as url:
-        args = parse(*argv, "--endpoint", url, "--stream", "outside", "--output", str(tmp_path))
+        args = parse(
+            *argv, "--endpoint", url, "--stream", "outside", "--output", str(tmp_path), "--json"
+        )
         assert run(args) == 0
         stats = EmulatorClient(url).stats()
-    err = capsys.readouterr().err
-    assert "[1/1] 1 KiB, aggregation on" in err
+    captured = capsys.readouterr()
+    assert "[1/1] 1 KiB, aggregation on" in captured.err
+    # --json: stdout is the document bench.json holds, and nothing else
+    assert json.loads(captured.out) == json.loads((tmp_path / "bench.json").read_text())
     # nothing created: every shard the emulator knows is the given stream's
     assert {shard["stream"] for shard in stats["shards"]} == {"outside"}
     stored = sum(int(shard["accepted_records"]) for shard in stats["shards"])

@@ -78,6 +78,22 @@ def test_demo_puts_reads_back_and_passes(backend: str, capsys: pytest.CaptureFix
 
 
 @pytest.mark.timeout(60)
+def test_demo_json_is_one_document_on_stdout(capsys: pytest.CaptureFixture[str]) -> None:
+    status = anykpl.demo.run(parse(*SHORT, "--json", "--progress", "plain"))
+    captured = capsys.readouterr()
+    document = json.loads(captured.out)  # stdout holds the document and nothing else
+    assert status == document["exit_code"] == 0
+    assert document["ok"] is True
+    assert document["read_back"]["missing"] == 0
+    assert document["read_back"]["unexpected"] == 0
+    assert document["acknowledged"] == document["read_back"]["present"] > 1000
+    assert document["workload"]["devices"] == 200
+    # the report and the progress lines went to stderr
+    assert "PASS: all " in captured.err
+    assert "per shard MiB/s:" in captured.err
+
+
+@pytest.mark.timeout(60)
 def test_demo_fails_when_an_acknowledged_record_is_missing(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

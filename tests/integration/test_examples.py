@@ -2,7 +2,8 @@
 
 Each example reads the stream back at the end and exits 0 only when every record it was told
 was stored is there; this test runs it in a fresh interpreter (as a user would, with warnings
-as errors) against one in-process emulator, on a stream of its own.
+as errors) against the ``kinesis_emulator`` fixture that anykpl gives its users' tests
+(``anykpl.testing``), and reads the stream back through the fixture as well.
 """
 
 from __future__ import annotations
@@ -11,12 +12,11 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from anykpl.emulator import Emulator
+from anykpl.testing import KinesisEmulator
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -34,22 +34,18 @@ CASES: dict[str, list[str]] = {
 NOT_RUN_YET: dict[str, str] = {}
 
 
-@pytest.fixture(scope="module")
-def endpoint() -> Iterator[str]:
-    with Emulator() as url:
-        yield url
-
-
 def test_every_example_is_run() -> None:
     scripts = {path.name for path in EXAMPLES.glob("*.py") if not path.name.startswith("_")}
     assert scripts - set(NOT_RUN_YET) == set(CASES), "add new examples to CASES in this file"
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_example(name: str, endpoint: str, tmp_path: Path) -> None:
+def test_example(name: str, kinesis_emulator: KinesisEmulator, tmp_path: Path) -> None:
     arguments = CASES[name]
+    stream = None
     if name != "quickstart.py":  # quickstart makes a stream of its own
-        arguments = [*arguments, "--stream", f"example-{uuid.uuid4().hex[:8]}"]
+        stream = f"example-{uuid.uuid4().hex[:8]}"
+        arguments = [*arguments, "--stream", stream]
     env = {
         key: value
         for key, value in os.environ.items()
@@ -63,7 +59,15 @@ def test_example(name: str, endpoint: str, tmp_path: Path) -> None:
         AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "credentials"),
     )
     completed = subprocess.run(
-        [sys.executable, "-W", "error", str(EXAMPLES / name), "--endpoint", endpoint, *arguments],
+        [
+            sys.executable,
+            "-W",
+            "error",
+            str(EXAMPLES / name),
+            "--endpoint",
+            kinesis_emulator.endpoint_url,
+            *arguments,
+        ],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -74,3 +78,5 @@ def test_example(name: str, endpoint: str, tmp_path: Path) -> None:
     output = completed.stdout + completed.stderr
     assert completed.returncode == 0, output
     assert "missing" in output  # every example reports its read-back
+    if stream is not None:
+        assert kinesis_emulator.records(stream), "nothing in the stream the example wrote to"

@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import importlib
 import importlib.util
+import json
 import sys
 import uuid
 from collections.abc import Callable, Mapping
@@ -107,6 +108,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quick",
         action="store_true",
         help="a short run for CI: fewer sizes, shorter cases (explicit options win)",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the results document (as in bench.json) on stdout instead of the table; "
+        "progress lines go to stderr either way",
     )
 
 
@@ -239,7 +246,11 @@ def run(args: argparse.Namespace) -> int:
     write_json(output / "bench.json", document)
     (output / "bench.md").write_text(table)
     plotted = write_plot(output / "bench.png", results)
-    print(table)
+    if args.json:
+        json.dump(document, sys.stdout, indent=2)
+        print()
+    else:
+        print(table)
     written = ["bench.json", "bench.md"] + (["bench.png"] if plotted else [])
     print(f"wrote {', '.join(str(output / name) for name in written)}", file=sys.stderr)
     if not plotted:

@@ -41,12 +41,14 @@ used to define stay importable from here.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import random
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TextIO
 
 from . import readback
 from ._bookkeeping import RATE_WINDOW as RATE_WINDOW
@@ -88,29 +90,37 @@ __all__ = (
 # -- options ------------------------------------------------------------------------------
 
 
+def _number(kind: type[int] | type[float], text: str) -> Any:
+    try:
+        return kind(text)
+    except ValueError:
+        what = "a whole number" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+
+
 def _positive_int(text: str) -> int:
-    value = int(text)
+    value: int = _number(int, text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
 
 
 def _positive_float(text: str) -> float:
-    value = float(text)
+    value: float = _number(float, text)
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
 
 
 def _non_negative_float(text: str) -> float:
-    value = float(text)
+    value: float = _number(float, text)
     if not (value >= 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"must be zero or a positive number, got {text}")
     return value
 
 
 def _non_negative_int(text: str) -> int:
-    value = int(text)
+    value: int = _number(int, text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be zero or more, got {value}")
     return value
@@ -261,6 +271,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="seed for the workload's random choices",
     )
+    running.add_argument(
+        "--json",
+        action="store_true",
+        help="print the results as one JSON document on stdout; the report and plain "
+        "progress lines go to stderr",
+    )
 
 
 def workload_from(args: argparse.Namespace) -> Workload:
@@ -293,7 +309,9 @@ def _rich_console() -> Any:
 
 
 @contextmanager
-def _progress_view(mode: str, console: Any, title: str) -> Iterator[ProgressView]:
+def _progress_view(
+    mode: str, console: Any, title: str, file: TextIO | None = None
+) -> Iterator[ProgressView]:
     """The view ``--progress`` asks for: live needs rich and a terminal, auto falls back.
 
     (The view classes are imported under private names: picking one is this command's business,
@@ -304,21 +322,25 @@ def _progress_view(mode: str, console: Any, title: str) -> Iterator[ProgressView
     live_possible = console is not None and console.is_terminal
     if mode == "live" and not live_possible:
         why = "rich is not installed" if console is None else "stdout is not a terminal"
-        print(f"(no live view: {why}; printing plain progress lines)", flush=True)
+        print(f"(no live view: {why}; printing plain progress lines)", file=file, flush=True)
     if mode in ("auto", "live") and live_possible:
         from rich.live import Live
 
         with Live(console=console, auto_refresh=False, transient=False) as live:
             yield _LiveView(live, title)
         return
-    yield _PlainView(lambda line: print(line, flush=True))
+    yield _PlainView(lambda line: print(line, file=file, flush=True))
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo with parsed options; returns the exit status (0: nothing lost, 1: records
     missing or unexpected, 130: interrupted)."""
-    console = _rich_console()
-    say = Printer(console)
+    if args.json:
+        # stdout is for the document alone: everything else is plain lines on stderr
+        console, say = None, Printer(None, sys.stderr)
+    else:
+        console = _rich_console()
+        say = Printer(console)
     try:
         return _run(args, console, say)
     except KeyboardInterrupt:
@@ -342,7 +364,8 @@ def _run(args: argparse.Namespace, console: Any, say: Printer) -> int:
         emulator_stats = (
             EmulatorStats(target.endpoint_url) if target.emulator and target.endpoint_url else None
         )
-        with _progress_view(args.progress, console, title) as view:
+        out = sys.stderr if args.json else None
+        with _progress_view(args.progress, console, title, out) as view:
             report = anyio.run(
                 lambda: produce(target, workload, view, rng=rng, emulator_stats=emulator_stats),
                 backend=args.backend,
@@ -365,4 +388,63 @@ def _run(args: argparse.Namespace, console: Any, say: Printer) -> int:
             client.close()
     verdict = readback.judge(report.tally.acknowledged_records, found, report.tally.failed_records)
     report_verdict(say, verdict, sum(found.values()), left_out)
+    if args.json:
+        json.dump(
+            _document(args, workload, target.stream, report, verdict, sum(found.values())),
+            sys.stdout,
+            indent=2,
+        )
+        print()
     return verdict.exit_code
+
+
+def _document(
+    args: argparse.Namespace,
+    workload: Workload,
+    stream: str,
+    report: RunReport,
+    verdict: readback.Verdict,
+    read_back: int,
+) -> dict[str, Any]:
+    """What ``--json`` prints: the run's settings, the producer's figures and the verdict."""
+    tally = report.tally
+    latencies = tally.latencies
+    return {
+        "command": "anykpl demo",
+        "backend": args.backend,
+        "stream": stream,
+        "workload": {
+            "devices": workload.devices,
+            "rate": workload.rate,
+            "duration": workload.duration,
+            "burst_every": workload.burst_every,
+            "burst_size": workload.burst_size,
+            "aggregation": workload.aggregation,
+        },
+        "elapsed_seconds": round(report.elapsed, 3),
+        "offered": tally.offered_count,
+        "acknowledged": tally.acknowledged_count,
+        "acknowledged_bytes": tally.acknowledged_bytes,
+        "failed": tally.failed_count,
+        "failed_by_code": dict(tally.failures_by_code),
+        "throttled": report.throttled,
+        "retried": report.retried,
+        "put_latency_ms": {
+            "p50": _ms(latencies.percentile(50)),
+            "p99": _ms(latencies.percentile(99)),
+        },
+        "read_back": {
+            "user_records": read_back,
+            "present": verdict.present,
+            "missing": verdict.missing,
+            "duplicates": verdict.duplicates,
+            "failed_present": verdict.failed_present,
+            "unexpected": verdict.unexpected,
+        },
+        "ok": verdict.ok,
+        "exit_code": verdict.exit_code,
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000.0, 3)

@@ -9,7 +9,7 @@ installed and prints them plainly otherwise; the verdict itself is
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from .. import errors
 from .._limits import SHARD_BYTES_PER_SECOND, SHARD_RECORDS_PER_SECOND
@@ -23,14 +23,15 @@ __all__ = ("Printer", "report_run", "report_verdict")
 
 
 class Printer:
-    """Lines to stdout, styled through rich when it is there."""
+    """Lines to stdout (or ``file``), styled through rich when it is there."""
 
-    def __init__(self, console: Any) -> None:
+    def __init__(self, console: Any, file: TextIO | None = None) -> None:
         self._console = console
+        self._file = file
 
     def __call__(self, text: str = "", style: str | None = None) -> None:
         if self._console is None:
-            print(text, flush=True)
+            print(text, file=self._file, flush=True)
         else:
             self._console.print(text, style=style, markup=False, highlight=False, soft_wrap=True)
 

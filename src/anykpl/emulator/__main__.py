@@ -22,7 +22,15 @@ def _streams(spec: str) -> dict[str, int]:
     streams = {}
     for item in filter(None, spec.split(",")):
         name, _, count = item.partition(":")
-        streams[name] = int(count or 1)
+        try:
+            shards = int(count or 1)
+        except ValueError:
+            shards = 0
+        if not name or shards < 1:
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not NAME or NAME:SHARDS with SHARDS a whole number from 1"
+            )
+        streams[name] = shards
     return streams
 
 
