@@ -4,9 +4,11 @@ the table, the plot) without the emulator, and one short run end to end against 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +187,31 @@ def fake_case(size: int, aggregation: bool, utilisation: float) -> dict[str, Any
         "latency_ms": {"p50": 950.0, "p90": 1010.0, "p99": 1100.4, "max": 1200.0, "samples": 9},
         "cpu_seconds_per_100k": 0.814,
     }
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_a_case_counts_its_seconds_on_a_terminal_only(
+    terminal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from anykpl.bench import _ticker
+
+    err = _Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    ticked = threading.Event()
+    with _ticker("[1/2] 1 KiB, aggregation on", 23.0, every=0.001):
+        if terminal:
+            while "of ~23 s" not in err.getvalue():
+                ticked.wait(0.001)
+    if terminal:
+        assert err.getvalue().startswith("\r[1/2] 1 KiB, aggregation on:")
+        assert err.getvalue().endswith("\r\033[K")  # cleared for the result line
+    else:
+        assert err.getvalue() == ""  # piped: the result lines are the progress
 
 
 def test_size_labels() -> None:

@@ -20,9 +20,11 @@ import importlib
 import importlib.util
 import json
 import sys
+import threading
+import time
 import uuid
-from collections.abc import Callable, Mapping
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -196,9 +198,11 @@ def run(args: argparse.Namespace) -> int:
             else:
                 stream = args.stream
             keys = keys_per_shard(ranges)
-            raw = anyio.run(
-                run_case, case, url, stream, keys, stats, connection, backend=args.backend
-            )
+            label = f"[{number}/{len(cases)}] {size_label(case.record_size)}, aggregation {mode}"
+            with _ticker(label, case.warmup + case.duration):
+                raw = anyio.run(
+                    run_case, case, url, stream, keys, stats, connection, backend=args.backend
+                )
             summary = summarise(raw) if create is not None else summarise_external(raw)
             summary["meets_bar"] = (
                 summary["utilisation"] >= BAR and summary["throttled_records"] == 0
@@ -259,6 +263,33 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+@contextmanager
+def _ticker(label: str, seconds: float, every: float = 0.5) -> Iterator[None]:
+    """On a terminal, a line on stderr that counts a case's seconds while it runs (and is then
+    replaced by the case's result); nothing when stderr is piped, where the result lines are
+    the progress."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    done = threading.Event()
+    start = time.monotonic()
+
+    def tick() -> None:
+        while not done.wait(every):
+            elapsed = time.monotonic() - start
+            print(f"\r{label}: {elapsed:4.0f} of ~{seconds:.0f} s", end="", file=sys.stderr)
+            sys.stderr.flush()
+
+    thread = threading.Thread(target=tick, name="anykpl-bench-ticker", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        print("\r\033[K", end="", file=sys.stderr, flush=True)  # clear the line
 
 
 def _outside_connection(region: str | None) -> dict[str, Any]:
