@@ -559,6 +559,9 @@ class Producer(anyio.AsyncContextManagerMixin):
         partition_key: str | None,
         explicit_hash_key: str | int | None,
     ) -> PendingRecord:
+        if type(stream) is not str:
+            # before the record is built (a compiled PendingRecord checks its field types)
+            raise errors.RecordTypeError(f"stream must be a str, not {type(stream).__name__}")
         if type(data) is not bytes:
             data = _as_bytes(data)
         if partition_key is None:

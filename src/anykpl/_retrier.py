@@ -294,9 +294,9 @@ class Retrier:
                 delivered.count += 1
                 delivered.total += size
                 if size < delivered.minimum:
-                    delivered.minimum = size
+                    delivered.minimum = float(size)
                 if size > delivered.maximum:
-                    delivered.maximum = size
+                    delivered.maximum = float(size)
                 self._succeed_if_correct_shard(
                     kr, entry["ShardId"], sequence_number, outcome, now, users
                 )
@@ -368,9 +368,9 @@ class Retrier:
             stats.count += 1
             stats.total += n
             if n < stats.minimum:
-                stats.minimum = n
+                stats.minimum = float(n)
             elif n > stats.maximum:
-                stats.maximum = n
+                stats.maximum = float(n)
             stats = request.buffering
             stats.count += 1
             stats.total += wait
@@ -435,9 +435,9 @@ class Retrier:
             size = len(record.data)
             sizes.total += size
             if size < sizes.minimum:
-                sizes.minimum = size
+                sizes.minimum = float(size)
             if size > sizes.maximum:
-                sizes.maximum = size
+                sizes.maximum = float(size)
         self._streaks.pop(predicted, None)
         self.finish(kr.records, True)
 
