@@ -1201,6 +1201,23 @@ async def test_submit_many_waits_for_room_and_reports_what_it_admitted() -> None
     assert stored(fake) == Counter(b"%d" % i for i in range(10))
 
 
+@pytest.mark.parametrize(
+    ("stream", "error", "message"),
+    [
+        (b"stream", errors.RecordTypeError, "^stream must be a str, not bytes$"),
+        ("bad name!", errors.InvalidRecordError, "stream"),
+    ],
+)
+async def test_submit_many_names_a_bad_stream_not_a_record(
+    fake_kinesis: FakeKinesis, stream: object, error: type[Exception], message: str
+) -> None:
+    async with Producer(transport=fake_kinesis, **FAST) as producer:
+        for records in ([(b"a", "k")], []):
+            with pytest.raises(error, match=message):
+                await producer.submit_many(stream, records)  # type: ignore[arg-type]
+        assert producer.outstanding_records == 0
+
+
 async def test_submit_many_of_nothing(fake_kinesis: FakeKinesis) -> None:
     async with Producer(transport=fake_kinesis, **FAST) as producer:
         assert await producer.submit_many(STREAM, []) == []

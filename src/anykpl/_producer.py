@@ -509,6 +509,8 @@ class Producer(anyio.AsyncContextManagerMixin):
         """
         if self._state != "open":
             raise self._not_open()
+        if stream not in self._pipelines:
+            _check_stream_name(stream)  # the batch's, not records[0]'s, and for an empty one
         checked_tenant = None if tenant is None else _check_tenant(tenant)
         made: list[PendingRecord] = []
         for index, item in enumerate(records):
