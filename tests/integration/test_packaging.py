@@ -80,6 +80,8 @@ def test_the_wheel_s_metadata(dist: Path) -> None:
     assert "anykpl = anykpl.testing" in entry_points
     assert f"{info}/licenses/LICENSE" in names
     assert "anykpl/py.typed" in names
+    # pure: nothing compiled, whatever a compiled build left in the work tree
+    assert not [name for name in names if name.endswith((".so", ".pyd"))]
     assert not [name for name in names if name.startswith(("tests/", "docs/"))]
 
 
