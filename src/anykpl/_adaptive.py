@@ -145,6 +145,12 @@ def _lower_tail(k: int, n: int, p: float) -> float:
     return sum(math.comb(n, i) * p**i * q ** (n - i) for i in range(k + 1))
 
 
+def _no_dispersion() -> list[float]:
+    """Counts for ``RateController._clustered``, none yet: the responses that carried two or more
+    of the shard's records, their records, their throttles, and the sum of throttled² / records."""
+    return [0, 0, 0, 0.0]
+
+
 def noise_evidence(bins: dict[int, list[int]]) -> tuple[float, float]:
     """(log-likelihood ratio of noise over congestion, the share throttled) for records
     counted per rate (``bins``: rate in steps of ``_BIN`` -> [sent, throttled]).
@@ -262,9 +268,8 @@ class RateController:
         # to it); the last period's end (time, highest rate, verdict, noise share)
         self.verdict: str | None = None
         self._bins: dict[int, list[int]] = {}
-        # the period's responses that carried two or more records, their records, throttles,
-        # and the sum of throttled² / records (for ``_clustered``)
-        self._dispersion: list[float] = [0, 0, 0, 0.0]
+        # the period's dispersion counts (``_no_dispersion``)
+        self._dispersion = _no_dispersion()
         self._high = 1.0
         self._ended: (
             tuple[float, float, str | None, float, dict[int, list[int]], list[float]] | None
@@ -272,7 +277,7 @@ class RateController:
         # under a noise verdict: the records since the last check, and the probe (when it is
         # due, and its records so far, None while not probing)
         self._noise_counts = [0, 0]
-        self._noise_dispersion: list[float] = [0, 0, 0, 0.0]
+        self._noise_dispersion = _no_dispersion()
         self._probe_at = math.inf
         self._probe_after: list[int] | None = None
         self.evidence = 0.0  # the period's log-likelihood ratio, noise over congestion
@@ -409,13 +414,17 @@ class RateController:
         if held >= GOOD_SHARE * self._good:
             self._probe_delay = PROBE_DELAY
 
-    def _start_period(self, sent_at: float, now: float) -> None:
+    def _to_congestion(self) -> None:
+        """The throttles are congestion: gather the evidence afresh."""
         self.verdict = CONGESTION
-        self._high = self._fraction_at(sent_at)
         self._bins = {}
-        self._dispersion = [0, 0, 0, 0.0]
-        self.evidence = 0.0
+        self._dispersion = _no_dispersion()
         self.noise = 0.0
+
+    def _start_period(self, sent_at: float, now: float) -> None:
+        self._to_congestion()
+        self._high = self._fraction_at(sent_at)
+        self.evidence = 0.0
         ended = self._ended
         if ended is not None and now - ended[0] <= PERIOD_MEMORY:
             # Throttles paused for a second, at a low rate: the last period's highest rate
@@ -479,16 +488,13 @@ class RateController:
                 # gone. Or half or more throttled: producers that took each other's throttles
                 # for noise. Or throttles that come together: a shard out of tokens. Either
                 # way, throttles are congestion again.
-                self.verdict = CONGESTION
-                self._bins = {}
-                self._dispersion = [0, 0, 0, 0.0]
-                self.noise = 0.0
+                self._to_congestion()
                 self._round_sent = self._round_throttled = 0
                 return False
             # the noise level follows what this window saw (weighted like three windows)
             self.noise = (3.0 * self.noise + counts[1] / counts[0]) / 4.0
             self._noise_counts = [0, 0]
-            self._noise_dispersion = [0, 0, 0, 0.0]
+            self._noise_dispersion = _no_dispersion()
         noise = self.noise
         excess = throttled / sent - noise - 2.0 * math.sqrt(noise * (1.0 - noise) / sent)
         if excess <= 0.0:
@@ -504,7 +510,7 @@ class RateController:
         self.verdict = NOISE
         self.noise = share
         self._noise_counts = [0, 0]
-        self._noise_dispersion = [0, 0, 0, 0.0]
+        self._noise_dispersion = _no_dispersion()
         self._probe_at = now + NOISE_HOLD
         self._probe_after = None
         # the period's highest rate is good under this noise: the climb returns to it after
@@ -537,10 +543,7 @@ class RateController:
         self._probe_after = None
         if _lower_tail(after[1], after[0], self.noise) < PROBE_SIGNIFICANCE:
             # the share fell with our rate: congestion after all; the probe's cut stays
-            self.verdict = CONGESTION
-            self._bins = {}
-            self._dispersion = [0, 0, 0, 0.0]
-            self.noise = 0.0
+            self._to_congestion()
             self._set(now, self.fraction(now))
             return True
         self._probe_at = now + NOISE_HOLD

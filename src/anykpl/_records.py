@@ -400,16 +400,17 @@ class KinesisRecord:
         if len(records) == 1:
             piece = KinesisRecord.single(first)
         else:
+            shard = self.predicted_shard
+            assert shard is not None  # an unserialized aggregate always has one
             piece = KinesisRecord.aggregate(
                 records,
                 builder,
                 self.partition_key,
                 first.explicit_hash_key or str(first.hash_key),
-                self.predicted_shard or "",
+                shard,
                 min(r.deadline for r in records),
                 min(r.expiration for r in records),
             )
-            piece.predicted_shard = self.predicted_shard
         piece.shared_paid = self.shared_paid
         return piece
 

@@ -16,7 +16,7 @@ import sys
 
 from . import __version__
 
-#: command -> (module, one line of help, examples for its --help unless the module has its own)
+#: command -> (module, one line of help, examples for its --help; None: the module sets its own)
 _COMMANDS = {
     "emulator": (
         "anykpl.emulator.__main__",
@@ -32,7 +32,13 @@ examples:
     "emulator-stats": (
         "anykpl.emulator.stats_command",
         "what a running emulator has seen, per shard (table or --json)",
-        None,
+        """\
+examples:
+  anykpl emulator-stats                                  # the emulator on 127.0.0.1:4567
+  anykpl emulator-stats --endpoint http://127.0.0.1:4600 --json | jq .totals
+  anykpl emulator-stats --watch 2                        # again every 2 s, until Ctrl-C
+  anykpl emulator-stats --reset                          # print, then zero the counters
+""",
     ),
     "demo": (
         "anykpl.demo",
@@ -83,8 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
         )
         sub.set_defaults(_module=module, _parser=sub)
         module.add_arguments(sub)
-        if sub.epilog is None:
-            sub.epilog = examples if examples is not None else getattr(module, "EXAMPLES", None)
+        if examples is not None:
+            sub.epilog = examples
     return parser
 
 

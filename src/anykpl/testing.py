@@ -37,7 +37,6 @@ that instruction instead of an import error, and the plugin loads anyway.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -179,23 +178,17 @@ def kinesis_emulator(request: pytest.FixtureRequest) -> Iterator[KinesisEmulator
     except (TypeError, ValueError) as exc:
         pytest.fail(f"@pytest.mark.{MARKER}: {exc}", pytrace=False)
     _reset_moto()  # an empty Kinesis, whatever an earlier emulator in this process left
-    saved = {name: os.environ.get(name) for name in (*FAKE_ENVIRONMENT, *_CLEARED)}
-    os.environ.update(FAKE_ENVIRONMENT)
-    for name in _CLEARED:
-        os.environ.pop(name, None)
-    try:
+    with pytest.MonkeyPatch.context() as environment:  # undone after the test
+        for name, value in FAKE_ENVIRONMENT.items():
+            environment.setenv(name, value)
+        for name in _CLEARED:
+            environment.delenv(name, raising=False)
         url = emulator.start()
         try:
             yield KinesisEmulator(emulator, url)
         finally:
             emulator.stop()
             _reset_moto()
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -17,15 +17,7 @@ from typing import Any
 
 from ._client import EmulatorClient, EmulatorControlError
 
-__all__ = ("EXAMPLES", "add_arguments", "run")
-
-EXAMPLES = """\
-examples:
-  anykpl emulator-stats                                  # the emulator on 127.0.0.1:4567
-  anykpl emulator-stats --endpoint http://127.0.0.1:4600 --json | jq .totals
-  anykpl emulator-stats --watch 2                        # again every 2 s, until Ctrl-C
-  anykpl emulator-stats --reset                          # print, then zero the counters
-"""
+__all__ = ("add_arguments", "run")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
