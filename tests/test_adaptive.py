@@ -273,3 +273,38 @@ def test_a_noise_verdict_ends_when_the_throttles_come_together() -> None:
         c.outcome(now, now - 0.05, 5, 5 if rng.random() < 0.25 else 0)
         assert now - start < 5.0, "the verdict outlived the clustered throttles"
     assert c.verdict == CONGESTION
+
+
+def _under_noise(seed: int) -> tuple[int, float]:
+    """A lone producer with a quarter of its records throttled whatever its rate, one response
+    of 20 records every 0.1 s for 60 s: the cuts after the noise verdict, and the mean rate
+    from the verdict on."""
+    rng = random.Random(seed)
+    c = make()
+    now = 0.0
+    while c.verdict != NOISE:
+        now += 0.1
+        c.outcome(now, now - 0.05, 20, sum(rng.random() < 0.25 for _ in range(20)))
+        assert now < 20.0
+    cuts, rates = c.cuts, []
+    while now < 60.0:
+        now += 0.1
+        c.outcome(now, now - 0.05, 20, sum(rng.random() < 0.25 for _ in range(20)))
+        rates.append(c.fraction(now))
+    return c.cuts - cuts, statistics.fmean(rates)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_under_a_noise_verdict_chance_does_not_cut(seed: int) -> None:
+    """Rounds come four times a second: a cut for throttles two standard deviations above the
+    noise came every few seconds by chance (and each climb back cost a shard some of its
+    rate); a cut now needs throttles less likely than EXCESS_SIGNIFICANCE under the noise."""
+    cuts, mean = _under_noise(seed)
+    assert cuts <= 2  # 12-19 with the first version's rule (measured, seeds 1-8)
+    assert mean >= 0.97
+
+
+def test_chance_cut_under_noise_at_two_standard_deviations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test above fails with the first version's rule (any excess past 2 sigma cut)."""
+    monkeypatch.setattr("anykpl._adaptive.EXCESS_SIGNIFICANCE", 1.0)
+    assert all(_under_noise(seed)[0] >= 10 for seed in SEEDS)
