@@ -1,4 +1,4 @@
-"""Side by side: the same workload through anykpl, async-kinesis and aiokpl, one emulator, one run.
+"""Side by side: the same workload through anykpl, async-kinesis and aiokpl, one endpoint, one run.
 
 Workload: 100-byte user records, each with its own id in the payload, random partition keys
 drawn from ``--keys`` distinct keys (same seed for everyone), KPL aggregation on wherever the
@@ -41,6 +41,12 @@ Run::
 
     python benchmarks/compare_peers.py                  # 200k records (aiokpl: 30k), one round
     python benchmarks/compare_peers.py --rounds 3 --with-plain --json compare.json
+    python benchmarks/compare_peers.py --endpoint moto     # moto's own server instead
+    python benchmarks/compare_peers.py --endpoint http://127.0.0.1:4567   # kinesalite, ...
+
+``--endpoint`` chooses where the streams live: ``emulator`` (the default; anykpl's emulator
+with limits off), ``moto`` (moto's own Werkzeug server, ``python -m moto.server``, in its own
+process) or the URL of a running endpoint. Every endpoint is read back the same way.
 
 With ``--rounds N`` every contender runs N times, interleaved, each time on a fresh stream;
 ratios are taken inside a round (never across rounds) and their median is printed.
@@ -51,7 +57,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.metadata
-import inspect
 import json
 import os
 import random
@@ -61,6 +66,8 @@ import sys
 import time
 from collections import deque
 from typing import Any
+
+from endpoints import ENDPOINT_HELP, check_endpoint, start_endpoint
 
 REGION = "us-east-1"
 CREDENTIALS = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench"}
@@ -287,17 +294,6 @@ def read_back(client: Any, stream: str, records: int, keys: int) -> dict[str, An
 # the driver
 
 
-def start_emulator() -> Any:
-    """``spawn`` with limits off, whichever version of the emulator is installed."""
-    from anykpl import emulator
-
-    kwargs: dict[str, Any] = {}
-    limits = getattr(emulator, "Limits", None)
-    if limits is not None and "limits" in inspect.signature(emulator.spawn).parameters:
-        kwargs["limits"] = limits.off()
-    return emulator.spawn(**kwargs)
-
-
 def throttled_records(endpoint: str) -> int | None:
     """The emulator's count of throttled records, if this emulator keeps one."""
     try:
@@ -439,6 +435,12 @@ def main() -> None:
     parser.add_argument(
         "--settle", type=float, default=3.0, help="idle seconds before each contender"
     )
+    parser.add_argument(
+        "--endpoint",
+        default="emulator",
+        type=check_endpoint,
+        help=ENDPOINT_HELP,
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per contender")
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -464,7 +466,8 @@ def main() -> None:
         return int(args.records) if name == "async-kinesis" else 30_000
 
     rows: list[dict[str, Any]] = []
-    with start_emulator() as endpoint:
+    print(f"endpoint: {args.endpoint}", flush=True)
+    with start_endpoint(args.endpoint) as endpoint:
         client = boto3.client("kinesis", region_name=REGION, endpoint_url=endpoint, **CREDENTIALS)
         for round_ in range(1, args.rounds + 1):
             for name in names:
@@ -489,7 +492,7 @@ def main() -> None:
                 else:
                     print(row["error"], flush=True)
                 rows.append(row)
-        throttled = throttled_records(endpoint)
+        throttled = throttled_records(endpoint) if args.endpoint == "emulator" else None
 
     versions: dict[str, str | None] = {}
     for dist in ("anykpl", "aiokpl", "async-kinesis", "aws-kinesis-agg", "aiobotocore", "moto"):
@@ -506,7 +509,12 @@ def main() -> None:
         print(f"emulator: {throttled} throttled records in the whole run (limits off)")
     print(f"python {sys.version.split()[0]}, " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     if args.json:
-        settings = {"keys": args.keys, "shards": args.shards, "record_size": RECORD_SIZE}
+        settings = {
+            "keys": args.keys,
+            "shards": args.shards,
+            "record_size": RECORD_SIZE,
+            "endpoint": args.endpoint,
+        }
         with open(args.json, "w") as f:
             json.dump(
                 {

@@ -1,6 +1,7 @@
 """End-to-end producer throughput: 100-byte records, aggregation on, limits off.
 
-The endpoint (the emulator, ``anykpl.emulator.spawn``, limits off) runs in its own process;
+The endpoint (the emulator, ``anykpl.emulator.spawn``, limits off; or ``--endpoint moto``, moto's
+own server, or a URL) runs in its own process;
 this process is the one producer. For each backend it submits ``--records`` records
 with ``--keys`` distinct partition keys as fast as admission allows, flushes, checks every
 result, and reports user records/s (wall clock, submit to last result) and CPU seconds per
@@ -9,6 +10,7 @@ result, and reports user records/s (wall clock, submit to last result) and CPU s
     python benchmarks/throughput.py --records 300000
     python benchmarks/throughput.py --backend trio --profile   # pyinstrument of the hot path
     python benchmarks/throughput.py --batch 500                # submit_many, 500 at a time
+    python benchmarks/throughput.py --endpoint moto            # against moto's own server
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import anyio
 import boto3
 
 from anykpl import PendingRecord, Producer, ProducerConfig
-from anykpl.emulator import Limits, spawn
+from endpoints import ENDPOINT_HELP, check_endpoint, start_endpoint
 
 CREDENTIALS = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench"}
 
@@ -127,8 +129,7 @@ def main() -> None:
         "--features-off",
         dest="adaptive",
         action="store_false",
-        help="adaptive=False and retry_budget=None: every rate-control feature beyond the KPL "
-        "off",
+        help="adaptive=False and retry_budget=None: every rate-control feature beyond the KPL off",
     )
     parser.add_argument(
         "--batch",
@@ -136,18 +137,22 @@ def main() -> None:
         default=0,
         help="submit in batches of this many records with submit_many (0: one submit each)",
     )
+    parser.add_argument("--endpoint", default="emulator", type=check_endpoint, help=ENDPOINT_HELP)
     parser.add_argument("--profile", action="store_true", help="profile with pyinstrument")
     parser.add_argument("--json", help="write results to this file")
     args = parser.parse_args()
     backends = ["asyncio", "trio"] if args.backend == "both" else [args.backend]
     results = {}
-    with spawn(limits=Limits.off()) as endpoint:
+    with start_endpoint(args.endpoint) as endpoint:
         client = boto3.client(
             "kinesis", region_name="us-east-1", endpoint_url=endpoint, **CREDENTIALS
         )
         for backend in backends:
-            stream = f"bench-{backend}"
+            stream = f"bench-{backend}-{os.getpid()}-{int(time.time())}"
             client.create_stream(StreamName=stream, ShardCount=args.shards)
+            client.get_waiter("stream_exists").wait(
+                StreamName=stream, WaiterConfig={"Delay": 0.2, "MaxAttempts": 300}
+            )
             if args.profile:
                 from pyinstrument import Profiler
 
