@@ -256,16 +256,23 @@ def test_the_controller_samples_through_a_throttled_period() -> None:
     assert all(sampling == (verdict is not None) for _, verdict, sampling in seen)
 
 
+def _until_noise_verdict(c: RateController, rng: random.Random, records: int) -> float:
+    """A response of ``records`` records every 0.1 s, a quarter of them throttled one by one,
+    until ``c`` judges the throttles noise (within 20 s); returns the time then."""
+    now = 0.0
+    while c.verdict != NOISE:
+        now += 0.1
+        c.outcome(now, now - 0.05, records, sum(rng.random() < 0.25 for _ in range(records)))
+        assert now < 20.0
+    return now
+
+
 def test_a_noise_verdict_ends_when_the_throttles_come_together() -> None:
     """Producers sharing a shard can take each other's throttles for noise while the others
     hold their rates; the pieces of an aggregate, throttled together, give it away."""
     rng = random.Random(5)
     c = make()
-    now = 0.0
-    while c.verdict != NOISE:
-        now += 0.1
-        c.outcome(now, now - 0.05, 5, sum(rng.random() < 0.25 for _ in range(5)))
-        assert now < 20.0
+    now = _until_noise_verdict(c, rng, 5)
     # the same share of throttles, but whole responses at a time
     start = now
     while c.verdict == NOISE:
@@ -281,11 +288,7 @@ def _under_noise(seed: int) -> tuple[int, float]:
     from the verdict on."""
     rng = random.Random(seed)
     c = make()
-    now = 0.0
-    while c.verdict != NOISE:
-        now += 0.1
-        c.outcome(now, now - 0.05, 20, sum(rng.random() < 0.25 for _ in range(20)))
-        assert now < 20.0
+    now = _until_noise_verdict(c, rng, 20)
     cuts, rates = c.cuts, []
     while now < 60.0:
         now += 0.1
