@@ -152,10 +152,7 @@ def _lower_tail(k: int, n: int, p: float) -> float:
 
 def _upper_tail(k: int, n: int, p: float) -> float:
     """P(X >= k) for X ~ Binomial(n, p)."""
-    if k <= 0:
-        return 1.0
-    q = 1.0 - p
-    return sum(math.comb(n, i) * p**i * q ** (n - i) for i in range(k, n + 1))
+    return 1.0 - _lower_tail(k - 1, n, p) if k > 0 else 1.0
 
 
 def _no_dispersion() -> list[float]:

@@ -389,7 +389,8 @@ class KinesisRecord:
                 if part:
                     pieces.append(self._piece(part, current))
                     part, current = [], AggregateBuilder()
-                # too big for a piece of its own: it goes alone, raw
+                # it starts the next piece, whatever its size (bigger than a piece: it goes
+                # alone, raw)
                 current.add_within(pk, ehk, record.data, math.inf)
             part.append(record)
         pieces.append(self._piece(part, current))
