@@ -36,6 +36,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from . import errors
 from ._aggregator import Aggregator
 from ._collector import Collector
+from ._intake import StreamIntake
 from ._limiter import AdaptiveSettings, Limiter
 from ._metrics import Metrics
 from ._records import AttemptRecord, KinesisRecord, PendingRecord
@@ -171,7 +172,6 @@ class Pipeline:
             record_max_buffered_time=config.record_max_buffered_time,
             extend_deadlines=config.aggregation_enabled,
         )
-        self._producer_finish = finish
         self.retrier = Retrier(
             stream=stream,
             shard_map=self.shard_map,
@@ -214,21 +214,25 @@ class Pipeline:
         self.retrier_send: MemoryObjectSendStream[Outcome]
         self.retrier_in: MemoryObjectReceiveStream[Outcome]
         self.retrier_send, self.retrier_in = anyio.create_memory_object_stream[Outcome](math.inf)
-        self._aggregator_wake_at = math.inf
         self._refresh_event = anyio.Event()
-        self._sealed: list[KinesisRecord] = []
-        self.received = 0  # user records admitted for this stream
+        # the synchronous intake: admitted records into the aggregator, the stream's counts
+        self.intake = StreamIntake(
+            finish,
+            self.aggregator,
+            self.shard_map,
+            config.record_max_buffered_time,
+            config.record_ttl,
+            ship=self.limiter_send.send_nowait,
+            wake=self._wake_aggregator,
+            request_refresh=self._request_refresh,
+        )
         self._received_counted = 0
         self.in_flight = 0
         # Admission by what the stream can deliver (``max_outstanding_time``): the records
         # admitted for this stream and not yet terminal, and the most it may hold, planned
         # again by the Limiter's task every BACKLOG_INTERVAL (see update_backlog_limit).
-        self.outstanding_records = 0
-        self.outstanding_bytes = 0
         backlog_time = config.max_outstanding_time
         self.backlog_time = config.record_ttl / 2 if backlog_time is None else backlog_time
-        self.backlog_records = math.inf
-        self.backlog_bytes = math.inf
         self._next_backlog_update = -math.inf
         self.on_room: Callable[[], None] | None = None  # the producer's wake-up for waiters
         self.update_backlog_limit(-math.inf)
@@ -242,18 +246,11 @@ class Pipeline:
     # -- intake (called synchronously by the producer) ------------------------------------
 
     def put(self, record: PendingRecord) -> None:
-        if self.aggregator.map_unavailable and not self.shard_map.refresh_requested:
-            # ListShards failed for good (a missing stream): this record goes out raw and
-            # fails fast; ListShards is tried again now records come (after its backoff)
-            self.shard_map.refresh_requested = True
-            self._refresh_event.set()
-        sealed = self._sealed
-        if self.aggregator.put(record, sealed) and record.deadline < self._aggregator_wake_at:
-            self._aggregator_wake_at = record.deadline
-            self.aggregator_send.send_nowait(WAKE)
-        if sealed:
-            self._sealed = []
-            self.limiter_send.send_nowait(sealed)
+        """Hand an admitted record to the aggregator (:meth:`StreamIntake.put`)."""
+        self.intake.put(record)
+
+    def _wake_aggregator(self) -> None:
+        self.aggregator_send.send_nowait(WAKE)
 
     def flush(self) -> None:
         self.aggregator_send.send_nowait(FLUSH)
@@ -262,9 +259,39 @@ class Pipeline:
 
     def admit(self, size: int) -> None:
         """Count a record admitted for this stream (its data + partition key bytes)."""
-        self.outstanding_records += 1
-        self.outstanding_bytes += size
-        self.received += 1
+        intake = self.intake
+        intake.outstanding_records += 1
+        intake.outstanding_bytes += size
+        intake.received += 1
+
+    # the stream's counts and backlog limit live in its intake (compiled with it)
+    @property
+    def received(self) -> int:
+        return self.intake.received
+
+    @property
+    def outstanding_records(self) -> int:
+        return self.intake.outstanding_records
+
+    @property
+    def outstanding_bytes(self) -> int:
+        return self.intake.outstanding_bytes
+
+    @property
+    def backlog_records(self) -> float:
+        return self.intake.backlog_records
+
+    @backlog_records.setter
+    def backlog_records(self, value: float) -> None:
+        self.intake.backlog_records = value
+
+    @property
+    def backlog_bytes(self) -> float:
+        return self.intake.backlog_bytes
+
+    @backlog_bytes.setter
+    def backlog_bytes(self, value: float) -> None:
+        self.intake.backlog_bytes = value
 
     def take_received(self) -> int:
         """User records admitted since the last call (for ``UserRecordsReceived``)."""
@@ -275,17 +302,12 @@ class Pipeline:
     def has_room(self, size: int) -> bool:
         """Whether a record of ``size`` bytes fits in the stream's backlog limit (a stream
         with nothing outstanding always takes one record)."""
-        return not self.outstanding_records or (
-            self.outstanding_records < self.backlog_records
-            and self.outstanding_bytes + size <= self.backlog_bytes
-        )
+        return self.intake.has_room(size)
 
     def finish(self, records: Sequence[PendingRecord], success: bool) -> None:
         """Resolve records of this stream (the Retrier's, and the producer's when it fails
         everything) and give their room back."""
-        count, nbytes = self._producer_finish(records, success)
-        self.outstanding_records -= count
-        self.outstanding_bytes -= nbytes
+        self.intake.finish(records, success)
 
     def fail_all(self, records: Sequence[PendingRecord], attempt: AttemptRecord) -> None:
         """Fail ``records`` (this stream's outstanding ones, wherever they are: in a stage,
@@ -455,7 +477,7 @@ class Pipeline:
         async with self.aggregator_in, self.limiter_send:
             while True:
                 deadline = aggregator.next_deadline
-                self._aggregator_wake_at = deadline
+                self.intake.wake_at = deadline
                 message = await _receive_until(self.aggregator_in, deadline)
                 if message is END:
                     return

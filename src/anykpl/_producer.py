@@ -10,7 +10,7 @@ With metrics sinks, the last report goes out after that, within the same ``close
 (at most :data:`anykpl.metrics.CLOSE_GRACE` more), or within
 :data:`anykpl.metrics.FINAL_REPORT_WHEN_CANCELLED` when the block was left by cancellation.
 
-Safety net. Every admitted record sits in ``_outstanding`` until it is terminal, so whatever
+Safety net. Every admitted record sits in ``Intake.outstanding`` until it is terminal, so whatever
 happens to a stage — a crash, cancellation, close — :meth:`Producer._fail_outstanding` can
 resolve every record that is left, and no awaiter ever hangs.
 """
@@ -27,12 +27,13 @@ from typing import Any
 
 import anyio
 
-from . import _limits, errors
+from . import errors
 from ._aws import running_trio
 from ._fleet import FleetDemand, FleetWorker
+from ._intake import Intake
 from ._metrics import Metrics, MetricValue
 from ._pipeline import Pipeline
-from ._records import AttemptRecord, PendingRecord, RecordResult, partition_key_hash
+from ._records import AttemptRecord, PendingRecord, RecordResult
 from ._sender import Transport, open_transport
 from ._statistics import ProducerStatistics
 from ._tenants import Reservation, TenantAdmission
@@ -65,7 +66,6 @@ BatchRecord = (
 )
 #: A token bucket rate that never binds (a fleet bucket before its first grant).
 UNLIMITED = 1e15
-_KEY_CACHE_LIMIT = 65536
 _STREAM_NAME = re.compile(r"[a-zA-Z0-9_.-]{1,128}")
 #: the service's StreamARN: arn:aws.*:kinesis:.*:\d{12}:stream/\S+, at most 2048 characters
 _STREAM_ARN = re.compile(
@@ -117,8 +117,6 @@ class Producer(anyio.AsyncContextManagerMixin):
         self._transport_override = transport
         self._transport: Transport | None = None
         self._pipelines: dict[str, Pipeline] = {}
-        self._outstanding: set[PendingRecord] = set()
-        self._outstanding_bytes = 0
         self._room: anyio.Event | None = None
         self._task_group: anyio.abc.TaskGroup | None = None  # the stages' task group
         self._stages_scope: anyio.CancelScope | None = None
@@ -126,15 +124,17 @@ class Producer(anyio.AsyncContextManagerMixin):
         self._state = "new"  # new → open → closing → closed
         self._metrics = Metrics()
         self._metrics.collect = self._count_received
-        # partition key -> (hash key, UTF-8 length): IoT-style workloads reuse keys, and an MD5
-        # costs more than the dictionary lookup
-        self._key_cache: dict[str, tuple[int, int]] = {}
-        self._max_records = config.max_outstanding_records
-        self._max_bytes = config.max_outstanding_bytes
-        self._max_record_size = config.max_user_record_size
         self._failure: BaseException | None = None
         self._admitted_since_checkpoint = 0
         self._clock: Callable[[], float] = anyio.current_time
+        # the per-record part of admission, and the outstanding records (the safety net)
+        self._intake = Intake(
+            config.max_outstanding_records,
+            config.max_outstanding_bytes,
+            config.max_user_record_size,
+            self._clock,
+            self._wake_waiters,
+        )
         self._tenants = TenantAdmission(config)
         # with a fleet cap: the producer-wide bucket every stream's Limiter also takes from;
         # its rates are this producer's grant (set by the fleet worker, unlimited until then)
@@ -146,7 +146,7 @@ class Producer(anyio.AsyncContextManagerMixin):
     def __repr__(self) -> str:
         return (
             f"<Producer {self._state} streams={sorted(self._pipelines)} "
-            f"outstanding={len(self._outstanding)}>"
+            f"outstanding={len(self._intake.outstanding)}>"
         )
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -162,8 +162,7 @@ class Producer(anyio.AsyncContextManagerMixin):
                 # aclose() can stop them from inside the ``async with`` block without
                 # cancelling the caller's code in it
                 self._task_group = await tg.start(self._host_stages)
-                self._clock = _backend_clock()
-                self._metrics.clock = self._clock
+                self._clock = self._intake.clock = self._metrics.clock = _backend_clock()
                 if self._metrics_sinks and self.config.metrics_level != "none":
                     self._uploader = Uploader(self._metrics, self._metrics_sinks, self.config)
                     self._task_group.start_soon(self._uploader.run)
@@ -317,7 +316,7 @@ class Producer(anyio.AsyncContextManagerMixin):
         def clock() -> float:
             return closed_at
 
-        self._clock = self._metrics.clock = clock
+        self._clock = self._intake.clock = self._metrics.clock = clock
 
     @asynccontextmanager
     async def _open_transport(self) -> AsyncGenerator[Transport, None]:
@@ -347,9 +346,9 @@ class Producer(anyio.AsyncContextManagerMixin):
                 "a pipeline stage crashed (%s: %s); failing %d outstanding record(s)",
                 type(exc).__name__,
                 exc,
-                len(self._outstanding),
+                len(self._intake.outstanding),
                 exc_info=exc,
-                extra={"records": len(self._outstanding)},
+                extra={"records": len(self._intake.outstanding)},
             )
             self._fail_outstanding(
                 errors.PIPELINE_FAILED, f"a pipeline stage failed: {type(exc).__name__}: {exc}"
@@ -366,7 +365,7 @@ class Producer(anyio.AsyncContextManagerMixin):
             self.config.for_stream(stream),  # with the stream's own settings, if any
             self._transport,
             self._metrics,
-            self._finish,
+            self._intake.finish,
             shared_bucket=self._fleet_bucket,
         )
         pipeline.on_room = self._wake_waiters
@@ -425,14 +424,25 @@ class Producer(anyio.AsyncContextManagerMixin):
         """
         if self._state != "open":
             raise self._not_open()
-        record = self._make_record(stream, data, partition_key, explicit_hash_key)
-        if tenant is not None:
-            record.tenant = _check_tenant(tenant)
+        intake = self._intake
+        record = intake.make_record(stream, data, partition_key, explicit_hash_key)
         pipeline = self._pipelines.get(stream) or self._open_pipeline(stream)
+        if tenant is None:
+            # The common case first, with as little interpreted code as possible: room now,
+            # no checkpoint due (see below), the shard map ready.
+            stream_intake = pipeline.intake
+            if intake.has_room(record.size, stream_intake):
+                admitted = self._admitted_since_checkpoint + 1
+                if admitted < CHECKPOINT_EVERY and stream_intake.shard_map.ready:
+                    self._admitted_since_checkpoint = admitted
+                    intake.enqueue(stream_intake, record)
+                    return record
+        else:
+            record.tenant = _check_tenant(tenant)
         # the tenant's quota first: a record that waits for its tokens holds no room meanwhile
         reservation = None if tenant is None else await self._admit_tenant(record, tenant)
         try:
-            if not self._has_room(record.size, pipeline):
+            if not intake.has_room(record.size, pipeline.intake):
                 await self._wait_for_room(record.size, reservation, pipeline)
                 if self._state != "open":
                     raise self._not_open()
@@ -461,29 +471,14 @@ class Producer(anyio.AsyncContextManagerMixin):
     def _has_room(self, size: int, pipeline: Pipeline) -> bool:
         """Whether a record of ``size`` bytes fits under the producer's caps and its
         stream's backlog limit now."""
-        return (
-            len(self._outstanding) < self._max_records
-            and (self._outstanding_bytes + size <= self._max_bytes or not self._outstanding)
-            and pipeline.has_room(size)
-        )
+        return self._intake.has_room(size, pipeline.intake)
 
     def _enqueue(self, stream: str, pipeline: Pipeline, record: PendingRecord) -> None:
         """Admit ``record``: it is outstanding from now on, and in its stream's pipeline."""
         if pipeline.stopped:
             # the stream went idle and its pipeline closed while the caller waited
             pipeline = self._pipelines.get(stream) or self._open_pipeline(stream)
-        # the record's clock starts at admission, as the KPL's starts when the daemon sees it
-        now = self._clock()
-        record.arrival = now
-        config = pipeline.config  # the stream's settings (ProducerConfig.streams)
-        deadline = now + config.record_max_buffered_time
-        expiration = now + config.record_ttl
-        record.deadline = deadline if deadline < expiration else expiration
-        record.expiration = expiration
-        self._outstanding.add(record)
-        self._outstanding_bytes += record.size
-        pipeline.admit(record.size)
-        pipeline.put(record)
+        self._intake.enqueue(pipeline.intake, record)
 
     async def submit_many(
         self,
@@ -516,7 +511,7 @@ class Producer(anyio.AsyncContextManagerMixin):
         for index, item in enumerate(records):
             try:
                 data, partition_key, explicit_hash_key = _unpack_batch_record(item)
-                record = self._make_record(stream, data, partition_key, explicit_hash_key)
+                record = self._intake.make_record(stream, data, partition_key, explicit_hash_key)
             except (errors.RecordTypeError, errors.InvalidRecordError) as exc:
                 raise type(exc)(f"records[{index}]: {exc}") from None
             record.tenant = checked_tenant
@@ -554,50 +549,6 @@ class Producer(anyio.AsyncContextManagerMixin):
             )
         return errors.ProducerClosedError(f"the producer is {self._state}; nothing was enqueued")
 
-    def _make_record(
-        self,
-        stream: str,
-        data: bytes | bytearray | memoryview,
-        partition_key: str | None,
-        explicit_hash_key: str | int | None,
-    ) -> PendingRecord:
-        if type(stream) is not str:
-            # before the record is built (a compiled PendingRecord checks its field types)
-            raise errors.RecordTypeError(f"stream must be a str, not {type(stream).__name__}")
-        if type(data) is not bytes:
-            data = _as_bytes(data)
-        if partition_key is None:
-            partition_key = _random_partition_key()
-        elif type(partition_key) is not str:
-            raise errors.RecordTypeError(
-                f"partition_key must be a str, not {type(partition_key).__name__}"
-            )
-        elif not partition_key or len(partition_key) > _limits.MAX_PARTITION_KEY_LENGTH:
-            raise errors.InvalidRecordError(
-                f"partition_key must be 1..{_limits.MAX_PARTITION_KEY_LENGTH} characters, "
-                f"got {len(partition_key)}"
-            )
-        if explicit_hash_key is None:
-            cached = self._key_cache.get(partition_key)
-            if cached is None:
-                cached = _key_facts(partition_key)
-                if len(self._key_cache) >= _KEY_CACHE_LIMIT:
-                    self._key_cache.clear()
-                self._key_cache[partition_key] = cached
-            hash_key, key_size = cached
-            ehk = None
-        else:
-            key_size = _key_facts(partition_key)[1]
-            hash_key = _parse_explicit_hash_key(explicit_hash_key)
-            ehk = str(hash_key)
-        size = len(data) + key_size
-        if size > self._max_record_size:
-            raise errors.InvalidRecordError(
-                f"record is {size} bytes (data + partition key), over the maximum of "
-                f"{self._max_record_size} (max_user_record_size)"
-            )
-        return PendingRecord(stream, partition_key, data, hash_key, ehk, 0.0, 0.0, 0.0, size)
-
     async def _admit_tenant(self, record: PendingRecord, tenant: str) -> Reservation:
         """Take the record's tokens from its tenant's quota, waiting for them if need be."""
         reservation = await self._tenants.admit(tenant, record.size, self._clock())
@@ -625,8 +576,9 @@ class Producer(anyio.AsyncContextManagerMixin):
                     await self._room.wait()
         except TimeoutError:
             if pipeline.has_room(size):
+                intake = self._intake
                 held = (
-                    f"{len(self._outstanding)} records / {self._outstanding_bytes} bytes "
+                    f"{len(intake.outstanding)} records / {intake.outstanding_bytes} bytes "
                     "outstanding in the producer"
                 )
             else:
@@ -638,21 +590,6 @@ class Producer(anyio.AsyncContextManagerMixin):
             raise errors.BackpressureTimeout(
                 f"no room for the record within admission_timeout={timeout} s ({held})"
             ) from None
-
-    def _finish(self, records: Sequence[PendingRecord], success: bool) -> tuple[int, int]:
-        """Resolve records (for the pipelines: the Retrier's, and when failing everything);
-        return how many were still pending, and their bytes."""
-        outstanding = self._outstanding
-        released = count = 0
-        for record in records:
-            if not record._state:  # still pending: resolve exactly once
-                outstanding.discard(record)
-                released += record.size
-                count += 1
-                record._resolve(success)
-        self._outstanding_bytes -= released
-        self._wake_waiters()
-        return count, released
 
     def _wake_waiters(self) -> None:
         """Wake the submits waiting for room (records finished, or a stream's limit grew)."""
@@ -667,19 +604,19 @@ class Producer(anyio.AsyncContextManagerMixin):
         )
 
     def _fail_outstanding(self, code: str, message: str) -> None:
-        if not self._outstanding:
+        if not self._intake.outstanding:
             return
         now = anyio.current_time() if self._task_group is not None else 0.0
         attempt = AttemptRecord(now, now, False, code, message)
         by_stream: dict[str, list[PendingRecord]] = {}
-        for record in self._outstanding:
+        for record in self._intake.outstanding:
             by_stream.setdefault(record.stream, []).append(record)
         for pipeline in self._pipelines.values():
             pipeline.fail_all(by_stream.pop(pipeline.stream, ()), attempt)
         for failing in by_stream.values():  # no pipeline (cannot happen; the safety net)
             for record in failing:
                 record._add_attempt(attempt)
-            self._finish(failing, False)
+            self._intake.finish(failing, False)
 
     # -- flushing -------------------------------------------------------------------------
 
@@ -699,10 +636,10 @@ class Producer(anyio.AsyncContextManagerMixin):
             failed; the records carry on).
         """
         if stream is None:
-            snapshot = list(self._outstanding)
+            snapshot = list(self._intake.outstanding)
             pipelines = list(self._pipelines.values())
         else:
-            snapshot = [record for record in self._outstanding if record.stream == stream]
+            snapshot = [record for record in self._intake.outstanding if record.stream == stream]
             owner = self._pipelines.get(stream)
             pipelines = [] if owner is None else [owner]
         if not snapshot:
@@ -725,15 +662,15 @@ class Producer(anyio.AsyncContextManagerMixin):
     @property
     def outstanding_records(self) -> int:
         """Admitted records that are not yet terminal."""
-        return len(self._outstanding)
+        return len(self._intake.outstanding)
 
     def statistics(self) -> ProducerStatistics:
         """A frozen snapshot of the producer's state and counters."""
         running = self._state in ("open", "closing")
         now = self._clock() if running else None
         return ProducerStatistics(
-            outstanding_records=len(self._outstanding),
-            outstanding_bytes=self._outstanding_bytes,
+            outstanding_records=len(self._intake.outstanding),
+            outstanding_bytes=self._intake.outstanding_bytes,
             streams={name: p.statistics(now) for name, p in self._pipelines.items()},
             errors_by_code=self._metrics.by_error_code(),
             metrics=self._metrics.snapshot(),
@@ -846,28 +783,6 @@ def _check_tenant(tenant: object) -> str:
     return tenant
 
 
-def _key_facts(partition_key: str) -> tuple[int, int]:
-    """(hash key, UTF-8 length) of a partition key."""
-    try:
-        encoded = partition_key.encode()
-    except UnicodeEncodeError as exc:
-        raise errors.InvalidRecordError(f"partition_key is not valid Unicode: {exc}") from None
-    return partition_key_hash(encoded), len(encoded)
-
-
-def _as_bytes(data: object) -> bytes:
-    if isinstance(data, (bytes, bytearray, memoryview)):
-        return bytes(data)
-    if isinstance(data, str):
-        raise errors.RecordTypeError(
-            "data must be bytes, bytearray or memoryview, not str: encode it first "
-            "(for example data.encode())"
-        )
-    raise errors.RecordTypeError(
-        f"data must be bytes, bytearray or memoryview, not {type(data).__name__}"
-    )
-
-
 def _only_closed_streams(exc: BaseException) -> bool:
     if isinstance(exc, BaseExceptionGroup):
         return all(_only_closed_streams(e) for e in exc.exceptions)
@@ -887,39 +802,3 @@ def _backend_clock() -> Callable[[], float]:
     import asyncio
 
     return asyncio.get_running_loop().time
-
-
-def _random_partition_key() -> str:
-    import os
-
-    return os.urandom(16).hex()
-
-
-def _parse_explicit_hash_key(value: str | int) -> int:
-    # Sizes are checked before any conversion: Python refuses to convert a str of more than
-    # 4,300 digits to an int, or such an int to a str, and a hash key never needs more than 39.
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise errors.RecordTypeError(
-            f"explicit_hash_key must be a decimal str or int, not {type(value).__name__}"
-        )
-    out_of_range = "explicit_hash_key must be in [0, 2**128 - 1]"
-    if isinstance(value, str):
-        if not value.isascii() or not value.isdigit():
-            shown = repr(value) if len(value) <= 60 else f"{value[:30]!r}... ({len(value)} chars)"
-            raise errors.InvalidRecordError(
-                f"explicit_hash_key must be a decimal integer, got {shown}"
-            )
-        digits = value.lstrip("0") or "0"
-        if len(digits) > len(str(_limits.MAX_HASH_KEY)):
-            raise errors.InvalidRecordError(
-                f"{out_of_range}, got a decimal integer of {len(digits)} digits"
-            )
-        value = int(digits)
-    if not 0 <= value <= _limits.MAX_HASH_KEY:
-        if value.bit_length() <= 256:
-            raise errors.InvalidRecordError(f"{out_of_range}, got {value}")
-        sign = "a negative" if value < 0 else "an"
-        raise errors.InvalidRecordError(
-            f"{out_of_range}, got {sign} integer of {value.bit_length()} bits"
-        )
-    return value

@@ -1,0 +1,276 @@
+"""The intake: what :meth:`Producer.submit` does for each record once it may admit it.
+
+Validation (:meth:`Intake.make_record`), the room check (:meth:`Intake.has_room`), admission
+(:meth:`Intake.enqueue`: the record's clock starts, it is counted as outstanding and handed to
+its stream's :class:`~anykpl._aggregator.Aggregator`) and, on the way back, resolving records
+(:meth:`Intake.finish`, a whole Kinesis record's user records in one call). These are the
+per-record steps of the producer; they are plain synchronous code on plain objects, kept apart
+from the producer's lifecycle and its waits, so that the compiled build (mypyc, see
+``pyproject.toml``) compiles them together with the stages they call into. The pure-Python
+package runs the same code.
+
+Two objects: one :class:`Intake` per producer (the producer-wide caps, the set of outstanding
+records that is the producer's safety net, the partition key cache) and one
+:class:`StreamIntake` per stream (its backlog limit, its counts, its aggregator). The producer
+owns the first, each stream's pipeline the second; the stages never touch them, apart from
+the Retrier's calls to :meth:`StreamIntake.finish`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+
+from . import _limits, errors
+from ._aggregator import Aggregator
+from ._records import KinesisRecord, PendingRecord, partition_key_hash
+from ._shard_map import ShardMap
+
+__all__ = ("KEY_CACHE_LIMIT", "Intake", "StreamIntake")
+
+#: Partition keys whose hash key and UTF-8 length are remembered (cleared when full).
+KEY_CACHE_LIMIT = 65536
+
+
+class Intake:
+    """The producer-wide part of admission: caps, outstanding records, the key cache."""
+
+    def __init__(
+        self,
+        max_records: int,
+        max_bytes: int,
+        max_record_size: int,
+        clock: Callable[[], float],
+        on_finish: Callable[[], None],
+    ) -> None:
+        self.max_records = max_records
+        self.max_bytes = max_bytes
+        self.max_record_size = max_record_size
+        self.clock = clock
+        # called after records were resolved (the producer wakes submits waiting for room)
+        self.on_finish = on_finish
+        # Every admitted record until it is terminal: the producer's safety net (whatever
+        # happens to a stage, what is left here can be failed, so no awaiter ever hangs).
+        self.outstanding: set[PendingRecord] = set()
+        self.outstanding_bytes = 0
+        # partition key -> (hash key, UTF-8 length): IoT-style workloads reuse keys, and an
+        # MD5 costs more than the dictionary lookup
+        self.key_cache: dict[str, tuple[int, int]] = {}
+
+    def make_record(
+        self,
+        stream: object,
+        data: object,
+        partition_key: object,
+        explicit_hash_key: object,
+    ) -> PendingRecord:
+        """Validate one record and build its handle (not yet admitted).
+
+        :raises ~anykpl.errors.RecordTypeError: an argument of the wrong type.
+        :raises ~anykpl.errors.InvalidRecordError: a value out of range.
+        """
+        if type(stream) is not str:
+            raise errors.RecordTypeError(f"stream must be a str, not {type(stream).__name__}")
+        payload = data if type(data) is bytes else _as_bytes(data)
+        key: str
+        if partition_key is None:
+            key = os.urandom(16).hex()
+        elif type(partition_key) is not str:
+            raise errors.RecordTypeError(
+                f"partition_key must be a str, not {type(partition_key).__name__}"
+            )
+        else:
+            key = partition_key
+            if not key or len(key) > _limits.MAX_PARTITION_KEY_LENGTH:
+                raise errors.InvalidRecordError(
+                    f"partition_key must be 1..{_limits.MAX_PARTITION_KEY_LENGTH} characters, "
+                    f"got {len(key)}"
+                )
+        ehk: str | None = None
+        if explicit_hash_key is None:
+            cached = self.key_cache.get(key)
+            if cached is None:
+                cached = _key_facts(key)
+                if len(self.key_cache) >= KEY_CACHE_LIMIT:
+                    self.key_cache.clear()
+                self.key_cache[key] = cached
+            hash_key, key_size = cached
+        else:
+            key_size = _key_facts(key)[1]
+            hash_key = _parse_explicit_hash_key(explicit_hash_key)
+            ehk = str(hash_key)
+        size = len(payload) + key_size
+        if size > self.max_record_size:
+            raise errors.InvalidRecordError(
+                f"record is {size} bytes (data + partition key), over the maximum of "
+                f"{self.max_record_size} (max_user_record_size)"
+            )
+        return PendingRecord(stream, key, payload, hash_key, ehk, 0.0, 0.0, 0.0, size)
+
+    def has_room(self, size: int, stream: StreamIntake) -> bool:
+        """Whether a record of ``size`` bytes fits under the producer's caps and its stream's
+        backlog limit now (an empty producer, or stream, always takes one record)."""
+        outstanding = len(self.outstanding)
+        return (
+            outstanding < self.max_records
+            and (self.outstanding_bytes + size <= self.max_bytes or not outstanding)
+            and stream.has_room(size)
+        )
+
+    def enqueue(self, stream: StreamIntake, record: PendingRecord) -> None:
+        """Admit ``record``: it is outstanding from now on, and in its stream's aggregator."""
+        # the record's clock starts at admission, as the KPL's starts when the daemon sees it
+        now = self.clock()
+        record.arrival = now
+        deadline = now + stream.max_buffered_time
+        expiration = now + stream.record_ttl
+        record.deadline = deadline if deadline < expiration else expiration
+        record.expiration = expiration
+        size = record.size
+        self.outstanding.add(record)
+        self.outstanding_bytes += size
+        stream.outstanding_records += 1
+        stream.outstanding_bytes += size
+        stream.received += 1
+        stream.put(record)
+
+    def finish(self, records: Sequence[PendingRecord], success: bool) -> tuple[int, int]:
+        """Resolve the records still pending among ``records``; return how many there were,
+        and their bytes."""
+        outstanding = self.outstanding
+        released = count = 0
+        for record in records:
+            if not record._state:  # still pending: resolve exactly once
+                outstanding.discard(record)
+                released += record.size
+                count += 1
+                record._resolve(success)
+        self.outstanding_bytes -= released
+        self.on_finish()
+        return count, released
+
+
+class StreamIntake:
+    """One stream's part of admission: its backlog limit and counts, and its aggregator."""
+
+    def __init__(
+        self,
+        finish: Callable[[Sequence[PendingRecord], bool], tuple[int, int]],
+        aggregator: Aggregator,
+        shard_map: ShardMap,
+        max_buffered_time: float,
+        record_ttl: float,
+        ship: Callable[[list[KinesisRecord]], object],
+        wake: Callable[[], object],
+        request_refresh: Callable[[], object],
+    ) -> None:
+        # resolves records and returns how many were pending and their bytes (the producer's
+        # Intake.finish)
+        self._producer_finish = finish
+        self.aggregator = aggregator
+        self.shard_map = shard_map
+        self.max_buffered_time = max_buffered_time
+        self.record_ttl = record_ttl
+        # sends sealed Kinesis records to the Limiter; wakes the Aggregator's task (a record
+        # with an earlier deadline); asks for a ListShards
+        self.ship = ship
+        self.wake = wake
+        self.request_refresh = request_refresh
+        # records admitted for this stream and not yet terminal, and the most it may hold
+        # (``max_outstanding_time``, planned by the pipeline)
+        self.outstanding_records = 0
+        self.outstanding_bytes = 0
+        self.backlog_records = math.inf
+        self.backlog_bytes = math.inf
+        self.received = 0  # user records admitted for this stream
+        # the earliest deadline the Aggregator's task was told of (it plans its own wake-ups
+        # from there on)
+        self.wake_at = math.inf
+        self._sealed: list[KinesisRecord] = []
+
+    def has_room(self, size: int) -> bool:
+        """Whether a record of ``size`` bytes fits in the stream's backlog limit (a stream
+        with nothing outstanding always takes one record)."""
+        return not self.outstanding_records or (
+            self.outstanding_records < self.backlog_records
+            and self.outstanding_bytes + size <= self.backlog_bytes
+        )
+
+    def put(self, record: PendingRecord) -> None:
+        """Hand an admitted record to the aggregator, and what it seals to the Limiter."""
+        aggregator = self.aggregator
+        if aggregator.map_unavailable and not self.shard_map.refresh_requested:
+            # ListShards failed for good (a missing stream): this record goes out raw and
+            # fails fast; ListShards is tried again now records come (after its backoff)
+            self.shard_map.refresh_requested = True
+            self.request_refresh()
+        sealed = self._sealed
+        if aggregator.put(record, sealed) and record.deadline < self.wake_at:
+            self.wake_at = record.deadline
+            self.wake()
+        if sealed:
+            self._sealed = []
+            self.ship(sealed)
+
+    def finish(self, records: Sequence[PendingRecord], success: bool) -> None:
+        """Resolve records of this stream (the Retrier's, and the producer's when it fails
+        everything) and give their room back."""
+        count, nbytes = self._producer_finish(records, success)
+        self.outstanding_records -= count
+        self.outstanding_bytes -= nbytes
+
+
+def _key_facts(partition_key: str) -> tuple[int, int]:
+    """(hash key, UTF-8 length) of a partition key."""
+    try:
+        encoded = partition_key.encode()
+    except UnicodeEncodeError as exc:
+        raise errors.InvalidRecordError(f"partition_key is not valid Unicode: {exc}") from None
+    return partition_key_hash(encoded), len(encoded)
+
+
+def _as_bytes(data: object) -> bytes:
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return bytes(data)
+    if isinstance(data, str):
+        raise errors.RecordTypeError(
+            "data must be bytes, bytearray or memoryview, not str: encode it first "
+            "(for example data.encode())"
+        )
+    raise errors.RecordTypeError(
+        f"data must be bytes, bytearray or memoryview, not {type(data).__name__}"
+    )
+
+
+def _parse_explicit_hash_key(value: object) -> int:
+    # Sizes are checked before any conversion: Python refuses to convert a str of more than
+    # 4,300 digits to an int, or such an int to a str, and a hash key never needs more than 39.
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise errors.RecordTypeError(
+            f"explicit_hash_key must be a decimal str or int, not {type(value).__name__}"
+        )
+    out_of_range = "explicit_hash_key must be in [0, 2**128 - 1]"
+    number: int
+    if isinstance(value, str):
+        if not value.isascii() or not value.isdigit():
+            shown = repr(value) if len(value) <= 60 else f"{value[:30]!r}... ({len(value)} chars)"
+            raise errors.InvalidRecordError(
+                f"explicit_hash_key must be a decimal integer, got {shown}"
+            )
+        digits = value.lstrip("0") or "0"
+        if len(digits) > len(str(_limits.MAX_HASH_KEY)):
+            raise errors.InvalidRecordError(
+                f"{out_of_range}, got a decimal integer of {len(digits)} digits"
+            )
+        number = int(digits)
+    else:
+        number = value
+    if not 0 <= number <= _limits.MAX_HASH_KEY:
+        if number.bit_length() <= 256:
+            raise errors.InvalidRecordError(f"{out_of_range}, got {number}")
+        sign = "a negative" if number < 0 else "an"
+        raise errors.InvalidRecordError(
+            f"{out_of_range}, got {sign} integer of {number.bit_length()} bits"
+        )
+    return number
