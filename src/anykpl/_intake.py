@@ -27,7 +27,7 @@ from ._aggregator import Aggregator
 from ._records import KinesisRecord, PendingRecord, partition_key_hash
 from ._shard_map import ShardMap
 
-__all__ = ("KEY_CACHE_LIMIT", "Intake", "StreamIntake")
+__all__ = ("KEY_CACHE_LIMIT", "Intake", "StreamIntake", "offset_clock")
 
 #: Partition keys whose hash key and UTF-8 length are remembered (cleared when full).
 KEY_CACHE_LIMIT = 65536
@@ -219,6 +219,15 @@ class StreamIntake:
         count, nbytes = self._producer_finish(records, success)
         self.outstanding_records -= count
         self.outstanding_bytes -= nbytes
+
+
+def offset_clock(base: Callable[[], float], offset: float) -> Callable[[], float]:
+    """A clock that reads ``base() + offset``, as one call."""
+
+    def clock() -> float:
+        return base() + offset
+
+    return clock
 
 
 def _key_facts(partition_key: str) -> tuple[int, int]:
