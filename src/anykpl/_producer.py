@@ -427,19 +427,9 @@ class Producer(anyio.AsyncContextManagerMixin):
             raise self._not_open()
         intake = self._intake
         record = intake.make_record(stream, data, partition_key, explicit_hash_key)
-        pipeline = self._pipelines.get(stream) or self._open_pipeline(stream)
-        if tenant is None:
-            # The common case first, with as little interpreted code as possible: room now,
-            # no checkpoint due (see below), the shard map ready.
-            stream_intake = pipeline.intake
-            if intake.has_room(record.size, stream_intake):
-                admitted = self._admitted_since_checkpoint + 1
-                if admitted < CHECKPOINT_EVERY and stream_intake.shard_map.ready:
-                    self._admitted_since_checkpoint = admitted
-                    intake.enqueue(stream_intake, record)
-                    return record
-        else:
+        if tenant is not None:
             record.tenant = _check_tenant(tenant)
+        pipeline = self._pipelines.get(stream) or self._open_pipeline(stream)
         # the tenant's quota first: a record that waits for its tokens holds no room meanwhile
         reservation = None if tenant is None else await self._admit_tenant(record, tenant)
         try:
@@ -453,11 +443,10 @@ class Producer(anyio.AsyncContextManagerMixin):
                 # CHECKPOINT_EVERY calls (letting the stages run and cancellation in) instead
                 # of on each one — except while the stream's shard map is not ready: then
                 # ListShards must not wait behind a busy caller.
-                self._admitted_since_checkpoint += 1
-                if (
-                    self._admitted_since_checkpoint >= CHECKPOINT_EVERY
-                    or not pipeline.shard_map.ready
-                ):
+                admitted = self._admitted_since_checkpoint + 1
+                if admitted < CHECKPOINT_EVERY and pipeline.shard_map.ready:
+                    self._admitted_since_checkpoint = admitted
+                else:
                     self._admitted_since_checkpoint = 0
                     await anyio.lowlevel.checkpoint()
                     if self._state != "open":
@@ -468,11 +457,6 @@ class Producer(anyio.AsyncContextManagerMixin):
             raise
         self._enqueue(stream, pipeline, record)
         return record
-
-    def _has_room(self, size: int, pipeline: Pipeline) -> bool:
-        """Whether a record of ``size`` bytes fits under the producer's caps and its
-        stream's backlog limit now."""
-        return self._intake.has_room(size, pipeline.intake)
 
     def _enqueue(self, stream: str, pipeline: Pipeline, record: PendingRecord) -> None:
         """Admit ``record``: it is outstanding from now on, and in its stream's pipeline."""
@@ -525,7 +509,7 @@ class Producer(anyio.AsyncContextManagerMixin):
             reservation = None
             if checked_tenant is not None:
                 reservation = await self._admit_tenant(record, checked_tenant)
-            if not self._has_room(record.size, pipeline) or self._state != "open":
+            if not self._intake.has_room(record.size, pipeline.intake) or self._state != "open":
                 try:
                     await self._wait_for_room(record.size, reservation, pipeline)
                     if self._state != "open":
@@ -569,7 +553,7 @@ class Producer(anyio.AsyncContextManagerMixin):
             limit = max(0.0, limit - reservation.wait)  # admission_timeout bounds both waits
         try:
             with anyio.fail_after(limit):
-                while not self._has_room(size, pipeline):
+                while not self._intake.has_room(size, pipeline.intake):
                     if self._state != "open":
                         raise self._not_open()
                     if self._room is None:
