@@ -11,6 +11,8 @@ result, and reports user records/s (wall clock, submit to last result) and CPU s
     python benchmarks/throughput.py --backend trio --profile   # pyinstrument of the hot path
     python benchmarks/throughput.py --batch 500                # submit_many, 500 at a time
     python benchmarks/throughput.py --endpoint moto            # against moto's own server
+    python benchmarks/throughput.py --spool off                # with a spool (spool_fsync=off)
+    python benchmarks/throughput.py --spool none,off,interval,commit   # each, interleaved
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import gc
 import json
 import os
+import tempfile
 import time
 from collections import deque
 from typing import Any
@@ -30,6 +33,8 @@ from anykpl import PendingRecord, Producer, ProducerConfig
 from endpoints import ENDPOINT_HELP, check_endpoint, start_endpoint
 
 CREDENTIALS = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench"}
+#: where the spool's directories go (a real disk, not a tmpfs: BENCH_SPOOL_PARENT overrides)
+SPOOL_PARENT = os.environ.get("BENCH_SPOOL_PARENT", os.path.dirname(os.path.abspath(__file__)))
 
 
 async def run_once(
@@ -40,13 +45,20 @@ async def run_once(
     retain: bool,
     adaptive: bool = True,
     batch: int = 0,
+    spool: str = "none",
 ) -> dict[str, Any]:
+    spool_options: dict[str, Any] = {}
+    scratch = None
+    if spool != "none":
+        scratch = tempfile.TemporaryDirectory(prefix="anykpl-spool-bench-", dir=SPOOL_PARENT)
+        spool_options = {"spool_dir": scratch.name, "spool_fsync": spool}
     config = ProducerConfig(
         region="us-east-1",
         endpoint_url=endpoint,
         rate_limit=1e9,  # limits off
         adaptive=adaptive,
         retry_budget=0.2 if adaptive else None,
+        **spool_options,
         **CREDENTIALS,
     )
     data = b"x" * 100
@@ -98,6 +110,8 @@ async def run_once(
             await producer.flush()
             failed += sum(1 for p in window if not p.result().success)
             wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    if scratch is not None:
+        scratch.cleanup()
     return {
         "records": records,
         "failed": failed,
@@ -137,6 +151,12 @@ def main() -> None:
         default=0,
         help="submit in batches of this many records with submit_many (0: one submit each)",
     )
+    parser.add_argument(
+        "--spool",
+        default="none",
+        help="comma-separated spool settings to run, interleaved: none (no spool_dir), or a "
+        "spool_fsync value (off, interval, commit)",
+    )
     parser.add_argument("--endpoint", default="emulator", type=check_endpoint, help=ENDPOINT_HELP)
     parser.add_argument("--profile", action="store_true", help="profile with pyinstrument")
     parser.add_argument("--json", help="write results to this file")
@@ -147,8 +167,9 @@ def main() -> None:
         client = boto3.client(
             "kinesis", region_name="us-east-1", endpoint_url=endpoint, **CREDENTIALS
         )
-        for backend in backends:
-            stream = f"bench-{backend}-{os.getpid()}-{int(time.time())}"
+        spools = args.spool.split(",")
+        for backend, spool in [(b, s) for b in backends for s in spools]:
+            stream = f"bench-{backend}-{spool}-{os.getpid()}-{int(time.time())}"
             client.create_stream(StreamName=stream, ShardCount=args.shards)
             client.get_waiter("stream_exists").wait(
                 StreamName=stream, WaiterConfig={"Delay": 0.2, "MaxAttempts": 300}
@@ -167,14 +188,22 @@ def main() -> None:
                 args.retain,
                 args.adaptive,
                 args.batch,
+                spool,
                 backend=backend,
             )
             if args.profile:
                 profiler.stop()
                 print(profiler.output_text(unicode=True, color=False, show_all=False))
-            results[backend] = result
-            print(f"{backend:8} {json.dumps(result)}", flush=True)
-        if len(results) == 2:
+            name = backend if len(spools) == 1 else f"{backend} spool={spool}"
+            results[name] = result
+            print(f"{name:8} {json.dumps(result)}", flush=True)
+        if len(spools) > 1:
+            for backend in backends:
+                base = results[f"{backend} spool={spools[0]}"]["records_per_second"]
+                for spool in spools[1:]:
+                    rate = results[f"{backend} spool={spool}"]["records_per_second"]
+                    print(f"{backend} spool={spool} / spool={spools[0]} = {rate / base:.2f}")
+        elif len(results) == 2:
             ratio = results["trio"]["records_per_second"] / results["asyncio"]["records_per_second"]
             print(f"trio / asyncio = {ratio:.2f}")
     if args.json:

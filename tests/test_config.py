@@ -220,6 +220,7 @@ INT_FIELDS = [
     "min_connections",
     "max_outstanding_records",
     "max_outstanding_bytes",
+    "spool_max_bytes",
 ]
 FLOAT_FIELDS = [
     "connect_timeout",
@@ -238,6 +239,7 @@ FLOAT_FIELDS = [
     "adaptive_floor",
     "adaptive_window",
     "retry_budget",
+    "spool_fsync_interval",
 ]
 #: float fields no integer fits (tested with floats only)
 FRACTION_FIELDS = ["adaptive_decrease"]
@@ -254,6 +256,8 @@ STR_FIELDS = [
     "metrics_namespace",
     "container_partition_key",
     "tenant_overflow",
+    "spool_dir",
+    "spool_fsync",
 ]
 
 
@@ -317,7 +321,7 @@ def test_huge_ints_for_float_fields_are_config_errors(name: str) -> None:
 # Python refuses to print an int of more than 4,300 digits (sys.get_int_max_str_digits), so these
 # values once broke the error message itself: a bare ValueError instead of a ConfigError.
 HUGE = 10**5000
-UNBOUNDED_INT_FIELDS = ["max_outstanding_records", "max_outstanding_bytes"]
+UNBOUNDED_INT_FIELDS = ["max_outstanding_records", "max_outstanding_bytes", "spool_max_bytes"]
 
 
 @pytest.mark.parametrize(
@@ -615,3 +619,18 @@ def test_stream_settings_are_frozen_and_hashable() -> None:
     assert hash(config) == hash(
         ProducerConfig(streams={"s": config_module.StreamSettings(record_ttl=5)})
     )
+
+
+# --- The spool ----------------------------------------------------------------------------
+
+
+def test_spool_settings() -> None:
+    config = ProducerConfig(spool_dir=Path("/var/spool/anykpl"), spool_fsync="commit")
+    assert config.spool_dir == Path("/var/spool/anykpl")
+    assert config.spool_max_bytes == 512 * 1024 * 1024
+    with pytest.raises(ConfigError, match=r"^spool_dir='' "):
+        ProducerConfig(spool_dir="")
+    with pytest.raises(ConfigError, match=r"^spool_fsync='always' .*'off', 'commit', 'interval'"):
+        ProducerConfig(spool_fsync="always")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^spool_max_bytes=1048576 .*>= 4194304"):
+        ProducerConfig(spool_max_bytes=1 << 20)

@@ -21,6 +21,8 @@ General layout (one private module per stage; follow a record top to bottom):
   task and the sinks that ship them (``MetricsSink``, ``CloudWatchSink``, ``PrometheusSink``,
   ``OpenTelemetrySink``), one module each.
 - ``_limits.py``: Kinesis service limits, the one source of each number.
+- ``_intake.py``: the per-record part of admission (validation, room, enqueue, finish).
+- ``_spool.py``: the durable spool (``spool_dir``): segment files on disk, recovery.
 - ``_tenants.py``: tenant quotas (per-tenant token buckets with reservations), checked at
   admission.
 - ``_fleet/``: fleet-wide caps shared through S3 — pure allocation, documents and worker
@@ -41,6 +43,7 @@ from ._producer import Producer as Producer
 from ._records import Attempt as Attempt
 from ._records import PendingRecord as PendingRecord
 from ._records import RecordResult as RecordResult
+from ._spool import SpoolStatistics as SpoolStatistics
 from ._statistics import ProducerStatistics as ProducerStatistics
 from ._statistics import ShardStatistics as ShardStatistics
 from ._statistics import StreamStatistics as StreamStatistics
@@ -65,6 +68,7 @@ __all__ = (
     "ProducerStatistics",
     "RecordResult",
     "ShardStatistics",
+    "SpoolStatistics",
     "StreamSettings",
     "StreamStatistics",
     "SyncProducer",

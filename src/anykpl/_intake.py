@@ -26,6 +26,7 @@ from . import _limits, errors
 from ._aggregator import Aggregator
 from ._records import KinesisRecord, PendingRecord, partition_key_hash
 from ._shard_map import ShardMap
+from ._spool import Spool
 
 __all__ = ("KEY_CACHE_LIMIT", "Intake", "StreamIntake", "offset_clock")
 
@@ -57,6 +58,13 @@ class Intake:
         # partition key -> (hash key, UTF-8 length): IoT-style workloads reuse keys, and an
         # MD5 costs more than the dictionary lookup
         self.key_cache: dict[str, tuple[int, int]] = {}
+        # the durable spool (``spool_dir``): every admitted record is appended to it
+        self.spool: Spool | None = None
+        # while records recovered from the spool are admitted, new records wait (they go first)
+        self.recovering = False
+        # records failed by the producer's own end (close, a crashed stage) stay spooled, for
+        # the next producer on the directory
+        self.keep_spooled = False
 
     def make_record(
         self,
@@ -109,8 +117,22 @@ class Intake:
         return PendingRecord(stream, key, payload, hash_key, ehk, 0.0, 0.0, 0.0, size)
 
     def has_room(self, size: int, stream: StreamIntake) -> bool:
-        """Whether a record of ``size`` bytes fits under the producer's caps and its stream's
-        backlog limit now (an empty producer, or stream, always takes one record)."""
+        """Whether a new record of ``size`` bytes fits under the producer's caps, its stream's
+        backlog limit and the spool's limit now (an empty producer, or stream, always takes
+        one record)."""
+        outstanding = len(self.outstanding)
+        spool = self.spool
+        return (
+            outstanding < self.max_records
+            and (self.outstanding_bytes + size <= self.max_bytes or not outstanding)
+            and stream.has_room(size)
+            and (
+                spool is None or (not self.recovering and (not outstanding or spool.has_room(size)))
+            )
+        )
+
+    def fits(self, size: int, stream: StreamIntake) -> bool:
+        """:meth:`has_room` for a record recovered from the spool (already on disk)."""
         outstanding = len(self.outstanding)
         return (
             outstanding < self.max_records
@@ -119,7 +141,14 @@ class Intake:
         )
 
     def enqueue(self, stream: StreamIntake, record: PendingRecord) -> None:
-        """Admit ``record``: it is outstanding from now on, and in its stream's aggregator."""
+        """Admit ``record``: it is outstanding from now on (on disk first, with a spool), and in
+        its stream's aggregator.
+
+        :raises ~anykpl.errors.SpoolError: the spool could not take it; it was not admitted.
+        """
+        spool = self.spool
+        if spool is not None and record.spool_segment is None:
+            spool.append(record)
         # the record's clock starts at admission, as the KPL's starts when the daemon sees it
         now = self.clock()
         record.arrival = now
@@ -139,12 +168,15 @@ class Intake:
         """Resolve the records still pending among ``records``; return how many there were,
         and their bytes."""
         outstanding = self.outstanding
+        spool = self.spool if not self.keep_spooled else None
         released = count = 0
         for record in records:
             if not record._state:  # still pending: resolve exactly once
                 outstanding.discard(record)
                 released += record.size
                 count += 1
+                if spool is not None and record.spool_segment is not None:
+                    spool.finished(record, success)
                 record._resolve(success)
         self.outstanding_bytes -= released
         self.on_finish()

@@ -86,6 +86,8 @@ METRICS: Final[Mapping[str, tuple[Unit, MetricsLevel]]] = {
     "KinesisRecordsPerPutRecordsRequest": ("Count", "detailed"),
     "UserRecordsPerPutRecordsRequest": ("Count", "detailed"),
     "UserRecordsFailed": ("Count", "detailed"),  # ours
+    "UserRecordsRecovered": ("Count", "summary"),  # ours: read back from the spool
+    "SpoolCorruptEntries": ("Count", "summary"),  # ours: skipped by the spool's recovery
 }
 
 #: One-second buckets kept for :meth:`Metrics.query` (the KPL keeps 60).

@@ -36,6 +36,7 @@ from ._metrics import Metrics, MetricValue
 from ._pipeline import Pipeline
 from ._records import AttemptRecord, PendingRecord, RecordResult
 from ._sender import Transport, open_transport
+from ._spool import RecoveredSegment, Spool, SpoolSyncer
 from ._statistics import ProducerStatistics
 from ._tenants import Reservation, TenantAdmission
 from ._token_bucket import BURST_SECONDS, TokenBucket
@@ -90,6 +91,10 @@ class Producer(anyio.AsyncContextManagerMixin):
     ``metrics_sinks`` receive the KPL metrics every ``metrics_upload_delay`` seconds (see
     :mod:`anykpl.metrics`). They are objects with state (clients, registries), so they are
     arguments of the producer rather than configuration values.
+
+    ``on_recovered`` (with ``ProducerConfig.spool_dir``) is called with the
+    :class:`PendingRecord` of each record recovered from the spool once it is terminal (its
+    ``result()`` has the outcome); see docs/spool.md.
     """
 
     def __init__(
@@ -98,6 +103,7 @@ class Producer(anyio.AsyncContextManagerMixin):
         *,
         transport: Transport | None = None,
         metrics_sinks: Sequence[MetricsSink] = (),
+        on_recovered: Callable[[PendingRecord], object] | None = None,
         **overrides: Any,
     ) -> None:
         if config is None:
@@ -143,6 +149,14 @@ class Producer(anyio.AsyncContextManagerMixin):
         if config.fleet is not None:
             self._fleet_bucket = TokenBucket(UNLIMITED, UNLIMITED, 0.0, burst=BURST_SECONDS)
         self._fleet_worker: FleetWorker | None = None
+        # the durable spool (spool_dir), its syncing task, and the recovery of what a previous
+        # process left in it
+        self._spool: Spool | None = None
+        self._syncer: SpoolSyncer | None = None
+        if config.spool_dir is not None:
+            self._spool = Spool(config.spool_dir, config.spool_max_bytes, config.spool_fsync)
+        self._on_recovered = on_recovered
+        self._recovery_done: anyio.Event | None = None
 
     def __repr__(self) -> str:
         return (
@@ -164,6 +178,8 @@ class Producer(anyio.AsyncContextManagerMixin):
                 # cancelling the caller's code in it
                 self._task_group = await tg.start(self._host_stages)
                 self._clock = self._intake.clock = self._metrics.clock = _backend_clock()
+                if self._spool is not None:
+                    await self._open_spool(self._spool, self._task_group)
                 if self._metrics_sinks and self.config.metrics_level != "none":
                     self._uploader = Uploader(self._metrics, self._metrics_sinks, self.config)
                     self._task_group.start_soon(self._uploader.run)
@@ -198,6 +214,83 @@ class Producer(anyio.AsyncContextManagerMixin):
             self._state = "closed"
             self._fail_closed()  # the safety net, also when opening the transport failed
             self._freeze_clock()
+            if self._spool is not None:
+                self._spool.close()
+
+    async def _open_spool(self, spool: Spool, group: anyio.abc.TaskGroup) -> None:
+        """Take the spool directory, read what a previous process left there, and start
+        sending it (new records wait until all of it is admitted)."""
+        self._intake.spool = spool
+        recovered = await anyio.to_thread.run_sync(spool.open)
+        if spool.corrupt_entries:
+            self._metrics.add("SpoolCorruptEntries", spool.corrupt_entries, None, None, None)
+        if self.config.spool_fsync != "off":
+            self._syncer = SpoolSyncer(spool, self.config.spool_fsync_interval)
+            group.start_soon(self._syncer.run)
+        if recovered:
+            self._intake.recovering = True
+            self._recovery_done = anyio.Event()
+            group.start_soon(self._admit_recovered, spool, recovered)
+
+    async def _admit_recovered(self, spool: Spool, recovered: list[RecoveredSegment]) -> None:
+        """Admit the records recovered from the spool, oldest first, as ordinary records
+        (waiting for room as ``submit`` does, without ``admission_timeout``)."""
+        intake = self._intake
+        try:
+            for batch in recovered:
+                admitted = 0
+                for entry in batch.entries:
+                    if self._state != "open":
+                        return  # the rest stays in the spool, for the next producer
+                    try:
+                        record = intake.make_record(
+                            entry.stream, entry.data, entry.partition_key, entry.explicit_hash_key
+                        )
+                        record.tenant = entry.tenant
+                        pipeline = self._pipelines.get(entry.stream) or self._open_pipeline(
+                            entry.stream
+                        )
+                    except (errors.InvalidRecordError, errors.RecordTypeError) as exc:
+                        logger.error(
+                            "spool %s: a recovered record of stream %r is dropped: %s",
+                            spool.directory,
+                            entry.stream,
+                            exc,
+                            extra={"spool_dir": str(spool.directory), "stream": entry.stream},
+                        )
+                        spool.discard(batch.segment)
+                        continue
+                    record.spool_segment = batch.segment
+                    while not intake.fits(record.size, pipeline.intake):
+                        if self._room is None:
+                            self._room = anyio.Event()
+                        await self._room.wait()
+                        if self._state != "open":
+                            return
+                    if self._on_recovered is not None:
+                        record._on_done = self._on_recovered
+                    self._enqueue(entry.stream, pipeline, record)
+                    self._metrics.add("UserRecordsRecovered", 1, entry.stream, None, None)
+                    admitted += 1
+                    if admitted % CHECKPOINT_EVERY == 0:
+                        await anyio.lowlevel.checkpoint()
+                logger.info(
+                    "spool %s: %d record(s) recovered from segment %s are admitted%s",
+                    spool.directory,
+                    admitted,
+                    batch.segment.path.name,
+                    f" ({batch.corrupt} corrupt entries skipped)" if batch.corrupt else "",
+                    extra={
+                        "spool_dir": str(spool.directory),
+                        "records": admitted,
+                        "corrupt": batch.corrupt,
+                    },
+                )
+        finally:
+            intake.recovering = False
+            self._wake_waiters()
+            if self._recovery_done is not None:
+                self._recovery_done.set()
 
     async def _host_stages(
         self, *, task_status: anyio.abc.TaskStatus[anyio.abc.TaskGroup] = anyio.TASK_STATUS_IGNORED
@@ -241,6 +334,7 @@ class Producer(anyio.AsyncContextManagerMixin):
             return
         done = self._shut_down_event = anyio.Event()
         self._state = "closing"
+        self._wake_waiters()  # waits for room end now (the spool's recovery among them)
         closing_at = anyio.current_time()
         try:
             await self._close(cancelled)
@@ -456,6 +550,8 @@ class Producer(anyio.AsyncContextManagerMixin):
                 self._tenants.release(reservation, self._clock())
             raise
         self._enqueue(stream, pipeline, record)
+        if self._syncer is not None and self.config.spool_fsync == "commit":
+            await self._syncer.wait()
         return record
 
     def _enqueue(self, stream: str, pipeline: Pipeline, record: PendingRecord) -> None:
@@ -523,6 +619,8 @@ class Producer(anyio.AsyncContextManagerMixin):
             self._enqueue(stream, pipeline, record)
             if pipeline.stopped:  # it went idle while this call waited: _enqueue reopened it
                 pipeline = self._pipelines[stream]
+        if self._syncer is not None and self.config.spool_fsync == "commit":
+            await self._syncer.wait()  # one sync for the batch
         # one checkpoint for the batch: the stages run, and cancellation gets in
         await anyio.lowlevel.checkpoint()
         return made
@@ -560,7 +658,15 @@ class Producer(anyio.AsyncContextManagerMixin):
                         self._room = anyio.Event()
                     await self._room.wait()
         except TimeoutError:
-            if pipeline.has_room(size):
+            spool = self._spool
+            if spool is not None and self._intake.recovering:
+                held = "the records recovered from the spool are admitted first"
+            elif spool is not None and not spool.has_room(size):
+                held = (
+                    f"the spool holds {spool.bytes} bytes of spool_max_bytes={spool.max_bytes}"
+                    f" in {spool.statistics().segments} segment(s)"
+                )
+            elif pipeline.has_room(size):
                 intake = self._intake
                 held = (
                     f"{len(intake.outstanding)} records / {intake.outstanding_bytes} bytes "
@@ -591,6 +697,13 @@ class Producer(anyio.AsyncContextManagerMixin):
     def _fail_outstanding(self, code: str, message: str) -> None:
         if not self._intake.outstanding:
             return
+        if self._spool is not None:
+            # the producer's end, not the records': they stay spooled for the next producer
+            self._intake.keep_spooled = True
+            message += (
+                f"; it stays in the spool ({self._spool.directory}) and is sent by the next "
+                "producer opened on it"
+            )
         now = anyio.current_time() if self._task_group is not None else 0.0
         attempt = AttemptRecord(now, now, False, code, message)
         by_stream: dict[str, list[PendingRecord]] = {}
@@ -620,6 +733,19 @@ class Producer(anyio.AsyncContextManagerMixin):
         :raises ~anykpl.errors.FlushTimeout: if ``timeout`` seconds pass first (nothing is
             failed; the records carry on).
         """
+        recovery = self._recovery_done
+        if recovery is not None and not recovery.is_set():
+            # records recovered from the spool count as put before this flush
+            started = anyio.current_time()
+            with anyio.move_on_after(timeout if timeout is not None else math.inf):
+                await recovery.wait()
+            if not recovery.is_set():
+                raise errors.FlushTimeout(
+                    f"flush timed out after {timeout} s while the records recovered from the "
+                    "spool were still being admitted"
+                )
+            if timeout is not None:
+                timeout = max(0.0, timeout - (anyio.current_time() - started))
         if stream is None:
             snapshot = list(self._intake.outstanding)
             pipelines = list(self._pipelines.values())
@@ -661,6 +787,7 @@ class Producer(anyio.AsyncContextManagerMixin):
             metrics=self._metrics.snapshot(),
             tenants=self._tenants.statistics(now),
             fleet=None if self._fleet_worker is None else self._fleet_worker.statistics(),
+            spool=None if self._spool is None else self._spool.statistics(),
         )
 
     def _fleet_demand(self) -> FleetDemand:

@@ -20,12 +20,15 @@ import logging
 import math
 from collections.abc import Callable, Generator
 from hashlib import md5
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import anyio
 
 from . import errors
 from ._wire import AggregateBuilder
+
+if TYPE_CHECKING:
+    from ._spool import Segment
 
 __all__ = ("Attempt", "KinesisRecord", "PendingRecord", "RecordResult")
 
@@ -122,6 +125,7 @@ class PendingRecord:
         "sequence_number",
         "shard_id",
         "size",
+        "spool_segment",
         "stream",
         "sub_sequence_number",
         "tenant",
@@ -155,6 +159,8 @@ class PendingRecord:
         self.sub_sequence_number: int | None = None
         # the tenant it was put for (tenant quotas and the Limiter's fair queue), or None
         self.tenant: str | None = None
+        # the spool segment that holds the record on disk (``spool_dir``), until it is terminal
+        self.spool_segment: Segment | None = None
         # The latest attempt in a slot and earlier ones in a tuple: no list per record, since
         # most records succeed at the first attempt (every allocation here costs GC time).
         self._last_attempt: AttemptRecord | None = None

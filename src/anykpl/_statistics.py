@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ._fleet import FleetStatistics
     from ._metrics import MetricKey
+    from ._spool import SpoolStatistics
     from ._tenants import TenantStatistics
 
 __all__ = (
@@ -152,6 +153,9 @@ class ProducerStatistics:
         fleet: this producer's place in its fleet (:class:`~anykpl._fleet.FleetStatistics`:
             role, mode, the rate applied, the grant's expiry, S3 errors), or ``None`` without
             ``ProducerConfig.fleet`` (see docs/fleet.md).
+        spool: the durable spool (:class:`~anykpl.SpoolStatistics`: bytes and segments on
+            disk, records recovered and their outcomes, corrupt entries skipped), or ``None``
+            without ``ProducerConfig.spool_dir`` (see docs/spool.md).
     """
 
     outstanding_records: int
@@ -161,3 +165,4 @@ class ProducerStatistics:
     metrics: Mapping[MetricKey, float]
     tenants: Mapping[str, TenantStatistics] = field(default_factory=dict)
     fleet: FleetStatistics | None = None
+    spool: SpoolStatistics | None = None

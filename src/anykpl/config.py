@@ -53,6 +53,9 @@ __all__ = ("FleetConfig", "ProducerConfig", "StreamSettings", "TenantQuota")
 
 HttpBackend = Literal["auto", "aiohttp", "httpx"]
 TenantOverflow = Literal["wait", "reject"]
+SpoolFsync = Literal["off", "commit", "interval"]
+#: The smallest ``spool_max_bytes``: room for a few segments.
+MIN_SPOOL_BYTES: Final = 4 * 1024 * 1024
 MetricsLevel = Literal["none", "summary", "detailed"]
 MetricsGranularity = Literal["global", "stream", "shard"]
 
@@ -374,6 +377,22 @@ class ProducerConfig:
             ``None`` (such tenants are not limited, but still queue fairly).
         tenant_overflow: What a put over its tenant's quota does: ``"wait"`` for tokens (the
             default) or ``"reject"`` at once with :class:`~anykpl.errors.TenantQuotaExceeded`.
+        spool_dir: A directory for the durable spool: every admitted record is written there
+            before ``submit`` returns and stays until it is terminal, so records survive a
+            crash or ``kill -9`` of the process; a producer opened on the directory later sends
+            what it finds there first (see docs/spool.md). Created if missing; one producer at
+            a time owns it. Default ``None`` (no spool: records live in memory only).
+        spool_max_bytes: Most bytes of segment files the spool may hold; ``submit`` waits for
+            room beyond it (backpressure, like ``max_outstanding_bytes``). Default 536870912
+            (512 MiB), at least 4 MiB. Only with ``spool_dir``.
+        spool_fsync: When the spool's files are synced to disk, which decides whether records
+            also survive power loss (without a sync they survive the process, not the
+            machine): ``"off"`` (the default: the kernel writes them back in its own time),
+            ``"commit"`` (each ``submit`` returns once its record is synced; concurrent submits
+            share one sync) or ``"interval"`` (every ``spool_fsync_interval`` seconds). What
+            each costs is in docs/spool.md.
+        spool_fsync_interval: Seconds between syncs with ``spool_fsync="interval"``. Default
+            1.0, 0.001..3600.
         streams: Per-stream settings, stream name (or ARN, as given to ``put_record``) →
             :class:`StreamSettings`: record-level settings of that stream that differ from
             the fields above (buffering time, TTL, aggregation, collection, rate limit...).
@@ -434,6 +453,12 @@ class ProducerConfig:
     default_tenant_quota: TenantQuota | None = None
     tenant_overflow: TenantOverflow = "wait"
     streams: Mapping[str, StreamSettings] = field(default_factory=dict)
+
+    # The durable spool
+    spool_dir: str | os.PathLike[str] | None = None
+    spool_max_bytes: int = 512 * 1024 * 1024
+    spool_fsync: SpoolFsync = "off"
+    spool_fsync_interval: float = 1.0
 
     def __post_init__(self) -> None:
         # Connection / AWS
@@ -510,6 +535,16 @@ class ProducerConfig:
         ):
             _fail("default_tenant_quota", self.default_tenant_quota, "None or a TenantQuota")
         _check_choice(self, "tenant_overflow", get_args(TenantOverflow))
+
+        # The durable spool
+        spool_dir = self.spool_dir
+        if spool_dir is not None and (
+            not isinstance(spool_dir, (str, os.PathLike)) or not os.fspath(spool_dir)
+        ):
+            _fail("spool_dir", spool_dir, "None or a directory path (str or os.PathLike)")
+        _check_int(self, "spool_max_bytes", MIN_SPOOL_BYTES, None)
+        _check_choice(self, "spool_fsync", get_args(SpoolFsync))
+        _check_number(self, "spool_fsync_interval", 0.001, 3600.0)
 
     def __repr__(self) -> str:
         # The dataclass repr, except that an integer too long to print is described instead

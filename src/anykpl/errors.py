@@ -16,6 +16,9 @@ The hierarchy (and whether anykpl or the caller may retry)::
     │                                        ran out after admission; the record is still in
     │                                        flight (.future); putting it again duplicates it
     ├── AggregationFormatError (ValueError)  corrupt aggregated record         not retriable
+    ├── SpoolError (OSError)                 spool_dir unusable (not writable,  not retriable
+    │   │                                    disk full); nothing was enqueued
+    │   └── SpoolLockedError                 another producer owns spool_dir    not retriable
     └── RecordFailedError                    a record failed; .result has every Attempt
 
 Record-level outcomes are not exceptions until they reach the caller: the Sender translates
@@ -45,6 +48,8 @@ __all__ = (
     "PutTimeout",
     "RecordFailedError",
     "RecordTypeError",
+    "SpoolError",
+    "SpoolLockedError",
     "TenantQuotaExceeded",
     "is_retriable",
 )
@@ -91,6 +96,17 @@ class BackpressureTimeout(AnyKplError, TimeoutError):
     retriable = True
     #: handles of the records ``submit_many`` admitted before it ran out of time
     admitted: tuple[Any, ...] = ()
+
+
+class SpoolError(AnyKplError, OSError):
+    """The spool directory (``spool_dir``) cannot be used: it cannot be created or written,
+    or a new segment cannot be allocated (a full disk). Raised when the producer opens, or by
+    the ``submit`` whose record needed the new segment; that record was not enqueued."""
+
+
+class SpoolLockedError(SpoolError):
+    """Another producer (in this process or another) owns the spool directory. One producer at
+    a time owns a ``spool_dir``; a lock left by a process that is gone is taken over."""
 
 
 class TenantQuotaExceeded(AnyKplError):
