@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import anyio
 import pytest
 
 from anykpl import errors
@@ -16,6 +17,7 @@ from anykpl._spool import (
     FILE_HEADER_SIZE,
     RecoveredEntry,
     Spool,
+    SpoolSyncer,
     parse_segment,
 )
 
@@ -123,7 +125,12 @@ def test_files_that_are_not_segments_do_not_stop_the_start(tmp_path: Path) -> No
     spool = Spool(tmp_path, MAX)
     assert spool.open() == []
     assert spool.corrupt_entries == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["LOCK", "notes.txt"]
+    # the unreadable one is set aside, never deleted; the empty one goes
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "0000000000000001.seg.unreadable",
+        "LOCK",
+        "notes.txt",
+    ]
     # new segments are numbered after the old ones
     spool.append(record(1))
     assert spool.active is not None
@@ -171,3 +178,59 @@ def test_a_second_spool_on_the_directory_is_refused(tmp_path: Path) -> None:
         Spool(tmp_path, MAX).open()
     first.close()
     Spool(tmp_path, MAX).open()
+
+
+def test_a_damaged_file_header_sets_the_segment_aside(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    spool = spool_with(tmp_path, [record(i) for i in range(10)])
+    segment = spool.active
+    assert segment is not None
+    assert segment.mm is not None
+    segment.mm[12] ^= 0x01  # one bit of the generation
+    path = segment.path
+    crash(spool)
+    again = Spool(tmp_path, MAX)
+    with caplog.at_level(logging.ERROR, logger="anykpl.spool"):
+        assert again.open() == []
+    assert again.corrupt_entries == 1
+    assert not path.exists()
+    assert path.with_name(path.name + ".unreadable").exists()
+    assert "not a readable segment" in caplog.text
+
+
+def test_a_torn_first_append_after_a_start_over_is_not_corruption(tmp_path: Path) -> None:
+    old = [record(i) for i in range(20)]
+    spool = spool_with(tmp_path, old)
+    for r in old:
+        spool.finished(r, True)  # starts over
+    segment = spool.active
+    assert segment is not None
+    assert segment.mm is not None
+    # the next append is cut short before its header is written: its body only
+    segment.mm[FILE_HEADER_SIZE + ENTRY_HEADER_SIZE : FILE_HEADER_SIZE + 60] = b"z" * 44
+    crash(spool)
+    again = Spool(tmp_path, MAX)
+    assert again.open() == []
+    assert again.corrupt_entries == 0
+
+
+@pytest.mark.anyio
+async def test_commit_waiters_are_released_when_the_syncer_stops(tmp_path: Path) -> None:
+
+    spool = Spool(tmp_path, MAX, fsync="commit")
+    spool.open()
+    syncer = SpoolSyncer(spool, 1.0)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(syncer.run)
+        await anyio.lowlevel.checkpoint()
+        spool.append(record(1))
+        await syncer.wait()  # a sync ran for it
+        assert syncer.synced == 1
+        assert spool.syncs == 1
+        tg.cancel_scope.cancel()
+    spool.append(record(2))
+    with anyio.fail_after(5):
+        await syncer.wait()  # nobody syncs any more: it returns instead of hanging
+    assert syncer.stopped
+    spool.close()

@@ -240,7 +240,8 @@ class Producer(anyio.AsyncContextManagerMixin):
             for batch in recovered:
                 admitted = 0
                 for entry in batch.entries:
-                    if self._state != "open":
+                    # (started before the producer is open: "new" goes on)
+                    if self._state in ("closing", "closed"):
                         return  # the rest stays in the spool, for the next producer
                     try:
                         record = intake.make_record(
@@ -265,7 +266,7 @@ class Producer(anyio.AsyncContextManagerMixin):
                         if self._room is None:
                             self._room = anyio.Event()
                         await self._room.wait()
-                        if self._state != "open":
+                        if self._state in ("closing", "closed"):
                             return
                     if self._on_recovered is not None:
                         record._on_done = self._on_recovered
@@ -545,11 +546,11 @@ class Producer(anyio.AsyncContextManagerMixin):
                     await anyio.lowlevel.checkpoint()
                     if self._state != "open":
                         raise self._not_open()
+            self._enqueue(stream, pipeline, record)  # with a spool, SpoolError can refuse it
         except BaseException:
             if reservation is not None:  # not enqueued after all: the tenant's tokens go back
                 self._tenants.release(reservation, self._clock())
             raise
-        self._enqueue(stream, pipeline, record)
         if self._syncer is not None and self.config.spool_fsync == "commit":
             await self._syncer.wait()
         return record
@@ -601,26 +602,31 @@ class Producer(anyio.AsyncContextManagerMixin):
             await anyio.lowlevel.checkpoint()
             return made
         pipeline = self._pipelines.get(stream) or self._open_pipeline(stream)
-        for position, record in enumerate(made):
-            reservation = None
-            if checked_tenant is not None:
-                reservation = await self._admit_tenant(record, checked_tenant)
-            if not self._intake.has_room(record.size, pipeline.intake) or self._state != "open":
+        try:
+            for position, record in enumerate(made):
+                reservation = None
+                if checked_tenant is not None:
+                    reservation = await self._admit_tenant(record, checked_tenant)
                 try:
-                    await self._wait_for_room(record.size, reservation, pipeline)
-                    if self._state != "open":
-                        raise self._not_open()
+                    if (
+                        not self._intake.has_room(record.size, pipeline.intake)
+                        or self._state != "open"
+                    ):
+                        await self._wait_for_room(record.size, reservation, pipeline)
+                        if self._state != "open":
+                            raise self._not_open()
+                    self._enqueue(stream, pipeline, record)
                 except BaseException as exc:
                     if reservation is not None:
                         self._tenants.release(reservation, self._clock())
-                    if isinstance(exc, errors.BackpressureTimeout):
+                    if isinstance(exc, (errors.BackpressureTimeout, errors.SpoolError)):
                         exc.admitted = tuple(made[:position])
                     raise
-            self._enqueue(stream, pipeline, record)
-            if pipeline.stopped:  # it went idle while this call waited: _enqueue reopened it
-                pipeline = self._pipelines[stream]
-        if self._syncer is not None and self.config.spool_fsync == "commit":
-            await self._syncer.wait()  # one sync for the batch
+                if pipeline.stopped:  # it went idle while this call waited: _enqueue reopened it
+                    pipeline = self._pipelines[stream]
+        finally:
+            if self._syncer is not None and self.config.spool_fsync == "commit":
+                await self._syncer.wait()  # one sync for the batch (what it admitted of it)
         # one checkpoint for the batch: the stages run, and cancellation gets in
         await anyio.lowlevel.checkpoint()
         return made
@@ -892,6 +898,11 @@ def _check_tenant(tenant: object) -> str:
         raise errors.InvalidRecordError(
             f"tenant must be 1..{MAX_TENANT_LENGTH} characters, got {len(tenant)}"
         )
+    if not tenant.isascii():
+        try:
+            tenant.encode()
+        except UnicodeEncodeError as exc:
+            raise errors.InvalidRecordError(f"tenant is not valid Unicode: {exc}") from None
     return tenant
 
 

@@ -18,7 +18,8 @@ meanwhile, ``"interval"``: a sync every ``spool_fsync_interval`` seconds).
 
 File layout, little-endian throughout::
 
-    file header (32 bytes): b"ANYKPLSP", version u32, generation u32, sequence u64, 8 zero
+    file header (32 bytes): b"ANYKPLSP", version u32, generation u32, sequence u64,
+                            CRC-32 of those 24 bytes u32, 4 zero
     entry: magic u16, version u8, 0 u8, generation u32, body length u32, CRC-32 u32, body
     body:  stream length u16, key length u16, hash key length u8, tenant length u16,
            stream, partition key, explicit hash key (decimal ASCII), tenant (UTF-8), data
@@ -73,7 +74,7 @@ logger = logging.getLogger("anykpl.spool")
 
 FILE_MAGIC: Final = b"ANYKPLSP"
 VERSION: Final = 1
-_FILE_HEADER = struct.Struct("<8sIIQ8x")
+_FILE_HEADER = struct.Struct("<8sIIQI4x")  # the last u32: CRC-32 of the 24 bytes before it
 FILE_HEADER_SIZE: Final = _FILE_HEADER.size  # 32
 ENTRY_MAGIC: Final = 0x5BA7
 _ENTRY_MAGIC_BYTES: Final = struct.pack("<H", ENTRY_MAGIC)
@@ -314,7 +315,7 @@ class Spool:
         need = size + ENTRY_OVERHEAD
         if active is not None and active.pos + need <= active.size:
             return True
-        grown = max(self.segment_bytes, FILE_HEADER_SIZE + need)
+        grown = max(self.segment_bytes, _round_up(FILE_HEADER_SIZE + need))
         used = self.bytes
         if active is not None and active.live == 0:
             used -= active.size  # an empty active segment makes way for the new one
@@ -386,7 +387,7 @@ class Spool:
         segment.fd = fd
         segment.mm = mm
         segment.set_generation(1)
-        _FILE_HEADER.pack_into(mm, 0, FILE_MAGIC, VERSION, 1, sequence)
+        _pack_file_header(mm, 1, sequence)
         self.segments[sequence] = segment
         self.bytes += size
         self.active = segment
@@ -408,7 +409,8 @@ class Spool:
             assert mm is not None
             generation = segment.generation + 1
             segment.set_generation(generation)
-            _FILE_HEADER.pack_into(mm, 0, FILE_MAGIC, VERSION, generation, segment.sequence)
+            _pack_file_header(mm, generation, segment.sequence)
+            mm[FILE_HEADER_SIZE : FILE_HEADER_SIZE + ENTRY_HEADER_SIZE] = _END_MARK
             segment.pos = FILE_HEADER_SIZE
             return
         self._drop(segment)
@@ -530,6 +532,21 @@ class Spool:
                 f"spool_dir {str(self.directory)!r}: cannot read {path.name}: {exc.strerror or exc}"
             ) from exc
         entries, corrupt, valid_end = parse_segment(content)
+        if content and valid_end == 0:
+            # not a segment we can read (a damaged header, another version): set aside, never
+            # deleted, and never replayed
+            aside = path.with_name(path.name + ".unreadable")
+            os.replace(path, aside)
+            self.corrupt_entries += 1
+            logger.error(
+                "spool %s: %s is not a readable segment (damaged header or another format "
+                "version); set aside as %s, its records are not sent",
+                self.directory,
+                path.name,
+                aside.name,
+                extra={"spool_dir": str(self.directory), "segment": path.name},
+            )
+            return None
         if corrupt:
             self.corrupt_entries += corrupt
             logger.warning(
@@ -578,12 +595,13 @@ def parse_segment(content: bytes) -> tuple[list[RecoveredEntry], int, int]:
     where the last entry that checks ends."""
     if len(content) < FILE_HEADER_SIZE:
         return [], 1 if content else 0, 0
-    magic, version, generation, _sequence = _FILE_HEADER.unpack_from(content, 0)
-    if magic != FILE_MAGIC or version != VERSION:
+    magic, version, generation, _sequence, header_crc = _FILE_HEADER.unpack_from(content, 0)
+    if magic != FILE_MAGIC or version != VERSION or zlib.crc32(content[:24]) != header_crc:
         return [], 1, 0
     seed = zlib.crc32(_GENERATION.pack(generation))
     entries: list[RecoveredEntry] = []
     corrupt = 0
+    in_bad_run = False
     pos = valid_end = FILE_HEADER_SIZE
     end = len(content)
     while pos + ENTRY_HEADER_SIZE <= end:
@@ -608,16 +626,25 @@ def parse_segment(content: bytes) -> tuple[list[RecoveredEntry], int, int]:
                 checks = zlib.crc32(content[start : start + body], seed) == crc
         entry = _decode_body(content, start, body) if checks else None
         if entry is None:
-            # torn or corrupt: go on at the next entry that checks, if there is one
-            corrupt += 1
+            # torn or corrupt: go on at the next entry that checks, if there is one (a run of
+            # bad bytes between two good entries counts once)
+            if not in_bad_run:
+                corrupt += 1
+                in_bad_run = True
             found = content.find(_ENTRY_MAGIC_BYTES, pos + 1)
             if found < 0:
                 break
             pos = found
             continue
         entries.append(entry)
+        in_bad_run = False
         pos = valid_end = start + body
     return entries, corrupt, valid_end
+
+
+def _pack_file_header(mm: mmap.mmap, generation: int, sequence: int) -> None:
+    head = struct.pack("<8sIIQ", FILE_MAGIC, VERSION, generation, sequence)
+    _FILE_HEADER.pack_into(mm, 0, FILE_MAGIC, VERSION, generation, sequence, zlib.crc32(head))
 
 
 def _decode_body(content: bytes, start: int, body: int) -> RecoveredEntry | None:
@@ -720,6 +747,7 @@ class SpoolSyncer:
         self._kick = anyio.Event()
         self._done: anyio.Event | None = None
         self.failures = 0
+        self.stopped = False  # run() ended: nobody syncs any more, and nobody waits
 
     async def wait(self) -> None:
         """Return once every record appended so far is synced (shielded: the records are
@@ -728,7 +756,7 @@ class SpoolSyncer:
         if self.synced >= target:
             return
         with anyio.CancelScope(shield=True):
-            while self.synced < target:
+            while self.synced < target and not self.stopped:
                 done = self._done
                 if done is None:
                     done = self._done = anyio.Event()
@@ -737,13 +765,20 @@ class SpoolSyncer:
 
     async def run(self) -> None:
         commit = self.spool.fsync == "commit"
-        while True:
-            if commit:
-                await self._kick.wait()
-                self._kick = anyio.Event()
-            else:
-                await anyio.sleep(self.interval)
-            await self.sync()
+        try:
+            while True:
+                if commit:
+                    await self._kick.wait()
+                    self._kick = anyio.Event()
+                else:
+                    await anyio.sleep(self.interval)
+                await self.sync()
+        finally:
+            # the producer is closing: waiters stop waiting (their records are admitted)
+            self.stopped = True
+            done, self._done = self._done, None
+            if done is not None:
+                done.set()
 
     async def sync(self) -> None:
         spool = self.spool

@@ -101,7 +101,11 @@ class BackpressureTimeout(AnyKplError, TimeoutError):
 class SpoolError(AnyKplError, OSError):
     """The spool directory (``spool_dir``) cannot be used: it cannot be created or written,
     or a new segment cannot be allocated (a full disk). Raised when the producer opens, or by
-    the ``submit`` whose record needed the new segment; that record was not enqueued."""
+    the ``submit`` whose record needed the new segment; that record was not enqueued (from
+    ``submit_many``, ``admitted`` holds the handles of the records admitted before it)."""
+
+    #: handles of the records ``submit_many`` admitted before it
+    admitted: tuple[Any, ...] = ()
 
 
 class SpoolLockedError(SpoolError):
