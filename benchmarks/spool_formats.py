@@ -41,7 +41,10 @@ def spool_way(directory: str, batch: list[PendingRecord]) -> tuple[float, float]
         spool.append(r)
     t1 = time.perf_counter()
     for r in batch:
-        spool.finished(r, True)
+        segment = r.spool_segment
+        assert segment is not None
+        r.spool_segment = None
+        spool.finished(segment, True)
     t2 = time.perf_counter()
     spool.close()
     return t1 - t0, t2 - t1

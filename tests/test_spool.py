@@ -43,6 +43,15 @@ def spool_with(directory: Path, records: list[PendingRecord]) -> Spool:
     return spool
 
 
+def finish(spool: Spool, records: list[PendingRecord], success: bool) -> None:
+    """What ``Intake.finish`` does for spooled records."""
+    for r in records:
+        segment = r.spool_segment
+        assert segment is not None
+        r.spool_segment = None
+        spool.finished(segment, success)
+
+
 def crash(spool: Spool) -> None:
     """Leave the files as a killed process would: mapped pages written, nothing removed."""
     for segment in spool.segments.values():
@@ -105,8 +114,7 @@ def test_a_torn_tail_is_truncated_and_counted(tmp_path: Path) -> None:
 def test_a_segment_that_started_over_replays_only_its_new_entries(tmp_path: Path) -> None:
     old = [record(i) for i in range(20)]
     spool = spool_with(tmp_path, old)
-    for r in old:
-        spool.finished(r, True)  # all terminal: the active segment starts over
+    finish(spool, old, True)  # all terminal: the active segment starts over
     assert spool.records == 0
     new = [record(100 + i) for i in range(3)]
     for r in new:
@@ -162,10 +170,9 @@ def test_recovered_segments_go_once_their_records_are_terminal(tmp_path: Path) -
             r = record(0)
             r.spool_segment = batch.segment
             handles.append(r)
-    for r in handles[:-1]:
-        again.finished(r, True)
+    finish(again, handles[:-1], True)
     assert len(list(tmp_path.glob("*.seg"))) == 1
-    again.finished(handles[-1], False)
+    finish(again, handles[-1:], False)
     assert list(tmp_path.glob("*.seg")) == []
     stats = again.statistics()
     assert (stats.recovered_delivered, stats.recovered_failed, stats.bytes) == (2999, 1, 0)
@@ -202,8 +209,7 @@ def test_a_damaged_file_header_sets_the_segment_aside(
 def test_a_torn_first_append_after_a_start_over_is_not_corruption(tmp_path: Path) -> None:
     old = [record(i) for i in range(20)]
     spool = spool_with(tmp_path, old)
-    for r in old:
-        spool.finished(r, True)  # starts over
+    finish(spool, old, True)  # starts over
     segment = spool.active
     assert segment is not None
     assert segment.mm is not None

@@ -116,10 +116,10 @@ class Intake:
             )
         return PendingRecord(stream, key, payload, hash_key, ehk, 0.0, 0.0, 0.0, size)
 
-    def has_room(self, size: int, stream: StreamIntake) -> bool:
-        """Whether a new record of ``size`` bytes fits under the producer's caps, its stream's
+    def has_room(self, size: int, stream: StreamIntake, recovered: bool = False) -> bool:
+        """Whether a record of ``size`` bytes fits under the producer's caps, its stream's
         backlog limit and the spool's limit now (an empty producer, or stream, always takes
-        one record)."""
+        one record). A ``recovered`` one (already on disk) skips the spool's checks."""
         outstanding = len(self.outstanding)
         spool = self.spool
         return (
@@ -127,17 +127,10 @@ class Intake:
             and (self.outstanding_bytes + size <= self.max_bytes or not outstanding)
             and stream.has_room(size)
             and (
-                spool is None or (not self.recovering and (not outstanding or spool.has_room(size)))
+                spool is None
+                or recovered
+                or (not self.recovering and (not outstanding or spool.has_room(size)))
             )
-        )
-
-    def fits(self, size: int, stream: StreamIntake) -> bool:
-        """:meth:`has_room` for a record recovered from the spool (already on disk)."""
-        outstanding = len(self.outstanding)
-        return (
-            outstanding < self.max_records
-            and (self.outstanding_bytes + size <= self.max_bytes or not outstanding)
-            and stream.has_room(size)
         )
 
     def enqueue(self, stream: StreamIntake, record: PendingRecord) -> None:
@@ -175,8 +168,11 @@ class Intake:
                 outstanding.discard(record)
                 released += record.size
                 count += 1
-                if spool is not None and record.spool_segment is not None:
-                    spool.finished(record, success)
+                if spool is not None:
+                    segment = record.spool_segment
+                    if segment is not None:
+                        record.spool_segment = None
+                        spool.finished(segment, success)
                 record._resolve(success)
         self.outstanding_bytes -= released
         self.on_finish()

@@ -149,10 +149,10 @@ class Producer(anyio.AsyncContextManagerMixin):
         if config.fleet is not None:
             self._fleet_bucket = TokenBucket(UNLIMITED, UNLIMITED, 0.0, burst=BURST_SECONDS)
         self._fleet_worker: FleetWorker | None = None
-        # the durable spool (spool_dir), its syncing task, and the recovery of what a previous
-        # process left in it
+        # the durable spool (spool_dir), the syncer submits wait for (spool_fsync="commit"),
+        # and the recovery of what a previous process left in it
         self._spool: Spool | None = None
-        self._syncer: SpoolSyncer | None = None
+        self._commit: SpoolSyncer | None = None
         if config.spool_dir is not None:
             self._spool = Spool(config.spool_dir, config.spool_max_bytes, config.spool_fsync)
         self._on_recovered = on_recovered
@@ -225,8 +225,10 @@ class Producer(anyio.AsyncContextManagerMixin):
         if spool.corrupt_entries:
             self._metrics.add("SpoolCorruptEntries", spool.corrupt_entries, None, None, None)
         if self.config.spool_fsync != "off":
-            self._syncer = SpoolSyncer(spool, self.config.spool_fsync_interval)
-            group.start_soon(self._syncer.run)
+            syncer = SpoolSyncer(spool, self.config.spool_fsync_interval)
+            group.start_soon(syncer.run)
+            if self.config.spool_fsync == "commit":
+                self._commit = syncer
         if recovered:
             self._intake.recovering = True
             self._recovery_done = anyio.Event()
@@ -259,10 +261,10 @@ class Producer(anyio.AsyncContextManagerMixin):
                             exc,
                             extra={"spool_dir": str(spool.directory), "stream": entry.stream},
                         )
-                        spool.discard(batch.segment)
+                        spool.finished(batch.segment, False)
                         continue
                     record.spool_segment = batch.segment
-                    while not intake.fits(record.size, pipeline.intake):
+                    while not intake.has_room(record.size, pipeline.intake, recovered=True):
                         if self._room is None:
                             self._room = anyio.Event()
                         await self._room.wait()
@@ -551,8 +553,8 @@ class Producer(anyio.AsyncContextManagerMixin):
             if reservation is not None:  # not enqueued after all: the tenant's tokens go back
                 self._tenants.release(reservation, self._clock())
             raise
-        if self._syncer is not None and self.config.spool_fsync == "commit":
-            await self._syncer.wait()
+        if self._commit is not None:
+            await self._commit.wait()
         return record
 
     def _enqueue(self, stream: str, pipeline: Pipeline, record: PendingRecord) -> None:
@@ -625,8 +627,8 @@ class Producer(anyio.AsyncContextManagerMixin):
                 if pipeline.stopped:  # it went idle while this call waited: _enqueue reopened it
                     pipeline = self._pipelines[stream]
         finally:
-            if self._syncer is not None and self.config.spool_fsync == "commit":
-                await self._syncer.wait()  # one sync for the batch (what it admitted of it)
+            if self._commit is not None:
+                await self._commit.wait()  # one sync for the batch (what it admitted of it)
         # one checkpoint for the batch: the stages run, and cancellation gets in
         await anyio.lowlevel.checkpoint()
         return made
@@ -670,7 +672,7 @@ class Producer(anyio.AsyncContextManagerMixin):
             elif spool is not None and not spool.has_room(size):
                 held = (
                     f"the spool holds {spool.bytes} bytes of spool_max_bytes={spool.max_bytes}"
-                    f" in {spool.statistics().segments} segment(s)"
+                    f" in {len(spool.segments)} segment(s)"
                 )
             elif pipeline.has_room(size):
                 intake = self._intake

@@ -45,7 +45,6 @@ import mmap
 import os
 import struct
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
@@ -147,11 +146,9 @@ class Segment:
         "seed",
         "sequence",
         "size",
-        "spool",
     )
 
-    def __init__(self, spool: Spool, sequence: int, path: Path, size: int) -> None:
-        self.spool = spool
+    def __init__(self, sequence: int, path: Path, size: int) -> None:
         self.sequence = sequence
         self.path = path
         self.size = size
@@ -371,7 +368,7 @@ class Spool:
         sequence = self._next_sequence
         self._next_sequence += 1
         path = self.directory / f"{sequence:016d}{_SUFFIX}"
-        segment = Segment(self, sequence, path, size)
+        segment = Segment(sequence, path, size)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except OSError as exc:
@@ -415,11 +412,9 @@ class Spool:
             return
         self._drop(segment)
 
-    def finished(self, record: PendingRecord, success: bool) -> None:
-        """Count a terminal record that was spooled (``Intake.finish`` calls this)."""
-        segment = record.spool_segment
-        assert segment is not None
-        record.spool_segment = None
+    def finished(self, segment: Segment, success: bool) -> None:
+        """A record held in ``segment`` is terminal (``Intake.finish``; and a recovered record
+        that can no longer be sent, as a failure)."""
         self.records -= 1
         if segment.recovered:
             if success:
@@ -427,16 +422,6 @@ class Spool:
             else:
                 self.recovered_failed += 1
             self._recovered_finished()
-        segment.live -= 1
-        if segment.live == 0:
-            self.release(segment)
-
-    def discard(self, segment: Segment) -> None:
-        """A record read back from ``segment`` cannot be sent again (it no longer passes
-        validation): count it failed and let the segment go."""
-        self.records -= 1
-        self.recovered_failed += 1
-        self._recovered_finished()
         segment.live -= 1
         if segment.live == 0:
             self.release(segment)
@@ -565,7 +550,7 @@ class Spool:
         if not entries:
             _unlink_quietly(path)
             return None
-        segment = Segment(self, sequence, path, size)
+        segment = Segment(sequence, path, size)
         segment.recovered = True
         segment.live = len(entries)
         self.segments[sequence] = segment
@@ -729,12 +714,6 @@ def _truncate_quietly(path: Path, size: int) -> None:
         logger.warning("spool: cannot truncate %s: %s", path, exc)
 
 
-def iter_segment_files(directory: str | os.PathLike[str]) -> Iterator[Path]:
-    """The segment files of a spool directory, oldest first (for tools and tests)."""
-    paths = [p for p in Path(directory).iterdir() if p.name.endswith(_SUFFIX)]
-    yield from sorted(paths)
-
-
 class SpoolSyncer:
     """Syncs the spool's files for ``spool_fsync="commit"`` (group commit: every submit waits
     for a sync that began after its append, and one sync serves every record appended before
@@ -746,7 +725,6 @@ class SpoolSyncer:
         self.synced = 0  # ``spool.appended`` as of the start of the last sync that finished
         self._kick = anyio.Event()
         self._done: anyio.Event | None = None
-        self.failures = 0
         self.stopped = False  # run() ended: nobody syncs any more, and nobody waits
 
     async def wait(self) -> None:
@@ -788,7 +766,6 @@ class SpoolSyncer:
             await anyio.to_thread.run_sync(spool.sync_files, fds, directory)
         except OSError as exc:
             # The records are admitted and go on; only their power-loss safety is in doubt.
-            self.failures += 1
             logger.error(
                 "spool %s: syncing to disk failed: %s",
                 spool.directory,
