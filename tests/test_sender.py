@@ -12,7 +12,14 @@ from botocore import exceptions as be
 
 from anykpl import errors
 from anykpl._records import KinesisRecord, PendingRecord
-from anykpl._sender import Outcome, error_code, run_sender
+from anykpl._sender import (
+    Outcome,
+    _BotocoreTransport,
+    _PutRecordsSerializer,
+    error_code,
+    put_records_body,
+    run_sender,
+)
 
 
 def _client_error(code: str, status: int, message: str = "m") -> be.ClientError:
@@ -150,3 +157,109 @@ async def test_cancellation_is_not_an_outcome() -> None:
     assert transport.calls == 1
     async with receive_outcomes:
         assert [o async for o in receive_outcomes] == []
+
+
+# -- the PutRecords body --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def botocore_kinesis() -> Any:
+    import botocore.session
+
+    session = botocore.session.get_session()
+    return session.create_client(
+        "kinesis", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x"
+    )
+
+
+ODD_KEYS = ['k"\\', "d\u00e9vice-\U0001f600", "tab\tand\nnewline", "\u2028", "x" * 256]
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {"StreamName": "s", "Records": [{"Data": b"", "PartitionKey": "k"}]},
+        {
+            "StreamName": "s",
+            "Records": [
+                {"Data": bytes(range(256)) * 3, "PartitionKey": key, "ExplicitHashKey": "42"}
+                for key in ODD_KEYS
+            ],
+        },
+        {
+            "StreamARN": "arn:aws:kinesis:us-east-1:123456789012:stream/s",
+            "Records": [{"Data": b"a" * n, "PartitionKey": "a"} for n in range(1, 9)],
+        },
+    ],
+    ids=["empty-data", "odd-keys", "stream-arn"],
+)
+def test_put_records_request_is_botocores_with_the_same_body(
+    botocore_kinesis: Any, parameters: dict[str, Any]
+) -> None:
+    import json
+
+    operation = botocore_kinesis.meta.service_model.operation_model("PutRecords")
+    inner = botocore_kinesis._serializer
+    theirs = inner.serialize_to_request(parameters, operation)
+    ours = _PutRecordsSerializer(inner).serialize_to_request(parameters, operation)
+    assert ours["body"] == put_records_body(parameters)
+    assert json.loads(ours["body"]) == json.loads(theirs["body"])
+    # everything but the body is botocore's own
+    assert {k: v for k, v in ours.items() if k != "body"} == {
+        k: v for k, v in theirs.items() if k != "body"
+    }
+
+
+def test_put_records_body_refuses_what_botocore_would_not_send() -> None:
+    with pytest.raises(TypeError, match="bytes-like"):
+        put_records_body({"StreamName": "s", "Records": [{"Data": "text", "PartitionKey": "k"}]})
+    with pytest.raises(TypeError, match="PartitionKey must be a str, not int"):
+        put_records_body({"StreamName": "s", "Records": [{"Data": b"", "PartitionKey": 1}]})
+    with pytest.raises(TypeError, match="ExplicitHashKey must be a str, not int"):
+        put_records_body(
+            {
+                "StreamName": "s",
+                "Records": [{"Data": b"", "PartitionKey": "k", "ExplicitHashKey": 1}],
+            }
+        )
+
+
+def test_serializer_validates_the_stream_as_botocore_does(botocore_kinesis: Any) -> None:
+    operation = botocore_kinesis.meta.service_model.operation_model("PutRecords")
+    serializer = _PutRecordsSerializer(botocore_kinesis._serializer)
+    with pytest.raises(be.ParamValidationError, match="StreamName"):
+        serializer.serialize_to_request(
+            {"StreamName": "", "Records": [{"Data": b"", "PartitionKey": "k"}]}, operation
+        )
+
+
+def test_serializer_leaves_other_operations_and_protocols_to_botocore(
+    botocore_kinesis: Any,
+) -> None:
+    service = botocore_kinesis.meta.service_model
+    inner = botocore_kinesis._serializer
+    list_shards = service.operation_model("ListShards")
+    assert _PutRecordsSerializer(inner).serialize_to_request(
+        {"StreamName": "s"}, list_shards
+    ) == inner.serialize_to_request({"StreamName": "s"}, list_shards)
+
+    class Cbor:
+        def serialize_to_request(self, parameters: Any, operation_model: Any) -> Any:
+            return {"headers": {"Content-Type": "application/cbor"}, "body": b"cbor", "n": 1}
+
+    put_records = service.operation_model("PutRecords")
+    request = _PutRecordsSerializer(Cbor()).serialize_to_request(
+        {"StreamName": "s", "Records": [{"Data": b"x", "PartitionKey": "k"}]}, put_records
+    )
+    assert request["body"] == b"cbor"
+
+
+def test_transport_installs_the_serializer_when_botocore_has_one(botocore_kinesis: Any) -> None:
+    class Client:
+        _serializer = botocore_kinesis._serializer
+
+    client = Client()
+    _BotocoreTransport(client)
+    assert isinstance(client._serializer, _PutRecordsSerializer)
+    bare = object()
+    _BotocoreTransport(bare)  # another botocore, without the attribute: left alone

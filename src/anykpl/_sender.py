@@ -15,6 +15,8 @@ pipeline with a fake that throttles, fails or hangs on demand.
 
 from __future__ import annotations
 
+import binascii
+import json
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -32,6 +34,7 @@ __all__ = (
     "Transport",
     "error_code",
     "open_transport",
+    "put_records_body",
     "run_sender",
     "stream_parameters",
 )
@@ -107,9 +110,79 @@ def stream_parameters(stream: str) -> dict[str, str]:
     return {"StreamName": stream}
 
 
+def put_records_body(parameters: Mapping[str, Any]) -> bytes:
+    """The JSON body of a PutRecords request: the document botocore's JSON serializer writes
+    (each record's ``Data`` in base64), built from bytes.
+
+    botocore base64-encodes each record into a ``str``, ``json.dumps`` the whole request
+    (scanning every character of about 1.3 MB of base64 for escapes) and encodes it back to
+    bytes: about 5 ms for a 1 MiB request, a tenth of the producer's CPU end to end. Base64
+    needs no JSON escaping, so its bytes are joined in as they are (0.7 ms). Partition keys
+    and the other parameters go through ``json.dumps``.
+
+    :raises TypeError: a record whose ``Data`` is not bytes-like, or whose keys are not str.
+    """
+    head = json.dumps({k: v for k, v in parameters.items() if k != "Records"}).encode()
+    parts = [head[:-1], b',"Records":[' if len(head) > 2 else b'"Records":[']
+    append = parts.append
+    opening = b'{"Data":"'
+    for entry in parameters["Records"]:
+        append(opening)
+        opening = b',{"Data":"'
+        append(binascii.b2a_base64(entry["Data"], newline=False))
+        append(b'","PartitionKey":')
+        key = entry["PartitionKey"]
+        if type(key) is not str:
+            raise TypeError(f"PartitionKey must be a str, not {type(key).__name__}")
+        append(json.dumps(key).encode())
+        hash_key = entry.get("ExplicitHashKey")
+        if hash_key is None:
+            append(b"}")
+        elif type(hash_key) is str:
+            append(b',"ExplicitHashKey":' + json.dumps(hash_key).encode() + b"}")
+        else:
+            raise TypeError(f"ExplicitHashKey must be a str, not {type(hash_key).__name__}")
+    append(b"]}")
+    return b"".join(parts)
+
+
+class _PutRecordsSerializer:
+    """The client's request serializer, with :func:`put_records_body` for PutRecords bodies.
+
+    Everything else is botocore's: each PutRecords request is first serialized by botocore
+    with the request's own parameters and one empty record in place of the records (so the
+    stream name is validated, and the method, headers and path are botocore's), and only the
+    body is replaced. Should botocore ever serialize Kinesis in anything but JSON (it can
+    speak CBOR), the request is left entirely to it.
+    """
+
+    _PLACEHOLDER = ({"Data": b"", "PartitionKey": "-"},)
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def serialize_to_request(self, parameters: Any, operation_model: Any) -> Any:
+        inner = self._inner
+        if operation_model.name != "PutRecords":
+            return inner.serialize_to_request(parameters, operation_model)
+        request = inner.serialize_to_request(
+            {**parameters, "Records": list(self._PLACEHOLDER)}, operation_model
+        )
+        content_type = str(request.get("headers", {}).get("Content-Type", ""))
+        if not content_type.startswith("application/x-amz-json"):
+            return inner.serialize_to_request(parameters, operation_model)
+        request["body"] = put_records_body(parameters)
+        return request
+
+
 class _BotocoreTransport:
     def __init__(self, client: Any) -> None:
         self._client = client
+        serializer = getattr(client, "_serializer", None)
+        if serializer is not None:
+            # botocore keeps its serializer in a private attribute; without it (another
+            # botocore), requests are botocore's own
+            client._serializer = _PutRecordsSerializer(serializer)
 
     async def put_records(self, stream: str, records: list[dict[str, Any]]) -> Mapping[str, Any]:
         response: Mapping[str, Any] = await self._client.put_records(
