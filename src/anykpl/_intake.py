@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
+from typing import Final
 
 from . import _limits, errors
 from ._aggregator import Aggregator
@@ -31,7 +32,7 @@ from ._spool import Spool
 __all__ = ("KEY_CACHE_LIMIT", "Intake", "StreamIntake", "offset_clock")
 
 #: Partition keys whose hash key and UTF-8 length are remembered (cleared when full).
-KEY_CACHE_LIMIT = 65536
+KEY_CACHE_LIMIT: Final = 65536
 
 
 class Intake:

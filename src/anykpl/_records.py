@@ -20,7 +20,7 @@ import logging
 import math
 from collections.abc import Callable, Generator
 from hashlib import md5
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import anyio
 
@@ -79,7 +79,9 @@ class RecordResult(NamedTuple):
     attempts: tuple[Attempt, ...]
 
 
-_new_tuple = tuple.__new__
+# Final: the compiled build keeps these in C variables instead of looking them up in the
+# module's dictionary on every use (they are read once or more per record)
+_new_tuple: Final = tuple.__new__
 
 
 class AttemptRecord:
@@ -97,7 +99,9 @@ class AttemptRecord:
         self.message = message
 
 
-_PENDING, _SUCCEEDED, _FAILED = 0, 1, 2
+_PENDING: Final = 0
+_SUCCEEDED: Final = 1
+_FAILED: Final = 2
 
 
 class PendingRecord:
