@@ -172,7 +172,7 @@ def botocore_kinesis() -> Any:
     )
 
 
-ODD_KEYS = ['k"\\', "d\u00e9vice-\U0001f600", "tab\tand\nnewline", "\u2028", "x" * 256]
+ODD_KEYS = ['k"\\', "d\u00e9vice-\U0001f600", "tab\tand\nnewline", "\u2028", "\x00\x7f", "x" * 256]
 
 
 @pytest.mark.parametrize(
@@ -190,8 +190,9 @@ ODD_KEYS = ['k"\\', "d\u00e9vice-\U0001f600", "tab\tand\nnewline", "\u2028", "x"
             "StreamARN": "arn:aws:kinesis:us-east-1:123456789012:stream/s",
             "Records": [{"Data": b"a" * n, "PartitionKey": "a"} for n in range(1, 9)],
         },
+        {"StreamName": "s", "DryRun": True, "Records": [{"Data": b"x", "PartitionKey": "k"}]},
     ],
-    ids=["empty-data", "odd-keys", "stream-arn"],
+    ids=["empty-data", "odd-keys", "stream-arn", "dry-run"],
 )
 def test_put_records_request_is_botocores_with_the_same_body(
     botocore_kinesis: Any, parameters: dict[str, Any]
@@ -244,14 +245,61 @@ def test_serializer_leaves_other_operations_and_protocols_to_botocore(
     ) == inner.serialize_to_request({"StreamName": "s"}, list_shards)
 
     class Cbor:
+        def __init__(self) -> None:
+            self.calls: list[Any] = []
+
         def serialize_to_request(self, parameters: Any, operation_model: Any) -> Any:
+            self.calls.append(parameters)
             return {"headers": {"Content-Type": "application/cbor"}, "body": b"cbor", "n": 1}
 
     put_records = service.operation_model("PutRecords")
-    request = _PutRecordsSerializer(Cbor()).serialize_to_request(
-        {"StreamName": "s", "Records": [{"Data": b"x", "PartitionKey": "k"}]}, put_records
-    )
+    cbor = Cbor()
+    parameters = {"StreamName": "s", "Records": [{"Data": b"x", "PartitionKey": "k"}] * 3}
+    request = _PutRecordsSerializer(cbor).serialize_to_request(parameters, put_records)
     assert request["body"] == b"cbor"
+    assert cbor.calls[-1] is parameters  # the whole request is botocore's, not the placeholder
+    # no records: botocore's own validation error, as before
+    with pytest.raises(be.ParamValidationError, match="Records"):
+        _PutRecordsSerializer(inner).serialize_to_request(
+            {"StreamName": "s", "Records": []}, put_records
+        )
+
+
+class _Sent(Exception):
+    pass
+
+
+@pytest.mark.anyio
+async def test_an_aiobotocore_client_sends_the_body_built_here() -> None:
+    """Wired into a real aiobotocore client: the request that would go out (caught by a
+    ``before-send`` hook) carries :func:`put_records_body`, and botocore's URL and headers."""
+    from aiobotocore.session import AioSession
+
+    arn = "arn:aws:kinesis:us-east-1:123456789012:stream/s"
+    records: list[dict[str, Any]] = [
+        {"Data": bytes([i]) * 40, "PartitionKey": key, "ExplicitHashKey": str(i)}
+        for i, key in enumerate(ODD_KEYS)
+    ]
+    requests: list[Any] = []
+
+    def before_send(request: Any, **kwargs: Any) -> None:
+        requests.append(request)
+        raise _Sent
+
+    async with AioSession().create_client(
+        "kinesis", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x"
+    ) as client:
+        transport = _BotocoreTransport(client)
+        _BotocoreTransport(client)  # a second transport on the client does not wrap it twice
+        assert not isinstance(client._serializer._inner, _PutRecordsSerializer)
+        client.meta.events.register("before-send.kinesis.PutRecords", before_send)
+        with pytest.raises(_Sent):
+            await transport.put_records(arn, records)
+    (request,) = requests
+    assert request.body == put_records_body({"StreamARN": arn, "Records": records})
+    assert request.url == "https://123456789012.data-kinesis.us-east-1.amazonaws.com/"
+    assert request.headers["X-Amz-Target"] == b"Kinesis_20131202.PutRecords"
+    assert int(request.headers["Content-Length"]) == len(request.body)
 
 
 def test_transport_installs_the_serializer_when_botocore_has_one(botocore_kinesis: Any) -> None:

@@ -112,7 +112,8 @@ def stream_parameters(stream: str) -> dict[str, str]:
 
 def put_records_body(parameters: Mapping[str, Any]) -> bytes:
     """The JSON body of a PutRecords request: the document botocore's JSON serializer writes
-    (each record's ``Data`` in base64), built from bytes.
+    (each record's ``Data`` in base64), built from bytes. Parsed, the two are equal (the bytes
+    differ: botocore's has a space after each separator).
 
     botocore base64-encodes each record into a ``str``, ``json.dumps`` the whole request
     (scanning every character of about 1.3 MB of base64 for escapes) and encodes it back to
@@ -121,6 +122,7 @@ def put_records_body(parameters: Mapping[str, Any]) -> bytes:
     and the other parameters go through ``json.dumps``.
 
     :raises TypeError: a record whose ``Data`` is not bytes-like, or whose keys are not str.
+    :raises KeyError: a record without ``Data`` or ``PartitionKey``.
     """
     head = json.dumps({k: v for k, v in parameters.items() if k != "Records"}).encode()
     parts = [head[:-1], b',"Records":[' if len(head) > 2 else b'"Records":[']
@@ -153,20 +155,19 @@ class _PutRecordsSerializer:
     with the request's own parameters and one empty record in place of the records (so the
     stream name is validated, and the method, headers and path are botocore's), and only the
     body is replaced. Should botocore ever serialize Kinesis in anything but JSON (it can
-    speak CBOR), the request is left entirely to it.
+    speak CBOR), the request is left entirely to it, as is a request without records (for
+    botocore's validation error).
     """
-
-    _PLACEHOLDER = ({"Data": b"", "PartitionKey": "-"},)
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
 
     def serialize_to_request(self, parameters: Any, operation_model: Any) -> Any:
         inner = self._inner
-        if operation_model.name != "PutRecords":
+        if operation_model.name != "PutRecords" or not parameters.get("Records"):
             return inner.serialize_to_request(parameters, operation_model)
         request = inner.serialize_to_request(
-            {**parameters, "Records": list(self._PLACEHOLDER)}, operation_model
+            {**parameters, "Records": [{"Data": b"", "PartitionKey": "-"}]}, operation_model
         )
         content_type = str(request.get("headers", {}).get("Content-Type", ""))
         if not content_type.startswith("application/x-amz-json"):
@@ -179,7 +180,7 @@ class _BotocoreTransport:
     def __init__(self, client: Any) -> None:
         self._client = client
         serializer = getattr(client, "_serializer", None)
-        if serializer is not None:
+        if serializer is not None and not isinstance(serializer, _PutRecordsSerializer):
             # botocore keeps its serializer in a private attribute; without it (another
             # botocore), requests are botocore's own
             client._serializer = _PutRecordsSerializer(serializer)
