@@ -133,19 +133,20 @@ def put_records_body(parameters: Mapping[str, Any]) -> bytes:
         opening = b',{"Data":"'
         append(binascii.b2a_base64(entry["Data"], newline=False))
         append(b'","PartitionKey":')
-        key = entry["PartitionKey"]
-        if type(key) is not str:
-            raise TypeError(f"PartitionKey must be a str, not {type(key).__name__}")
-        append(json.dumps(key).encode())
+        append(_json_string("PartitionKey", entry["PartitionKey"]))
         hash_key = entry.get("ExplicitHashKey")
-        if hash_key is None:
-            append(b"}")
-        elif type(hash_key) is str:
-            append(b',"ExplicitHashKey":' + json.dumps(hash_key).encode() + b"}")
-        else:
-            raise TypeError(f"ExplicitHashKey must be a str, not {type(hash_key).__name__}")
+        if hash_key is not None:
+            append(b',"ExplicitHashKey":')
+            append(_json_string("ExplicitHashKey", hash_key))
+        append(b"}")
     append(b"]}")
     return b"".join(parts)
+
+
+def _json_string(field: str, value: object) -> bytes:
+    if type(value) is not str:
+        raise TypeError(f"{field} must be a str, not {type(value).__name__}")
+    return json.dumps(value).encode()
 
 
 class _PutRecordsSerializer:
