@@ -81,11 +81,15 @@ RESULT_TAG = "COMPARE-RESULT "
 CONTENDERS: dict[str, tuple[str, str, str]] = {
     "anykpl-asyncio": ("anykpl", "asyncio", "KPL aggregation, user keys"),
     "anykpl-trio": ("anykpl", "trio", "KPL aggregation, user keys"),
+    "anykpl-asyncio-batch": ("anykpl", "asyncio", "KPL aggregation, user keys, submit_many"),
+    "anykpl-trio-batch": ("anykpl", "trio", "KPL aggregation, user keys, submit_many"),
     "async-kinesis": ("async-kinesis", "asyncio", "KPL aggregation (aws-kinesis-agg), key 'a'"),
     "aiokpl": ("aiokpl", "asyncio", "KPL aggregation, user keys"),
     "async-kinesis-plain": ("async-kinesis", "asyncio", "no aggregation, user keys"),
 }
 TARGETS = {"async-kinesis": 1.5, "aiokpl": 20.0}
+#: records per submit_many call for the ``-batch`` contenders (a PutRecords request's worth)
+BATCH = 500
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,13 +111,16 @@ def key_names(records: int, keys: int) -> list[str]:
 # workers: one contender in this (fresh) interpreter
 
 
-async def run_anykpl(endpoint: str, stream: str, records: int, keys: int) -> dict[str, Any]:
+async def run_anykpl(
+    endpoint: str, stream: str, records: int, keys: int, batch: int = 0
+) -> dict[str, Any]:
     import anyio
 
     from anykpl import PendingRecord, Producer, ProducerConfig
 
     datas = [payload(i) for i in range(records)]
     pks = key_names(records, keys)
+    items = list(zip(datas, pks, strict=True))  # submit_many's (data, partition_key) items
     # rate_limit is a percentage of the shard limits: 1e9 % is limits off
     config = ProducerConfig(region=REGION, endpoint_url=endpoint, rate_limit=1e9, **CREDENTIALS)
     async with Producer(config) as producer:
@@ -122,7 +129,12 @@ async def run_anykpl(endpoint: str, stream: str, records: int, keys: int) -> dic
         cpu0, wall0 = time.process_time(), time.perf_counter()
         failed = 0
         window: deque[PendingRecord] = deque()
-        for data, pk in zip(datas, pks, strict=True):
+        if batch:  # a firehose that has its records in batches: submit_many
+            for start in range(0, records, batch):
+                window.extend(await producer.submit_many(stream, items[start : start + batch]))
+                while window and window[0].done():
+                    failed += not window.popleft().result().success
+        for data, pk in zip(datas, pks, strict=True) if not batch else ():
             window.append(await producer.submit(stream, data, partition_key=pk))
             while window and window[0].done():
                 failed += not window.popleft().result().success
@@ -214,7 +226,8 @@ def worker(spec: dict[str, Any]) -> None:
     if library == "anykpl":
         import anyio
 
-        result = anyio.run(run_anykpl, *args, backend=backend)
+        batch = BATCH if spec["contender"].endswith("-batch") else 0
+        result = anyio.run(run_anykpl, *args, batch, backend=backend)
     else:
         import asyncio
 
@@ -330,7 +343,7 @@ def run_contender(
     return {"error": f"exit {done.returncode}: {tail}"}
 
 
-REFERENCES = ("anykpl-asyncio", "anykpl-trio")
+REFERENCES = ("anykpl-asyncio", "anykpl-trio", "anykpl-asyncio-batch", "anykpl-trio-batch")
 
 
 def table(rows: list[dict[str, Any]]) -> str:

@@ -5,6 +5,7 @@ figure is steady enough to compare two versions of the hot path on a busy machin
 
     python benchmarks/hot_path.py --records 300000 --backend asyncio
     python benchmarks/hot_path.py --no-aggregation   # one Kinesis record per user record
+    python benchmarks/hot_path.py --batch 500        # submit_many, 500 records a call
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class _InstantKinesis:
         }
 
 
-async def run(records: int, aggregation: bool = True, **options: Any) -> float:
+async def run(records: int, aggregation: bool = True, batch: int = 0, **options: Any) -> float:
     data = b"x" * 100
     keys = [f"device-{i}" for i in range(2000)]
     async with Producer(
@@ -61,7 +62,13 @@ async def run(records: int, aggregation: bool = True, **options: Any) -> float:
         cpu0 = time.process_time()
         window: deque[PendingRecord] = deque()
         failed = 0
-        for i in range(records):
+        if batch:
+            for start in range(0, records, batch):
+                items = [(data, keys[i % 2000]) for i in range(start, min(records, start + batch))]
+                window.extend(await producer.submit_many("bench", items))
+                while window and window[0].done():
+                    failed += not window.popleft().result().success
+        for i in range(records if not batch else 0):
             window.append(await producer.submit("bench", data, partition_key=keys[i % 2000]))
             while window and window[0].done():
                 failed += not window.popleft().result().success
@@ -84,6 +91,12 @@ def main() -> None:
         help="aggregation_enabled=False: one Kinesis record per user record",
     )
     parser.add_argument(
+        "--batch",
+        type=int,
+        default=0,
+        help="submit in batches of this many records with submit_many (0: one submit each)",
+    )
+    parser.add_argument(
         "--features-off",
         action="store_true",
         help="adaptive=False and retry_budget=None: every rate-control feature beyond the KPL "
@@ -92,12 +105,17 @@ def main() -> None:
     args = parser.parse_args()
     options = {"adaptive": False, "retry_budget": None} if args.features_off else {}
     best = min(
-        anyio.run(partial(run, args.records, args.aggregation, **options), backend=args.backend)
+        anyio.run(
+            partial(run, args.records, args.aggregation, args.batch, **options),
+            backend=args.backend,
+        )
         for _ in range(args.repeat)
     )
     mode = "aggregation on" if args.aggregation else "aggregation off"
     if args.features_off:
         mode += ", rate-control features off"
+    if args.batch:
+        mode += f", submit_many of {args.batch}"
     print(
         f"{args.backend}, {mode}: {best * 1e6:.2f} µs CPU per record "
         f"(≈ {1 / best:,.0f} records/s per core, no network)"

@@ -1,13 +1,18 @@
-"""PendingRecord's completion hook, without an event loop (the rest of PendingRecord is tested
-through the producer in test_producer.py)."""
+"""PendingRecord's completion hook, and what makes it safe to keep records out of the garbage
+collector in the compiled build (the rest of PendingRecord is tested through the producer in
+test_producer.py)."""
 
 from __future__ import annotations
 
+import gc
 import logging
+import sys
 
+import anyio
 import pytest
 
 from anykpl import PendingRecord, errors
+from anykpl import _records as records_module
 from anykpl._records import AttemptRecord
 
 
@@ -58,3 +63,47 @@ def test_a_failing_hook_is_logged_not_raised(caplog: pytest.LogCaptureFixture) -
     assert len(caplog.records) == 3
     assert "completion hook" in caplog.records[0].getMessage()
     assert caplog.records[0].exc_info is not None
+
+
+def test_records_are_out_of_the_garbage_collector_exactly_when_compiled() -> None:
+    # @mypyc_attr(acyclic=True): the compiled build leaves records and attempts untracked (no
+    # GC header, no traverse); the pure package cannot, and keeps them tracked
+    compiled = not records_module.__file__.endswith(".py")
+    assert gc.is_tracked(make_record()) is not compiled
+    assert gc.is_tracked(AttemptRecord(0.0, 0.1, True, None, None)) is not compiled
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("success", [True, False])
+async def test_a_terminal_record_holds_nothing_that_leads_back_to_it(success: bool) -> None:
+    # What the untracked (compiled) record relies on: the slots that may lead to objects that
+    # refer back to it (the waiters' event, the completion hook, the spool segment) are empty
+    # once it is terminal, so no reference cycle runs through a finished record.
+    record = make_record()
+    outcomes: list[object] = []
+
+    async def waiter() -> None:
+        try:
+            outcomes.append(await record)
+        except errors.RecordFailedError as exc:
+            outcomes.append(exc.result.success)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waiter)
+        tg.start_soon(waiter)
+        await anyio.wait_all_tasks_blocked()
+        assert record._event is not None  # two waiters share one event
+        record._on_done = lambda r: outcomes.append("hook")
+        record._add_attempt(AttemptRecord(0.0, 0.1, success, None if success else "Code", "m"))
+        record._resolve(success)
+        assert record._event is None
+        assert record._on_done is None
+        assert record.spool_segment is None
+    assert len(outcomes) == 3
+    assert outcomes[0] == "hook"
+    if success:
+        assert all(o == record.result() for o in outcomes[1:])
+    else:
+        assert outcomes[1:] == [False, False]
+    # nothing but this frame (and getrefcount's argument) refers to the record any more
+    assert sys.getrefcount(record) == 2

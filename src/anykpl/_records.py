@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 import anyio
 
 from . import errors
+from ._compat import mypyc_attr
 from ._wire import AggregateBuilder
 
 if TYPE_CHECKING:
@@ -84,8 +85,13 @@ class RecordResult(NamedTuple):
 _new_tuple: Final = tuple.__new__
 
 
+@mypyc_attr(acyclic=True)
 class AttemptRecord:
-    """One try of one Kinesis record, shared by all the user records it carried."""
+    """One try of one Kinesis record, shared by all the user records it carried.
+
+    Acyclic (compiled build): it holds numbers and strings only, so it stays out of the garbage
+    collector, as :class:`PendingRecord` does.
+    """
 
     __slots__ = ("code", "end", "message", "start", "success")
 
@@ -104,6 +110,17 @@ _SUCCEEDED: Final = 1
 _FAILED: Final = 2
 
 
+# Acyclic in the compiled build: a PendingRecord is not a container the cyclic garbage collector
+# tracks (mypyc leaves out its GC header and traverse function). One record each lives from
+# submit to its PutRecords response, so tracked records filled the collector's older
+# generations and set off full collections over everything the process holds (a quarter of a
+# firehose's CPU, docs/benchmarks.md). What makes that safe: a record refers to strings, bytes,
+# numbers and AttemptRecords only, apart from three slots that may lead back to it, each
+# cleared when the record becomes terminal (``_resolve`` clears ``_event`` and ``_on_done``,
+# ``Intake.finish`` clears ``spool_segment``), so no cycle runs through a finished record; and
+# no subclass can add one (a compiled class takes no interpreted subclasses). The pure-Python
+# package keeps the record tracked: ``mypyc_attr`` does nothing at run time.
+@mypyc_attr(acyclic=True)
 class PendingRecord:
     """A record that was admitted by :meth:`Producer.submit`, and its result handle.
 
@@ -283,6 +300,7 @@ class PendingRecord:
         self._state = _SUCCEEDED if success else _FAILED
         event = self._event
         if event is not None:
+            self._event = None  # its waiters hold it; a record holds nothing that leads back
             event.set()
         on_done = self._on_done
         if on_done is not None:

@@ -1,0 +1,26 @@
+"""``mypyc_attr`` for the modules the compiled build compiles, with or without mypy installed.
+
+mypyc reads ``@mypyc_attr(...)`` when it builds the compiled package; at run time the decorator
+does nothing. ``mypy_extensions`` (where it lives) is not a dependency of anykpl, so without it
+this module's stand-in is used. Not compiled itself: a compiled module treats the ``else``
+branch below as unreachable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
+
+__all__ = ("mypyc_attr",)
+
+_T = TypeVar("_T")
+
+if TYPE_CHECKING:
+    from mypy_extensions import mypyc_attr as mypyc_attr
+else:
+    try:
+        from mypy_extensions import mypyc_attr
+    except ImportError:
+
+        def mypyc_attr(*attrs: object, **kwattrs: object) -> Callable[[_T], _T]:
+            return lambda cls: cls
