@@ -29,10 +29,15 @@ from ._records import KinesisRecord, PendingRecord, partition_key_hash
 from ._shard_map import ShardMap
 from ._spool import Spool
 
-__all__ = ("KEY_CACHE_LIMIT", "Intake", "StreamIntake", "offset_clock")
+__all__ = ("CHECKPOINT_EVERY", "KEY_CACHE_LIMIT", "Intake", "StreamIntake", "offset_clock")
 
 #: Partition keys whose hash key and UTF-8 length are remembered (cleared when full).
 KEY_CACHE_LIMIT: Final = 65536
+
+#: A loop of submits that never has to wait yields to the event loop every this many admissions
+#: (letting the stages run and cancellation in): a checkpoint per call would cost more than the
+#: rest of the admission.
+CHECKPOINT_EVERY: Final = 128
 
 
 class Intake:
@@ -66,6 +71,35 @@ class Intake:
         # records failed by the producer's own end (close, a crashed stage) stay spooled, for
         # the next producer on the directory
         self.keep_spooled = False
+        # admissions since the producer's submits last yielded to the event loop
+        self.since_checkpoint = 0
+
+    def admit_now(
+        self,
+        stream_intake: StreamIntake,
+        stream: object,
+        data: object,
+        partition_key: object,
+        explicit_hash_key: object,
+    ) -> PendingRecord | None:
+        """:meth:`Producer.submit`'s common case in one call: validate the record and, if it
+        may be admitted without waiting (room now, no checkpoint due, the stream's shard map
+        ready), admit it and return it. ``None``: the caller takes the general path (the
+        record built here is dropped, not admitted).
+
+        :raises: as :meth:`make_record` and :meth:`enqueue`.
+        """
+        record = self.make_record(stream, data, partition_key, explicit_hash_key)
+        admitted = self.since_checkpoint + 1
+        if (
+            admitted >= CHECKPOINT_EVERY
+            or not stream_intake.shard_map.ready
+            or not self.has_room(record.size, stream_intake)
+        ):
+            return None
+        self.since_checkpoint = admitted
+        self.enqueue(stream_intake, record)
+        return record
 
     def make_record(
         self,

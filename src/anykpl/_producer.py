@@ -31,7 +31,7 @@ import anyio
 from . import errors
 from ._aws import running_trio
 from ._fleet import FleetDemand, FleetWorker
-from ._intake import Intake, offset_clock
+from ._intake import CHECKPOINT_EVERY, Intake, offset_clock
 from ._metrics import Metrics, MetricValue
 from ._pipeline import Pipeline
 from ._records import AttemptRecord, PendingRecord, RecordResult
@@ -53,8 +53,6 @@ else:  # pragma: no cover
     from typing_extensions import Self
 
 __all__ = ("Producer",)
-
-CHECKPOINT_EVERY = 128
 
 #: One record of :meth:`Producer.submit_many`: its data, or (data, partition_key) or
 #: (data, partition_key, explicit_hash_key).
@@ -132,7 +130,6 @@ class Producer(anyio.AsyncContextManagerMixin):
         self._metrics = Metrics()
         self._metrics.collect = self._count_received
         self._failure: BaseException | None = None
-        self._admitted_since_checkpoint = 0
         self._clock: Callable[[], float] = anyio.current_time
         # the per-record part of admission, and the outstanding records (the safety net)
         self._intake = Intake(
@@ -520,6 +517,17 @@ class Producer(anyio.AsyncContextManagerMixin):
         ``admission_timeout`` in all. ``await`` the handle for the result.
         Raises like :meth:`put_record`, except that record failures come from the handle.
         """
+        if tenant is None and self._state == "open":
+            # the common case, one compiled call: admitted now, or None for the general path
+            pipeline = self._pipelines.get(stream)
+            if pipeline is not None and not pipeline.stopped:
+                admitted_now = self._intake.admit_now(
+                    pipeline.intake, stream, data, partition_key, explicit_hash_key
+                )
+                if admitted_now is not None:
+                    if self._commit is not None:
+                        await self._commit.wait()
+                    return admitted_now
         if self._state != "open":
             raise self._not_open()
         intake = self._intake
@@ -540,11 +548,11 @@ class Producer(anyio.AsyncContextManagerMixin):
                 # CHECKPOINT_EVERY calls (letting the stages run and cancellation in) instead
                 # of on each one — except while the stream's shard map is not ready: then
                 # ListShards must not wait behind a busy caller.
-                admitted = self._admitted_since_checkpoint + 1
+                admitted = intake.since_checkpoint + 1
                 if admitted < CHECKPOINT_EVERY and pipeline.shard_map.ready:
-                    self._admitted_since_checkpoint = admitted
+                    intake.since_checkpoint = admitted
                 else:
-                    self._admitted_since_checkpoint = 0
+                    intake.since_checkpoint = 0
                     await anyio.lowlevel.checkpoint()
                     if self._state != "open":
                         raise self._not_open()
