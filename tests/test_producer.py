@@ -19,6 +19,7 @@ from botocore.exceptions import ClientError, EndpointConnectionError
 
 from anykpl import PendingRecord, Producer, ProducerConfig, RecordResult, errors
 from anykpl._collector import Collector
+from anykpl._intake import CHECKPOINT_EVERY
 from anykpl._limits import MAX_HASH_KEY as MAX_HASH
 from anykpl._wire import deaggregate
 
@@ -1137,6 +1138,46 @@ async def test_a_long_explicit_hash_key_of_leading_zeros_is_sent_without_them(
     for result, number in zip(results, [MAX_HASH, 0, 1], strict=True):
         lo, hi = range_of(fake_kinesis, str(result.shard_id))
         assert lo <= number <= hi
+
+
+# -- submit's admission without a wait --------------------------------------------------------
+
+
+async def test_a_loop_of_submits_that_never_waits_still_lets_others_run(
+    fake_kinesis: FakeKinesis,
+) -> None:
+    # submit admits with room at once and yields to the event loop every CHECKPOINT_EVERY
+    # admissions: other tasks (the stages, here a counter) run meanwhile, and a cancellation
+    # gets in, with every record admitted before it still delivered
+    async with Producer(transport=fake_kinesis, **FAST) as producer:
+        await producer.put_record(STREAM, b"warm", partition_key="w")  # shard map ready
+        ticks = 0
+        admitted: list[PendingRecord] = []
+
+        async def counter() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await anyio.lowlevel.checkpoint()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(counter)
+            await anyio.lowlevel.checkpoint()
+            ticks = 0
+            for i in range(10 * CHECKPOINT_EVERY):
+                admitted.append(await producer.submit(STREAM, b"r%d" % i, partition_key="k"))
+            assert 10 <= ticks <= 12  # once per CHECKPOINT_EVERY submits, give or take
+            with anyio.CancelScope() as scope:
+                scope.cancel()  # pending: delivered at the next checkpoint
+                for i in range(2 * CHECKPOINT_EVERY):
+                    admitted.append(await producer.submit(STREAM, b"c%d" % i, partition_key="k"))
+            assert scope.cancelled_caught
+            tg.cancel_scope.cancel()
+        assert len(admitted) < 12 * CHECKPOINT_EVERY  # the cancellation cut the second loop
+        results = [await pending for pending in admitted]
+    assert all(result.success for result in results)
+    stored = {r.data for r in fake_kinesis.user_records()}
+    assert {pending.data for pending in admitted} <= stored
 
 
 # -- submit_many ------------------------------------------------------------------------------
