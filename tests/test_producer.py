@@ -1166,7 +1166,9 @@ async def test_a_loop_of_submits_that_never_waits_still_lets_others_run(
             ticks = 0
             for i in range(10 * CHECKPOINT_EVERY):
                 admitted.append(await producer.submit(STREAM, b"r%d" % i, partition_key="k"))
-            assert 10 <= ticks <= 12  # once per CHECKPOINT_EVERY submits, give or take
+            # about once per CHECKPOINT_EVERY submits (10 here); trio's scheduler may run a
+            # task twice in a row, so give or take a few (without the checkpoints: 0)
+            assert 5 <= ticks <= 20
             with anyio.CancelScope() as scope:
                 scope.cancel()  # pending: delivered at the next checkpoint
                 for i in range(2 * CHECKPOINT_EVERY):
