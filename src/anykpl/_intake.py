@@ -90,16 +90,18 @@ class Intake:
         :raises: as :meth:`make_record` and :meth:`enqueue`.
         """
         record = self.make_record(stream, data, partition_key, explicit_hash_key)
-        admitted = self.since_checkpoint + 1
-        if (
-            admitted >= CHECKPOINT_EVERY
-            or not stream_intake.shard_map.ready
-            or not self.has_room(record.size, stream_intake)
-        ):
+        if self.checkpoint_due(stream_intake) or not self.has_room(record.size, stream_intake):
             return None
-        self.since_checkpoint = admitted
+        self.since_checkpoint += 1
         self.enqueue(stream_intake, record)
         return record
+
+    def checkpoint_due(self, stream_intake: StreamIntake) -> bool:
+        """Whether the next admission that needs no wait should yield to the event loop first:
+        every :data:`CHECKPOINT_EVERY` admissions, and always while the stream's shard map is
+        not ready (ListShards must not wait behind a caller that never yields). The caller
+        counts admissions in ``since_checkpoint`` and sets it to 0 when it yields."""
+        return self.since_checkpoint + 1 >= CHECKPOINT_EVERY or not stream_intake.shard_map.ready
 
     def make_record(
         self,

@@ -543,14 +543,10 @@ class Producer(anyio.AsyncContextManagerMixin):
                 if self._state != "open":
                     raise self._not_open()
             else:
-                # With room, admission needs no wait; a checkpoint per call would cost more
-                # than the rest of the admission, so a loop of submits yields every
-                # CHECKPOINT_EVERY calls (letting the stages run and cancellation in) instead
-                # of on each one — except while the stream's shard map is not ready: then
-                # ListShards must not wait behind a busy caller.
-                admitted = intake.since_checkpoint + 1
-                if admitted < CHECKPOINT_EVERY and pipeline.shard_map.ready:
-                    intake.since_checkpoint = admitted
+                # with room, admission needs no wait; a loop of submits yields now and then
+                # (Intake.checkpoint_due)
+                if not intake.checkpoint_due(pipeline.intake):
+                    intake.since_checkpoint += 1
                 else:
                     intake.since_checkpoint = 0
                     await anyio.lowlevel.checkpoint()
