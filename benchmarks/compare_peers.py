@@ -134,10 +134,11 @@ async def run_anykpl(
                 window.extend(await producer.submit_many(stream, items[start : start + batch]))
                 while window and window[0].done():
                     failed += not window.popleft().result().success
-        for data, pk in zip(datas, pks, strict=True) if not batch else ():
-            window.append(await producer.submit(stream, data, partition_key=pk))
-            while window and window[0].done():
-                failed += not window.popleft().result().success
+        else:
+            for data, pk in zip(datas, pks, strict=True):
+                window.append(await producer.submit(stream, data, partition_key=pk))
+                while window and window[0].done():
+                    failed += not window.popleft().result().success
         await producer.flush()
         failed += sum(1 for p in window if not p.done() or not p.result().success)
         wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0

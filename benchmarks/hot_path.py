@@ -68,10 +68,11 @@ async def run(records: int, aggregation: bool = True, batch: int = 0, **options:
                 window.extend(await producer.submit_many("bench", items))
                 while window and window[0].done():
                     failed += not window.popleft().result().success
-        for i in range(records if not batch else 0):
-            window.append(await producer.submit("bench", data, partition_key=keys[i % 2000]))
-            while window and window[0].done():
-                failed += not window.popleft().result().success
+        else:
+            for i in range(records):
+                window.append(await producer.submit("bench", data, partition_key=keys[i % 2000]))
+                while window and window[0].done():
+                    failed += not window.popleft().result().success
         await producer.flush()
         failed += sum(1 for p in window if not p.result().success)
         cpu = time.process_time() - cpu0
