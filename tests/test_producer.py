@@ -10,6 +10,7 @@ import itertools
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -21,6 +22,7 @@ from anykpl import PendingRecord, Producer, ProducerConfig, RecordResult, errors
 from anykpl._collector import Collector
 from anykpl._intake import CHECKPOINT_EVERY
 from anykpl._limits import MAX_HASH_KEY as MAX_HASH
+from anykpl._spool import Spool
 from anykpl._wire import deaggregate
 
 from .fakes import FakeKinesis, GatedKinesis, even_ranges, hash_of
@@ -1242,6 +1244,32 @@ async def test_submit_many_waits_for_room_and_reports_what_it_admitted() -> None
         await producer.flush()
         assert all(h.result().success for h in admitted)
     assert stored(fake) == Counter(b"%d" % i for i in range(10))
+
+
+async def test_submit_many_reports_what_it_admitted_when_the_spool_refuses_a_record(
+    fake_kinesis: FakeKinesis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    appended: list[bytes] = []
+    real_append = Spool.append
+
+    def append_three(spool: Spool, record: PendingRecord) -> None:
+        if len(appended) == 3:
+            raise errors.SpoolError("the disk is full (test)")
+        real_append(spool, record)
+        appended.append(record.data)
+
+    monkeypatch.setattr(Spool, "append", append_three)
+    async with Producer(transport=fake_kinesis, spool_dir=str(tmp_path), **FAST) as producer:
+        await ready(producer)
+        appended.clear()  # the warm-up record
+        with pytest.raises(errors.SpoolError, match="disk is full") as caught:
+            await producer.submit_many(STREAM, [(b"%d" % i, "k") for i in range(6)])
+        admitted = caught.value.admitted
+        assert [h.data for h in admitted] == [b"0", b"1", b"2"] == appended
+        assert producer.outstanding_records == 3
+        await producer.flush()
+        assert all(h.result().success for h in admitted)
+    assert sorted(r.data for r in fake_kinesis.user_records()) == [b"0", b"1", b"2", b"warmup"]
 
 
 @pytest.mark.parametrize(

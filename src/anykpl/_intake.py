@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
 from . import _limits, errors
@@ -29,7 +29,14 @@ from ._records import KinesisRecord, PendingRecord, partition_key_hash
 from ._shard_map import ShardMap
 from ._spool import Spool
 
-__all__ = ("CHECKPOINT_EVERY", "KEY_CACHE_LIMIT", "Intake", "StreamIntake", "offset_clock")
+__all__ = (
+    "CHECKPOINT_EVERY",
+    "KEY_CACHE_LIMIT",
+    "Intake",
+    "StreamIntake",
+    "offset_clock",
+    "unpack_batch_record",
+)
 
 #: Partition keys whose hash key and UTF-8 length are remembered (cleared when full).
 KEY_CACHE_LIMIT: Final = 65536
@@ -95,6 +102,47 @@ class Intake:
         self.since_checkpoint += 1
         self.enqueue(stream_intake, record)
         return record
+
+    def make_records(self, stream: object, items: Iterable[object]) -> list[PendingRecord]:
+        """Validate a batch (:meth:`Producer.submit_many`'s items) and build its handles, not
+        yet admitted. Each item is the record's data, or a tuple ``(data, partition_key)`` or
+        ``(data, partition_key, explicit_hash_key)``.
+
+        :raises: as :meth:`make_record`, the message naming the item (``records[3]: ...``).
+        """
+        made: list[PendingRecord] = []
+        for index, item in enumerate(items):
+            try:
+                data, partition_key, explicit_hash_key = unpack_batch_record(item)
+                record = self.make_record(stream, data, partition_key, explicit_hash_key)
+            except (errors.RecordTypeError, errors.InvalidRecordError) as exc:
+                raise type(exc)(f"records[{index}]: {exc}") from None
+            made.append(record)
+        return made
+
+    def admit_ready(
+        self, stream_intake: StreamIntake, records: list[PendingRecord], start: int
+    ) -> int:
+        """Admit ``records[start:]`` in order for as long as each fits now (no wait, no
+        checkpoint: :meth:`Producer.submit_many`'s common case, one call for the batch), and
+        return the position of the first record not admitted (``len(records)``: all were).
+
+        :raises ~anykpl.errors.SpoolError: as :meth:`enqueue`, with ``admitted`` set to the
+            handles of the records admitted before it (those of ``records[:position]``).
+        """
+        position = start
+        end = len(records)
+        while position < end:
+            record = records[position]
+            if not self.has_room(record.size, stream_intake):
+                break
+            try:
+                self.enqueue(stream_intake, record)
+            except errors.SpoolError as exc:
+                exc.admitted = tuple(records[:position])
+                raise
+            position += 1
+        return position
 
     def checkpoint_due(self, stream_intake: StreamIntake) -> bool:
         """Whether the next admission that needs no wait should yield to the event loop first:
@@ -302,6 +350,24 @@ def _key_facts(partition_key: str) -> tuple[int, int]:
     except UnicodeEncodeError as exc:
         raise errors.InvalidRecordError(f"partition_key is not valid Unicode: {exc}") from None
     return partition_key_hash(encoded), len(encoded)
+
+
+def unpack_batch_record(item: object) -> tuple[object, object, object]:
+    """(data, partition key, explicit hash key) of one item of :meth:`Producer.submit_many`."""
+    if isinstance(item, tuple):
+        size = len(item)
+        if size == 2:
+            return item[0], item[1], None
+        if size == 1:
+            return item[0], None, None
+        if size == 3:
+            return item[0], item[1], item[2]
+    elif isinstance(item, (bytes, bytearray, memoryview)):
+        return item, None, None
+    raise errors.RecordTypeError(
+        "each record is its data (bytes, bytearray or memoryview) or a tuple (data, "
+        f"partition_key[, explicit_hash_key]), not {type(item).__name__}"
+    )
 
 
 def _as_bytes(data: object) -> bytes:

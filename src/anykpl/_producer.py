@@ -595,29 +595,29 @@ class Producer(anyio.AsyncContextManagerMixin):
         if stream not in self._pipelines:
             _check_stream_name(stream)  # the batch's, not records[0]'s, and for an empty one
         checked_tenant = None if tenant is None else _check_tenant(tenant)
-        made: list[PendingRecord] = []
-        for index, item in enumerate(records):
-            try:
-                data, partition_key, explicit_hash_key = _unpack_batch_record(item)
-                record = self._intake.make_record(stream, data, partition_key, explicit_hash_key)
-            except (errors.RecordTypeError, errors.InvalidRecordError) as exc:
-                raise type(exc)(f"records[{index}]: {exc}") from None
-            record.tenant = checked_tenant
-            made.append(record)
+        intake = self._intake
+        made = intake.make_records(stream, records)
         if not made:
             await anyio.lowlevel.checkpoint()
             return made
+        if checked_tenant is not None:
+            for record in made:
+                record.tenant = checked_tenant
         pipeline = self._pipelines.get(stream) or self._open_pipeline(stream)
+        position = 0
         try:
-            for position, record in enumerate(made):
+            while True:
+                if checked_tenant is None and self._state == "open" and not pipeline.stopped:
+                    # the common case, one compiled call: every record that fits now
+                    position = intake.admit_ready(pipeline.intake, made, position)
+                if position == len(made):
+                    break
+                record = made[position]
                 reservation = None
                 if checked_tenant is not None:
                     reservation = await self._admit_tenant(record, checked_tenant)
                 try:
-                    if (
-                        not self._intake.has_room(record.size, pipeline.intake)
-                        or self._state != "open"
-                    ):
+                    if not intake.has_room(record.size, pipeline.intake) or self._state != "open":
                         await self._wait_for_room(record.size, reservation, pipeline)
                         if self._state != "open":
                             raise self._not_open()
@@ -628,6 +628,7 @@ class Producer(anyio.AsyncContextManagerMixin):
                     if isinstance(exc, (errors.BackpressureTimeout, errors.SpoolError)):
                         exc.admitted = tuple(made[:position])
                     raise
+                position += 1
                 if pipeline.stopped:  # it went idle while this call waited: _enqueue reopened it
                     pipeline = self._pipelines[stream]
         finally:
@@ -857,23 +858,6 @@ class Producer(anyio.AsyncContextManagerMixin):
             received = p.take_received()
             if received:
                 self._metrics.add_to_bucket("UserRecordsReceived", received, name, None, None)
-
-
-def _unpack_batch_record(
-    item: object,
-) -> tuple[bytes | bytearray | memoryview, str | None, str | int | None]:
-    """(data, partition key, explicit hash key) of one item of :meth:`Producer.submit_many`."""
-    if isinstance(item, (bytes, bytearray, memoryview)):
-        return item, None, None
-    if isinstance(item, tuple) and 1 <= len(item) <= 3:
-        data = item[0]
-        partition_key = item[1] if len(item) > 1 else None
-        explicit_hash_key = item[2] if len(item) > 2 else None
-        return data, partition_key, explicit_hash_key
-    raise errors.RecordTypeError(
-        "each record is its data (bytes, bytearray or memoryview) or a tuple (data, "
-        f"partition_key[, explicit_hash_key]), not {type(item).__name__}"
-    )
 
 
 def _check_stream_name(stream: object) -> None:
