@@ -132,12 +132,13 @@ class Intake:
         """
         position = start
         end = len(records)
+        now = self.clock()  # admitted together: one arrival time for the batch
         while position < end:
             record = records[position]
             if not self.has_room(record.size, stream_intake):
                 break
             try:
-                self.enqueue(stream_intake, record)
+                self.enqueue_at(stream_intake, record, now)
             except errors.SpoolError as exc:
                 exc.admitted = tuple(records[:position])
                 raise
@@ -224,11 +225,17 @@ class Intake:
 
         :raises ~anykpl.errors.SpoolError: the spool could not take it; it was not admitted.
         """
+        self.enqueue_at(stream, record, self.clock())
+
+    def enqueue_at(self, stream: StreamIntake, record: PendingRecord, now: float) -> None:
+        """:meth:`enqueue` with the clock already read (a batch reads it once).
+
+        :raises ~anykpl.errors.SpoolError: the spool could not take it; it was not admitted.
+        """
         spool = self.spool
         if spool is not None and record.spool_segment is None:
             spool.append(record)
         # the record's clock starts at admission, as the KPL's starts when the daemon sees it
-        now = self.clock()
         record.arrival = now
         deadline = now + stream.max_buffered_time
         expiration = now + stream.record_ttl
