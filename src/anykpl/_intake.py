@@ -29,14 +29,7 @@ from ._records import KinesisRecord, PendingRecord, partition_key_hash
 from ._shard_map import ShardMap
 from ._spool import Spool
 
-__all__ = (
-    "CHECKPOINT_EVERY",
-    "KEY_CACHE_LIMIT",
-    "Intake",
-    "StreamIntake",
-    "offset_clock",
-    "unpack_batch_record",
-)
+__all__ = ("CHECKPOINT_EVERY", "KEY_CACHE_LIMIT", "Intake", "StreamIntake", "offset_clock")
 
 #: Partition keys whose hash key and UTF-8 length are remembered (cleared when full).
 KEY_CACHE_LIMIT: Final = 65536
@@ -113,7 +106,7 @@ class Intake:
         made: list[PendingRecord] = []
         for index, item in enumerate(items):
             try:
-                data, partition_key, explicit_hash_key = unpack_batch_record(item)
+                data, partition_key, explicit_hash_key = _unpack_batch_record(item)
                 record = self.make_record(stream, data, partition_key, explicit_hash_key)
             except (errors.RecordTypeError, errors.InvalidRecordError) as exc:
                 raise type(exc)(f"records[{index}]: {exc}") from None
@@ -359,7 +352,7 @@ def _key_facts(partition_key: str) -> tuple[int, int]:
     return partition_key_hash(encoded), len(encoded)
 
 
-def unpack_batch_record(item: object) -> tuple[object, object, object]:
+def _unpack_batch_record(item: object) -> tuple[object, object, object]:
     """(data, partition key, explicit hash key) of one item of :meth:`Producer.submit_many`."""
     if isinstance(item, tuple):
         size = len(item)
