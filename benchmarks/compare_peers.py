@@ -116,7 +116,7 @@ async def run_anykpl(
 ) -> dict[str, Any]:
     import anyio
 
-    from anykpl import PendingRecord, Producer, ProducerConfig
+    from anykpl import PendingBatch, PendingRecord, Producer, ProducerConfig
 
     datas = [payload(i) for i in range(records)]
     pks = key_names(records, keys)
@@ -128,19 +128,24 @@ async def run_anykpl(
         await anyio.sleep(0.5)
         cpu0, wall0 = time.process_time(), time.perf_counter()
         failed = 0
-        window: deque[PendingRecord] = deque()
-        if batch:  # a firehose that has its records in batches: submit_many
+        if batch:
+            # a firehose that has its records in batches: submit_many, each batch's handle
+            # checked as the oldest completes (its failed records counted, none overlooked)
+            batches: deque[PendingBatch] = deque()
             for start in range(0, records, batch):
-                window.extend(await producer.submit_many(stream, items[start : start + batch]))
-                while window and window[0].done():
-                    failed += not window.popleft().result().success
+                batches.append(await producer.submit_many(stream, items[start : start + batch]))
+                while batches and batches[0].done():
+                    failed += batches.popleft().failed
+            await producer.flush()
+            failed += sum(len(b) - b.succeeded for b in batches)
         else:
+            window: deque[PendingRecord] = deque()
             for data, pk in zip(datas, pks, strict=True):
                 window.append(await producer.submit(stream, data, partition_key=pk))
                 while window and window[0].done():
                     failed += not window.popleft().result().success
-        await producer.flush()
-        failed += sum(1 for p in window if not p.done() or not p.result().success)
+            await producer.flush()
+            failed += sum(1 for p in window if not p.done() or not p.result().success)
         wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     return {"acknowledged": records - failed, "seconds": wall, "cpu_seconds": cpu}
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import anyio
 
-from anykpl import PendingRecord, Producer
+from anykpl import PendingBatch, PendingRecord, Producer
 
 STEP = (1 << 128) // 4
 
@@ -63,11 +63,14 @@ async def run(records: int, aggregation: bool = True, batch: int = 0, **options:
         window: deque[PendingRecord] = deque()
         failed = 0
         if batch:
+            batches: deque[PendingBatch] = deque()
             for start in range(0, records, batch):
                 items = [(data, keys[i % 2000]) for i in range(start, min(records, start + batch))]
-                window.extend(await producer.submit_many("bench", items))
-                while window and window[0].done():
-                    failed += not window.popleft().result().success
+                batches.append(await producer.submit_many("bench", items))
+                while batches and batches[0].done():
+                    failed += batches.popleft().failed
+            await producer.flush()
+            failed += sum(len(b) - b.succeeded for b in batches)
         else:
             for i in range(records):
                 window.append(await producer.submit("bench", data, partition_key=keys[i % 2000]))

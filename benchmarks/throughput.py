@@ -29,7 +29,7 @@ from typing import Any
 import anyio
 import boto3
 
-from anykpl import PendingRecord, Producer, ProducerConfig
+from anykpl import PendingBatch, PendingRecord, Producer, ProducerConfig
 from endpoints import ENDPOINT_HELP, check_endpoint, start_endpoint
 
 CREDENTIALS = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench"}
@@ -71,11 +71,11 @@ async def run_once(
         cpu0, wall0 = time.process_time(), time.perf_counter()
         failed = 0
         if batch:
-            # a firehose that has its records in batches: submit_many, results checked as the
-            # oldest complete
-            window: deque[PendingRecord] = deque()
+            # a firehose that has its records in batches: submit_many, each batch's handle
+            # checked as the oldest completes
+            batches: deque[PendingBatch] = deque()
             for start in range(0, records, batch):
-                window.extend(
+                batches.append(
                     await producer.submit_many(
                         stream,
                         [
@@ -84,10 +84,10 @@ async def run_once(
                         ],
                     )
                 )
-                while window and window[0].done():
-                    failed += not window.popleft().result().success
+                while batches and batches[0].done():
+                    failed += batches.popleft().failed
             await producer.flush()
-            failed += sum(1 for p in window if not p.result().success)
+            failed += sum(len(b) - b.succeeded for b in batches)
             wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
         elif retain:
             # keep every handle until the end (the worst case for the garbage collector)
@@ -100,7 +100,7 @@ async def run_once(
             failed = sum(1 for p in pending if not p.done() or not p.result().success)
         else:
             # a firehose: check each result as soon as it is done, keep only the undone ones
-            window = deque()
+            window: deque[PendingRecord] = deque()
             for i in range(records):
                 window.append(
                     await producer.submit(stream, data, partition_key=key_names[i % keys])

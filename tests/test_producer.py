@@ -18,7 +18,15 @@ import pytest
 from anyio.abc import TaskGroup
 from botocore.exceptions import ClientError, EndpointConnectionError
 
-from anykpl import PendingRecord, Producer, ProducerConfig, RecordResult, errors
+from anykpl import (
+    BatchResult,
+    PendingBatch,
+    PendingRecord,
+    Producer,
+    ProducerConfig,
+    RecordResult,
+    errors,
+)
 from anykpl._collector import Collector
 from anykpl._intake import CHECKPOINT_EVERY
 from anykpl._limits import MAX_HASH_KEY as MAX_HASH
@@ -1291,8 +1299,94 @@ async def test_submit_many_names_a_bad_stream_not_a_record(
 
 async def test_submit_many_of_nothing(fake_kinesis: FakeKinesis) -> None:
     async with Producer(transport=fake_kinesis, **FAST) as producer:
-        assert await producer.submit_many(STREAM, []) == []
-        assert await producer.submit_many(STREAM, iter(())) == []
+        for records in ([], iter(())):
+            batch = await producer.submit_many(STREAM, records)
+            assert list(batch) == []
+            assert batch.done()
+            assert await batch == BatchResult(succeeded=0, failed=0, failures=())
+
+
+async def test_submit_many_batch_handle_counts_and_reports_failures(
+    fake_kinesis: FakeKinesis,
+) -> None:
+    """A batch whose records go to two shards, one of which refuses them for good: the
+    batch's own handle counts both kinds, and its result names each failure by position."""
+    first_shard = fake_kinesis.shards[0].shard_id
+    fake_kinesis.entry_error = lambda shard, index: (
+        ("KMSAccessDeniedException", "no key") if shard == first_shard else None
+    )
+    doomed = {1, 4}  # explicit hash key 0 is the first shard's; MAX_HASH the last shard's
+    records = [(b"%d" % i, "k", 0 if i in doomed else MAX_HASH) for i in range(6)]
+    async with Producer(transport=fake_kinesis, record_ttl=30.0, **FAST) as producer:
+        await ready(producer)
+        with anyio.fail_after(5):
+            batch = await producer.submit_many(STREAM, records)
+            assert isinstance(batch, PendingBatch)
+            assert len(batch) == 6
+            assert [p.data for p in batch] == [b"%d" % i for i in range(6)]
+            assert [p.data for p in batch[4:]] == [b"4", b"5"]
+            outcome = await batch
+    assert batch.done()
+    assert (batch.succeeded, batch.failed) == (4, 2)
+    assert (outcome.succeeded, outcome.failed) == (4, 2)
+    assert [position for position, _ in outcome.failures] == [1, 4]
+    for position, result in outcome.failures:
+        assert not result.success
+        assert result.attempts[-1].error_code == "KMSAccessDeniedException"
+        with pytest.raises(errors.RecordFailedError):
+            batch[position].result()
+    assert all(batch[i].result().success for i in range(6) if i not in doomed)
+    assert batch.result() == outcome
+    assert repr(batch) == "<PendingBatch 6 record(s): 4 succeeded, 2 failed, 0 pending>"
+    assert sorted(r.data for r in fake_kinesis.user_records()) == [
+        b"0",
+        b"2",
+        b"3",
+        b"5",
+        b"warmup",
+    ]
+
+
+async def test_submit_many_batch_is_pending_until_its_last_record_is_done() -> None:
+    fake = GatedKinesis()
+    async with Producer(transport=fake, **FAST) as producer:
+        await ready(producer)
+        fake.close_gate()
+        batch = await producer.submit_many(STREAM, [(b"a", "k"), (b"b", "k")])
+        assert not batch.done()
+        assert (batch.succeeded, batch.failed) == (0, 0)
+        with pytest.raises(RuntimeError, match="2 record"):
+            batch.result()
+        with anyio.move_on_after(0.05) as scope:
+            await batch  # cancelling the wait leaves the records alone
+        assert scope.cancelled_caught
+        assert fake.gate is not None
+        fake.gate.set()
+        with anyio.fail_after(5):
+            assert await batch.wait() == BatchResult(succeeded=2, failed=0, failures=())
+    assert stored(fake) == Counter([b"a", b"b"])
+
+
+async def test_submit_many_batch_of_records_failed_at_close() -> None:
+    """Records that are failed by the producer's close count in their batch too, so an
+    awaiter of the batch never hangs."""
+    fake = GatedKinesis()
+    with anyio.fail_after(5):
+        async with (
+            anyio.create_task_group() as tg,
+            Producer(transport=fake, **{**FAST, "close_timeout": 0.1}) as producer,
+        ):
+            await ready(producer)
+            fake.close_gate()
+            batch = await producer.submit_many(STREAM, [(b"a", "k"), (b"b", "k")])
+            outcomes: list[BatchResult] = []
+
+            async def wait_for_it() -> None:
+                outcomes.append(await batch)
+
+            tg.start_soon(wait_for_it)
+    assert [(o.succeeded, o.failed) for o in outcomes] == [(0, 2)]
+    assert [p for p, _ in outcomes[0].failures] == [0, 1]
 
 
 async def test_submit_many_after_close_is_refused(fake_kinesis: FakeKinesis) -> None:

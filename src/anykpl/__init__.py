@@ -15,7 +15,8 @@ General layout (one private module per stage; follow a record top to bottom):
 - ``_sender.py``: the Kinesis transport, the only place botocore errors are seen; ``_aws.py``
   makes every AWS client.
 - ``_retrier.py``: outcome classification, results, retries with backoff.
-- ``_records.py``: :class:`PendingRecord`, :class:`RecordResult`, :class:`Attempt`.
+- ``_records.py``: :class:`PendingRecord`, :class:`RecordResult`, :class:`Attempt`;
+  ``_batch.py``: :class:`PendingBatch` and :class:`BatchResult`, ``submit_many``'s handle.
 - ``_sync.py``: :class:`SyncProducer`, the blocking facade (a Producer in a portal thread).
 - ``_metrics.py``: the KPL's metrics, counted in process; ``metrics/`` (public): the upload
   task and the sinks that ship them (``MetricsSink``, ``CloudWatchSink``, ``PrometheusSink``,
@@ -36,6 +37,8 @@ Public modules: this package, :mod:`anykpl.errors`, :mod:`anykpl.config` and
 """
 
 from . import errors as errors
+from ._batch import BatchResult as BatchResult
+from ._batch import PendingBatch as PendingBatch
 from ._fleet import FleetStatistics as FleetStatistics
 from ._metrics import MetricKey as MetricKey
 from ._metrics import MetricValue as MetricValue
@@ -58,10 +61,12 @@ __version__ = "0.1.0.dev0"
 
 __all__ = (
     "Attempt",
+    "BatchResult",
     "FleetConfig",
     "FleetStatistics",
     "MetricKey",
     "MetricValue",
+    "PendingBatch",
     "PendingRecord",
     "Producer",
     "ProducerConfig",

@@ -25,7 +25,7 @@ from typing import Final
 
 from . import _limits, errors
 from ._aggregator import Aggregator
-from ._records import KinesisRecord, PendingRecord, partition_key_hash
+from ._records import BatchCounter, KinesisRecord, PendingRecord, partition_key_hash
 from ._shard_map import ShardMap
 from ._spool import Spool
 
@@ -96,10 +96,12 @@ class Intake:
         self.enqueue(stream_intake, record)
         return record
 
-    def make_records(self, stream: object, items: Iterable[object]) -> list[PendingRecord]:
+    def make_records(
+        self, stream: object, items: Iterable[object], batch: BatchCounter
+    ) -> list[PendingRecord]:
         """Validate a batch (:meth:`Producer.submit_many`'s items) and build its handles, not
-        yet admitted. Each item is the record's data, or a tuple ``(data, partition_key)`` or
-        ``(data, partition_key, explicit_hash_key)``.
+        yet admitted, each counted in ``batch``. Each item is the record's data, or a tuple
+        ``(data, partition_key)`` or ``(data, partition_key, explicit_hash_key)``.
 
         :raises: as :meth:`make_record`, the message naming the item (``records[3]: ...``).
         """
@@ -110,7 +112,9 @@ class Intake:
                 record = self.make_record(stream, data, partition_key, explicit_hash_key)
             except (errors.RecordTypeError, errors.InvalidRecordError) as exc:
                 raise type(exc)(f"records[{index}]: {exc}") from None
+            record._batch = batch
             made.append(record)
+        batch.remaining = len(made)
         return made
 
     def admit_ready(

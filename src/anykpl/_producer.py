@@ -30,11 +30,12 @@ import anyio
 
 from . import errors
 from ._aws import running_trio
+from ._batch import PendingBatch
 from ._fleet import FleetDemand, FleetWorker
 from ._intake import CHECKPOINT_EVERY, Intake, offset_clock
 from ._metrics import Metrics, MetricValue
 from ._pipeline import Pipeline
-from ._records import AttemptRecord, PendingRecord, RecordResult
+from ._records import AttemptRecord, BatchCounter, PendingRecord, RecordResult
 from ._sender import Transport, open_transport
 from ._spool import RecoveredSegment, Spool, SpoolSyncer
 from ._statistics import ProducerStatistics
@@ -574,13 +575,18 @@ class Producer(anyio.AsyncContextManagerMixin):
         records: Iterable[BatchRecord],
         *,
         tenant: str | None = None,
-    ) -> list[PendingRecord]:
-        """Admit many records of one stream in one call and return their handles, in order.
+    ) -> PendingBatch:
+        """Admit many records of one stream in one call and return the batch's handle.
 
         Each item of ``records`` is the record's data (``bytes``, ``bytearray`` or
         ``memoryview``; a random partition key), or a tuple ``(data, partition_key)`` or
         ``(data, partition_key, explicit_hash_key)``. The same results and backpressure as
         :meth:`submit`, with the per-call cost paid once for the batch: for a firehose.
+
+        The :class:`~anykpl.PendingBatch` is the sequence of the records' handles, in order,
+        and a handle of its own: ``batch.done()``, ``batch.failed``, and ``await batch`` for a
+        :class:`~anykpl.BatchResult` with every failure (a batch never raises for a failed
+        record), so the caller need not look at each record.
 
         Every record is validated before any is admitted: bad input raises at once (the
         message names the item, ``records[3]: ...``) and nothing is enqueued. Then each is
@@ -596,10 +602,12 @@ class Producer(anyio.AsyncContextManagerMixin):
             _check_stream_name(stream)  # the batch's, not records[0]'s, and for an empty one
         checked_tenant = None if tenant is None else _check_tenant(tenant)
         intake = self._intake
-        made = intake.make_records(stream, records)
+        counter = BatchCounter()
+        made = intake.make_records(stream, records, counter)
+        batch = PendingBatch(made, counter)
         if not made:
             await anyio.lowlevel.checkpoint()
-            return made
+            return batch
         if checked_tenant is not None:
             for record in made:
                 record.tenant = checked_tenant
@@ -636,7 +644,7 @@ class Producer(anyio.AsyncContextManagerMixin):
                 await self._commit.wait()  # one sync for the batch (what it admitted of it)
         # one checkpoint for the batch: the stages run, and cancellation gets in
         await anyio.lowlevel.checkpoint()
-        return made
+        return batch
 
     def _not_open(self) -> errors.ProducerClosedError:
         if self._state == "new":

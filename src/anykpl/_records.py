@@ -31,7 +31,7 @@ from ._wire import AggregateBuilder
 if TYPE_CHECKING:
     from ._spool import Segment
 
-__all__ = ("Attempt", "KinesisRecord", "PendingRecord", "RecordResult")
+__all__ = ("Attempt", "BatchCounter", "KinesisRecord", "PendingRecord", "RecordResult")
 
 logger = logging.getLogger("anykpl.records")
 
@@ -105,6 +105,43 @@ class AttemptRecord:
         self.message = message
 
 
+class BatchCounter:
+    """How many records of one :meth:`Producer.submit_many` batch are still pending, and how
+    many failed: what :class:`~anykpl.PendingBatch` reports without looking at each record.
+
+    Every record of the batch points to it (``PendingRecord._batch``) and counts itself out
+    when it becomes terminal, once. It refers to no record, so no cycle runs through it.
+    """
+
+    __slots__ = ("_event", "failed", "remaining")
+
+    def __init__(self) -> None:
+        self.remaining = 0
+        self.failed = 0
+        self._event: anyio.Event | None = None
+
+    def record_done(self, success: bool) -> None:
+        """One record of the batch became terminal."""
+        if not success:
+            self.failed += 1
+        self.remaining -= 1
+        if not self.remaining:
+            event = self._event
+            if event is not None:
+                self._event = None
+                event.set()
+
+    async def wait(self) -> None:
+        """Wait until no record of the batch is pending."""
+        if self.remaining:
+            event = self._event
+            if event is None:
+                event = self._event = anyio.Event()
+            await event.wait()
+        else:
+            await anyio.lowlevel.checkpoint()
+
+
 _PENDING: Final = 0
 _SUCCEEDED: Final = 1
 _FAILED: Final = 2
@@ -130,6 +167,7 @@ class PendingRecord:
     """
 
     __slots__ = (
+        "_batch",
         "_earlier_attempts",
         "_event",
         "_last_attempt",
@@ -191,6 +229,8 @@ class PendingRecord:
         # Called once, with the record, when it becomes terminal (SyncProducer completes its
         # futures with it). Private: one slot and one check per record, no callback list.
         self._on_done: Callable[[PendingRecord], object] | None = None
+        # the counter of the submit_many batch it came in, or None
+        self._batch: BatchCounter | None = None
 
     def __repr__(self) -> str:
         state = ("pending", "succeeded", "failed")[self._state]
@@ -298,6 +338,9 @@ class PendingRecord:
 
     def _resolve(self, success: bool) -> None:
         self._state = _SUCCEEDED if success else _FAILED
+        batch = self._batch
+        if batch is not None:
+            batch.record_done(success)
         event = self._event
         if event is not None:
             self._event = None  # its waiters hold it; a record holds nothing that leads back

@@ -26,7 +26,7 @@ import anyio.lowlevel
 import pytest
 from aws_kinesis_agg import deaggregator
 
-from anykpl import PendingRecord, Producer, ProducerConfig, RecordResult, errors
+from anykpl import PendingBatch, PendingRecord, Producer, ProducerConfig, RecordResult, errors
 from anykpl._limits import MAX_HASH_KEY
 from anykpl._wire import MAGIC, DecodedRecord, deaggregate
 
@@ -654,14 +654,20 @@ async def test_submit_many_delivers_every_record_with_its_own_key(
     }
     items = list(sent.values())
     async with Producer(**producer_options) as producer:
-        handles: list[PendingRecord] = []
+        batches: list[PendingBatch] = []
         for start in range(0, len(items), 500):
             batch = items[start : start + 500]
-            handles += await producer.submit_many(
-                stream, [(s.data, s.partition_key, s.explicit_hash_key) for s in batch]
+            batches.append(
+                await producer.submit_many(
+                    stream, [(s.data, s.partition_key, s.explicit_hash_key) for s in batch]
+                )
             )
         await producer.flush()
+        assert all(batch.done() for batch in batches)
+        outcomes = [await batch for batch in batches]
+        handles = [handle for batch in batches for handle in batch]
         results = [await handle for handle in handles]
+    assert [(o.succeeded, o.failed, o.failures) for o in outcomes] == [(500, 0, ())] * 12
     assert [uid_of(h.data) for h in handles] == list(sent)
     for result in results:
         assert_success(result)
