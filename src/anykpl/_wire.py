@@ -137,6 +137,14 @@ _EXPLICIT_HASH_KEY_ENTRY_PREFIX: Final = _prefixed_varints(
 )
 
 
+# The header of a record without an explicit hash key depends on its partition key's index in
+# the aggregate and its data length only, and both repeat (indices from 0 in every aggregate,
+# and the same few lengths): each header is built once and shared. No allocation per record
+# then, where a new header would live as long as its aggregate (docs/benchmarks.md).
+_HEADER_CACHE_LIMIT: Final = 1 << 14
+_header_cache: Final[dict[int, bytes]] = {}
+
+
 def _record_header(pk_index: int, ehk_index: int | None, data_len: int) -> bytes:
     """Everything of one ``records`` entry but the data itself; the slow path of ``add``."""
     inner = _TAG_PARTITION_KEY_INDEX + _encode_varint(pk_index)
@@ -227,11 +235,19 @@ class AggregateBuilder:
         data_len = len(data)
         ehk_entry = None
         if explicit_hash_key is None:
-            try:
-                tail = _PARTITION_KEY_INDEX_FIELD[pk_index] + _DATA_FIELD[data_len]
-                header = _RECORD_FIELD[len(tail) + data_len] + tail
-            except IndexError:
-                header = _record_header(pk_index, None, data_len)
+            cache_key = data_len << 32 | pk_index  # an index is far below 2**32
+            cached = _header_cache.get(cache_key)
+            if cached is not None:
+                header = cached
+            else:
+                try:
+                    tail = _PARTITION_KEY_INDEX_FIELD[pk_index] + _DATA_FIELD[data_len]
+                    header = _RECORD_FIELD[len(tail) + data_len] + tail
+                except IndexError:
+                    header = _record_header(pk_index, None, data_len)
+                if len(_header_cache) >= _HEADER_CACHE_LIMIT:
+                    _header_cache.clear()
+                _header_cache[cache_key] = header
         else:
             ehk_index = self._ehk_indices.get(explicit_hash_key)
             if ehk_index is None:
