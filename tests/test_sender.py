@@ -13,11 +13,16 @@ from botocore import exceptions as be
 from anykpl import errors
 from anykpl._records import KinesisRecord, PendingRecord
 from anykpl._sender import (
+    KEPT_BODY_BUFFER_MAX,
+    KEPT_BODY_BUFFERS,
     Outcome,
+    _BodyBuffers,
+    _BodySlot,
     _BotocoreTransport,
     _PutRecordsSerializer,
     error_code,
     put_records_body,
+    put_records_body_parts,
     run_sender,
 )
 
@@ -300,6 +305,71 @@ async def test_an_aiobotocore_client_sends_the_body_built_here() -> None:
     assert request.url == "https://123456789012.data-kinesis.us-east-1.amazonaws.com/"
     assert request.headers["X-Amz-Target"] == b"Kinesis_20131202.PutRecords"
     assert int(request.headers["Content-Length"]) == len(request.body)
+
+
+@pytest.mark.anyio
+async def test_an_aiohttp_transport_writes_bodies_into_kept_buffers() -> None:
+    """``reuse_bodies``: the body that goes out is a view of a kept buffer, the same document;
+    a buffer whose last body is still referenced is never written again."""
+    from aiobotocore.session import AioSession
+
+    requests: list[Any] = []
+
+    def before_send(request: Any, **kwargs: Any) -> None:
+        requests.append(request)
+        raise _Sent
+
+    batches = [
+        [{"Data": bytes([i]) * 3000, "PartitionKey": f"k{i}"} for i in range(5)],
+        [{"Data": b"x", "PartitionKey": "k"}],
+    ]
+    async with AioSession().create_client(
+        "kinesis", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x"
+    ) as client:
+        transport = _BotocoreTransport(client, reuse_bodies=True)
+        client.meta.events.register("before-send.kinesis.PutRecords", before_send)
+        for records in batches:
+            with pytest.raises(_Sent):
+                await transport.put_records("s", records)
+    first, second = requests
+    for request, records in zip(requests, batches, strict=True):
+        assert isinstance(request.body, memoryview)
+        assert bytes(request.body) == put_records_body({"StreamName": "s", "Records": records})
+        assert int(request.headers["Content-Length"]) == len(request.body)
+    # the first body is still held here: the second request wrote into a buffer of its own
+    assert first.body.obj is not second.body.obj
+
+
+def test_body_slot_writes_parts_and_reuses_its_buffer() -> None:
+    parameters = {"StreamName": "s", "Records": [{"Data": b"a" * 100, "PartitionKey": "k"}] * 3}
+    parts = put_records_body_parts(parameters)
+    slot = _BodySlot(bytearray())
+    body = slot.write(parts)
+    assert bytes(body) == put_records_body(parameters)
+    buffer = slot.buffer
+    del body
+    small = put_records_body_parts(
+        {"StreamName": "s", "Records": [{"Data": b"", "PartitionKey": "k"}]}
+    )
+    body = slot.write(small)  # the same buffer, no view left of it: written again from the start
+    assert slot.buffer is buffer
+    assert bytes(body) == b"".join(small)
+    again = slot.write(parts)  # a view is alive (``body``): a new buffer
+    assert slot.buffer is not buffer
+    assert bytes(body) == b"".join(small)  # the live view was not overwritten
+    assert bytes(again) == put_records_body(parameters)
+
+
+def test_body_buffers_keep_a_few_buffers_of_bounded_size() -> None:
+    buffers = _BodyBuffers()
+    slots = [buffers.take() for _ in range(KEPT_BODY_BUFFERS + 1)]
+    slots[0].buffer += bytes(KEPT_BODY_BUFFER_MAX + 1)  # a body bigger than any kept one
+    kept = [slot.buffer for slot in slots[1:]]
+    for slot in slots:
+        buffers.give(slot)
+    taken = [buffers.take().buffer for _ in range(KEPT_BODY_BUFFERS + 1)]
+    assert {id(b) for b in taken[:KEPT_BODY_BUFFERS]} == {id(b) for b in kept}
+    assert all(b is not slots[0].buffer for b in taken)
 
 
 def test_transport_installs_the_serializer_when_botocore_has_one(botocore_kinesis: Any) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from .config import ProducerConfig
 
-__all__ = ("create_client", "running_trio")
+__all__ = ("create_client", "http_backend", "running_trio")
 
 
 def running_trio() -> bool:
@@ -29,6 +29,14 @@ def running_trio() -> bool:
         return bool(sniffio.current_async_library() == "trio")
     except sniffio.AsyncLibraryNotFoundError:
         return False
+
+
+def http_backend(config: ProducerConfig) -> str:
+    """The HTTP client the producer's AWS clients use: ``"aiohttp"`` or ``"httpx"``
+    (``http_backend="auto"``: httpx under trio, aiohttp otherwise)."""
+    if config.http_backend == "auto":
+        return "httpx" if running_trio() else "aiohttp"
+    return config.http_backend
 
 
 def create_client(
@@ -47,9 +55,7 @@ def create_client(
     from aiobotocore.config import AioConfig
     from aiobotocore.session import AioSession
 
-    backend = config.http_backend
-    if backend == "auto":
-        backend = "httpx" if running_trio() else "aiohttp"
+    backend = http_backend(config)
     options: dict[str, Any] = {
         "max_pool_connections": max_pool_connections,
         "connect_timeout": config.connect_timeout,
