@@ -254,9 +254,12 @@ class _PutRecordsSerializer:
         content_type = str(request.get("headers", {}).get("Content-Type", ""))
         if not content_type.startswith("application/x-amz-json"):
             return inner.serialize_to_request(parameters, operation_model)
-        parts = put_records_body_parts(parameters)
         slot = _body_slot.get()
-        request["body"] = b"".join(parts) if slot is None else slot.write(parts)
+        request["body"] = (
+            put_records_body(parameters)
+            if slot is None
+            else slot.write(put_records_body_parts(parameters))
+        )
         return request
 
 
@@ -272,18 +275,16 @@ class _BotocoreTransport:
 
     async def put_records(self, stream: str, records: list[dict[str, Any]]) -> Mapping[str, Any]:
         bodies = self._bodies
-        if bodies is None:
+        slot = None if bodies is None else bodies.take()
+        token = _body_slot.set(slot)
+        try:
             response: Mapping[str, Any] = await self._client.put_records(
                 **stream_parameters(stream), Records=records
             )
-            return response
-        slot = bodies.take()
-        token = _body_slot.set(slot)
-        try:
-            response = await self._client.put_records(**stream_parameters(stream), Records=records)
         finally:
             _body_slot.reset(token)
-            bodies.give(slot)
+            if bodies is not None and slot is not None:
+                bodies.give(slot)
         return response
 
     async def list_shards(self, **kwargs: Any) -> Mapping[str, Any]:

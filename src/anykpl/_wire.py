@@ -236,18 +236,17 @@ class AggregateBuilder:
         ehk_entry = None
         if explicit_hash_key is None:
             cache_key = data_len << 32 | pk_index  # an index is far below 2**32
-            cached = _header_cache.get(cache_key)
-            if cached is not None:
-                header = cached
-            else:
+            found = _header_cache.get(cache_key)
+            if found is None:
                 try:
                     tail = _PARTITION_KEY_INDEX_FIELD[pk_index] + _DATA_FIELD[data_len]
-                    header = _RECORD_FIELD[len(tail) + data_len] + tail
+                    found = _RECORD_FIELD[len(tail) + data_len] + tail
                 except IndexError:
-                    header = _record_header(pk_index, None, data_len)
+                    found = _record_header(pk_index, None, data_len)
                 if len(_header_cache) >= _HEADER_CACHE_LIMIT:
                     _header_cache.clear()
-                _header_cache[cache_key] = header
+                _header_cache[cache_key] = found
+            header = found
         else:
             ehk_index = self._ehk_indices.get(explicit_hash_key)
             if ehk_index is None:
