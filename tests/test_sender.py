@@ -13,10 +13,12 @@ from botocore import exceptions as be
 from anykpl import errors
 from anykpl._records import KinesisRecord, PendingRecord
 from anykpl._sender import (
+    BODY_PIECE,
     KEPT_BODY_BUFFER_MAX,
     KEPT_BODY_BUFFERS,
     Outcome,
     _BodyBuffers,
+    _BodyPieces,
     _BodySlot,
     _BotocoreTransport,
     _PutRecordsSerializer,
@@ -338,6 +340,53 @@ async def test_an_aiohttp_transport_writes_bodies_into_kept_buffers() -> None:
         assert int(request.headers["Content-Length"]) == len(request.body)
     # the first body is still held here: the second request wrote into a buffer of its own
     assert first.body.obj is not second.body.obj
+
+
+@pytest.mark.anyio
+async def test_an_httpx_transport_sends_kept_bodies_in_pieces() -> None:
+    """``body_pieces``: after botocore signed the view, the body that goes to httpx is the
+    same bytes in pieces (httpx takes only ``bytes`` or an iterable), with botocore's
+    ``Content-Length``; each piece is a view, so the buffer is not rewritten under it."""
+    from aiobotocore.config import AioConfig
+    from aiobotocore.httpxsession import HttpxSession
+    from aiobotocore.session import AioSession
+
+    requests: list[Any] = []
+
+    def before_send(request: Any, **kwargs: Any) -> None:
+        requests.append(request)
+        raise _Sent
+
+    records = [{"Data": bytes([i]) * 100_000, "PartitionKey": f"k{i}"} for i in range(6)]
+    async with AioSession().create_client(
+        "kinesis",
+        region_name="us-east-1",
+        aws_access_key_id="x",
+        aws_secret_access_key="x",
+        config=AioConfig(http_session_cls=HttpxSession),
+    ) as client:
+        transport = _BotocoreTransport(client, reuse_bodies=True, body_pieces=True)
+        # a second transport on the client does not hook it twice
+        _BotocoreTransport(client, reuse_bodies=True, body_pieces=True)
+        client.meta.events.register("before-send.kinesis.PutRecords", before_send)
+        with pytest.raises(_Sent):
+            await transport.put_records("s", records)
+    (request,) = requests
+    expected = put_records_body({"StreamName": "s", "Records": records})
+    assert len(expected) > 3 * BODY_PIECE  # several pieces, the last one short
+    body = request.body
+    assert isinstance(body, _BodyPieces)
+    assert len(body) == len(expected) == int(request.headers["Content-Length"])
+    pieces = list(body)
+    assert all(isinstance(piece, memoryview) for piece in pieces)
+    assert [len(piece) for piece in pieces[:-1]] == [BODY_PIECE] * (len(pieces) - 1)
+    assert b"".join(pieces) == expected
+    assert b"".join([piece async for piece in body]) == expected  # what httpx reads
+
+
+def test_body_pieces_of_an_empty_and_a_short_body() -> None:
+    assert list(_BodyPieces(memoryview(b""))) == []
+    assert [bytes(p) for p in _BodyPieces(memoryview(b"abc"))] == [b"abc"]
 
 
 def test_body_slot_writes_parts_and_reuses_its_buffer() -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import binascii
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from typing import Any, Final, Protocol
@@ -158,28 +158,31 @@ def _json_string(field: str, value: object) -> bytes:
     return json.dumps(value).encode()
 
 
-#: Bodies' buffers the aiohttp transport keeps for its next requests (:class:`_BodyBuffers`)
+#: Bodies' buffers a transport keeps for its next requests (:class:`_BodyBuffers`)
 KEPT_BODY_BUFFERS: Final = 2
 #: A buffer bigger than this (bytes) is not kept: a full 5 MiB request's body, and some more
 KEPT_BODY_BUFFER_MAX: Final = 8 << 20
+#: The pieces (bytes) an httpx transport sends a kept body in (:class:`_BodyPieces`)
+BODY_PIECE: Final = 256 << 10
 
 
 class _BodyBuffers:
-    """Buffers that PutRecords bodies are written into, reused from one request to the next
-    (the aiohttp transport's).
+    """Buffers that PutRecords bodies are written into, reused from one request to the next.
 
     A firehose's bodies are 1–2 MB each. Allocated afresh for each request, such memory goes
-    back to the operating system when it is freed (glibc trims the top of its heap), and
-    comes back page by page on the next request, one page fault each (about 2 µs on a 2-core
-    VM). Under aiohttp (on Python before 3.12.9) the body is copied once more, behind the
-    request's headers, so every request paid for its body's pages twice. Written into a
-    kept buffer, a body costs no new pages: in the firehose benchmark the worker's page faults
-    halved and its CPU fell by about 5 % (docs/benchmarks.md). httpx takes only ``bytes``
-    bodies, so the trio transport builds its bodies as before.
+    back to the operating system when it is freed (glibc trims the top of its heap, or maps
+    and unmaps a large block), and comes back page by page on the next request, one page
+    fault each (about 2 µs on a 2-core VM), about a millisecond per request. Under aiohttp (on
+    Python before 3.12.9) the body is copied once more, behind the request's headers, so
+    every request paid for its body's pages twice. Written into a kept buffer, a body costs no
+    new pages: in the firehose benchmark the asyncio worker's page faults halved and its CPU
+    fell by about 5 % (docs/benchmarks.md).
 
-    The body handed to botocore is a ``memoryview`` of the buffer. A buffer is written again
-    only once no view of it is left anywhere (a request that failed part-way may leave one
-    behind a while): otherwise the request takes a new buffer. At most
+    The body handed to botocore is a ``memoryview`` of the buffer (which it signs as it
+    would ``bytes``). aiohttp sends a view as it is; httpx takes only ``bytes`` or an
+    iterable, so an httpx transport sends it in pieces (:class:`_BodyPieces`). A buffer is
+    written again only once no view of it is left anywhere (a request that failed part-way
+    may leave one behind a while): otherwise the request takes a new buffer. At most
     :data:`KEPT_BODY_BUFFERS` are kept, of at most :data:`KEPT_BODY_BUFFER_MAX` bytes each.
     """
 
@@ -225,6 +228,43 @@ class _BodySlot:
         return memoryview(buffer)[:size]
 
 
+class _BodyPieces:
+    """A kept body as httpx sends it: in pieces of :data:`BODY_PIECE` bytes.
+
+    aiobotocore hands httpx a body that is both iterable and async iterable as a stream
+    (anything else goes to httpx as it is, and httpx takes only ``bytes``); botocore has
+    already signed the body and set its ``Content-Length``, so httpx sends exactly these
+    bytes, not chunked. Each piece is a view of the buffer, so the buffer is not written again
+    while one is alive (:class:`_BodySlot`). h11 copies each piece once on its way to the
+    socket: pieces this small come from memory the allocator keeps, where one ``bytes`` of
+    the whole body came from fresh pages each time.
+    """
+
+    __slots__ = ("_body",)
+
+    def __init__(self, body: memoryview) -> None:
+        self._body = body
+
+    def __len__(self) -> int:
+        return len(self._body)
+
+    def __iter__(self) -> Iterator[memoryview]:
+        body = self._body
+        for start in range(0, len(body), BODY_PIECE):
+            yield body[start : start + BODY_PIECE]
+
+    async def __aiter__(self) -> AsyncIterator[memoryview]:
+        for piece in self:
+            yield piece
+
+
+def _send_body_in_pieces(request: Any, **kwargs: Any) -> None:
+    """botocore's ``before-send`` hook on an httpx transport's PutRecords requests: a kept
+    body (a view), already signed, goes out in pieces (:class:`_BodyPieces`)."""
+    if isinstance(request.body, memoryview):
+        request.body = _BodyPieces(request.body)
+
+
 # The body buffer of the request being serialized in this task (set around each PutRecords
 # call by a transport that reuses them; the serializer runs inside the call)
 _body_slot: ContextVar[_BodySlot | None] = ContextVar("anykpl_body_slot", default=None)
@@ -264,9 +304,19 @@ class _PutRecordsSerializer:
 
 
 class _BotocoreTransport:
-    def __init__(self, client: Any, *, reuse_bodies: bool = False) -> None:
+    def __init__(
+        self, client: Any, *, reuse_bodies: bool = False, body_pieces: bool = False
+    ) -> None:
+        """``reuse_bodies``: write bodies into kept buffers (:class:`_BodyBuffers`);
+        ``body_pieces``: and send them in pieces, as httpx needs (:class:`_BodyPieces`)."""
         self._client = client
         self._bodies = _BodyBuffers() if reuse_bodies else None
+        if reuse_bodies and body_pieces:
+            client.meta.events.register(
+                "before-send.kinesis.PutRecords",
+                _send_body_in_pieces,
+                unique_id="anykpl-body-pieces",
+            )
         serializer = getattr(client, "_serializer", None)
         if serializer is not None and not isinstance(serializer, _PutRecordsSerializer):
             # botocore keeps its serializer in a private attribute; without it (another
@@ -303,7 +353,9 @@ async def open_transport(config: ProducerConfig) -> AsyncIterator[Transport]:
         endpoint_url=config.endpoint_url,
     )
     async with client_context as client:
-        yield _BotocoreTransport(client, reuse_bodies=http_backend(config) == "aiohttp")
+        yield _BotocoreTransport(
+            client, reuse_bodies=True, body_pieces=http_backend(config) == "httpx"
+        )
 
 
 async def run_sender(

@@ -674,3 +674,42 @@ async def test_submit_many_delivers_every_record_with_its_own_key(
     contents = await read_stream_async(kinesis_client, stream)
     # check_read_back compares each user record's own partition key with what was sent
     assert check_read_back(contents, sent) == Counter(set(sent))
+
+
+# -- an httpx body sent in pieces -----------------------------------------------------------
+
+
+async def test_httpx_sends_kept_bodies_in_pieces_that_arrive_whole(
+    make_stream: Any,
+    kinesis_client: Any,
+    producer_options: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Over httpx (trio's HTTP client, here on both backends), each PutRecords body is sent in
+    pieces of a kept buffer (``_sender._BodyPieces``). With pieces of an odd 1,000 bytes, so
+    every request has many and they cut through records, the stream holds every record."""
+    from anykpl import _sender
+
+    monkeypatch.setattr(_sender, "BODY_PIECE", 1000)
+    pieces = Counter[str]()
+    iterate = _sender._BodyPieces.__iter__
+
+    def counting(self: Any) -> Iterator[memoryview]:
+        for piece in iterate(self):
+            pieces["pieces"] += 1
+            yield piece
+
+    monkeypatch.setattr(_sender._BodyPieces, "__iter__", counting)
+    stream = make_stream(2)
+    sent = {
+        uid: make_sent(uid, f"device-{uid % 50}", size=100 + uid * 37 % 3000) for uid in range(600)
+    }
+    async with Producer(http_backend="httpx", **producer_options) as producer:
+        handles = [await producer.submit(stream, s.data, s.partition_key) for s in sent.values()]
+        await producer.flush()
+        results = [await h for h in handles]
+    for result in results:
+        assert_success(result)
+    assert pieces["pieces"] > 900  # about 1 MB of records, and some JSON and base64 around them
+    contents = await read_stream_async(kinesis_client, stream)
+    assert check_read_back(contents, sent) == Counter(set(sent))
