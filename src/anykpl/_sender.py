@@ -253,9 +253,26 @@ class _BodyPieces:
         for start in range(0, len(body), BODY_PIECE):
             yield body[start : start + BODY_PIECE]
 
-    async def __aiter__(self) -> AsyncIterator[memoryview]:
-        for piece in self:
-            yield piece
+    def __aiter__(self) -> _AsyncPieces:
+        return _AsyncPieces(iter(self))
+
+
+class _AsyncPieces:
+    """:class:`_BodyPieces` to ``async for``. Not an async generator: a request cancelled
+    part-way leaves it unfinished, and trio warns about an async generator collected so."""
+
+    __slots__ = ("_pieces",)
+
+    def __init__(self, pieces: Iterator[memoryview]) -> None:
+        self._pieces = pieces
+
+    def __aiter__(self) -> _AsyncPieces:
+        return self
+
+    async def __anext__(self) -> memoryview:
+        for piece in self._pieces:
+            return piece
+        raise StopAsyncIteration
 
 
 def _send_body_in_pieces(request: Any, **kwargs: Any) -> None:
