@@ -311,7 +311,7 @@ async def test_an_aiobotocore_client_sends_the_body_built_here() -> None:
 
 @pytest.mark.anyio
 async def test_an_aiohttp_transport_writes_bodies_into_kept_buffers() -> None:
-    """``reuse_bodies``: the body that goes out is a view of a kept buffer, the same document;
+    """The body that goes out is a view of a kept buffer, the same document;
     a buffer whose last body is still referenced is never written again."""
     from aiobotocore.session import AioSession
 
@@ -328,7 +328,7 @@ async def test_an_aiohttp_transport_writes_bodies_into_kept_buffers() -> None:
     async with AioSession().create_client(
         "kinesis", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x"
     ) as client:
-        transport = _BotocoreTransport(client, reuse_bodies=True)
+        transport = _BotocoreTransport(client)
         client.meta.events.register("before-send.kinesis.PutRecords", before_send)
         for records in batches:
             with pytest.raises(_Sent):
@@ -365,9 +365,9 @@ async def test_an_httpx_transport_sends_kept_bodies_in_pieces() -> None:
         aws_secret_access_key="x",
         config=AioConfig(http_session_cls=HttpxSession),
     ) as client:
-        transport = _BotocoreTransport(client, reuse_bodies=True, body_pieces=True)
+        transport = _BotocoreTransport(client, body_pieces=True)
         # a second transport on the client does not hook it twice
-        _BotocoreTransport(client, reuse_bodies=True, body_pieces=True)
+        _BotocoreTransport(client, body_pieces=True)
         client.meta.events.register("before-send.kinesis.PutRecords", before_send)
         with pytest.raises(_Sent):
             await transport.put_records("s", records)

@@ -283,7 +283,8 @@ def _send_body_in_pieces(request: Any, **kwargs: Any) -> None:
 
 
 # The body buffer of the request being serialized in this task (set around each PutRecords
-# call by a transport that reuses them; the serializer runs inside the call)
+# call by the transport; the serializer runs inside the call, and joins the body itself
+# when called otherwise)
 _body_slot: ContextVar[_BodySlot | None] = ContextVar("anykpl_body_slot", default=None)
 
 
@@ -321,14 +322,12 @@ class _PutRecordsSerializer:
 
 
 class _BotocoreTransport:
-    def __init__(
-        self, client: Any, *, reuse_bodies: bool = False, body_pieces: bool = False
-    ) -> None:
-        """``reuse_bodies``: write bodies into kept buffers (:class:`_BodyBuffers`);
-        ``body_pieces``: and send them in pieces, as httpx needs (:class:`_BodyPieces`)."""
+    def __init__(self, client: Any, *, body_pieces: bool = False) -> None:
+        """Bodies are written into kept buffers (:class:`_BodyBuffers`); ``body_pieces``:
+        and sent in pieces, as httpx needs (:class:`_BodyPieces`)."""
         self._client = client
-        self._bodies = _BodyBuffers() if reuse_bodies else None
-        if reuse_bodies and body_pieces:
+        self._bodies = _BodyBuffers()
+        if body_pieces:
             client.meta.events.register(
                 "before-send.kinesis.PutRecords",
                 _send_body_in_pieces,
@@ -341,8 +340,7 @@ class _BotocoreTransport:
             client._serializer = _PutRecordsSerializer(serializer)
 
     async def put_records(self, stream: str, records: list[dict[str, Any]]) -> Mapping[str, Any]:
-        bodies = self._bodies
-        slot = None if bodies is None else bodies.take()
+        slot = self._bodies.take()
         token = _body_slot.set(slot)
         try:
             response: Mapping[str, Any] = await self._client.put_records(
@@ -350,8 +348,7 @@ class _BotocoreTransport:
             )
         finally:
             _body_slot.reset(token)
-            if bodies is not None and slot is not None:
-                bodies.give(slot)
+            self._bodies.give(slot)
         return response
 
     async def list_shards(self, **kwargs: Any) -> Mapping[str, Any]:
@@ -370,9 +367,7 @@ async def open_transport(config: ProducerConfig) -> AsyncIterator[Transport]:
         endpoint_url=config.endpoint_url,
     )
     async with client_context as client:
-        yield _BotocoreTransport(
-            client, reuse_bodies=True, body_pieces=http_backend(config) == "httpx"
-        )
+        yield _BotocoreTransport(client, body_pieces=http_backend(config) == "httpx")
 
 
 async def run_sender(
