@@ -1,12 +1,22 @@
-"""The intake's clock: the running backend's, read with as few calls as possible."""
+"""The intake: its clock (the running backend's, read with as few calls as possible), and the
+rule of admission per shard, driven without an event loop."""
 
 from __future__ import annotations
+
+import math
 
 import anyio
 import pytest
 
-from anykpl._intake import offset_clock
+from anykpl import _limits
+from anykpl._aggregator import Aggregator
+from anykpl._intake import RESERVE, Intake, StreamIntake, offset_clock
 from anykpl._producer import _backend_clock
+from anykpl._records import PendingRecord
+from anykpl._shard_map import ShardMap
+
+from .fakes import hash_of
+from .fakes.kinesis import even_ranges
 
 pytestmark = pytest.mark.anyio
 
@@ -32,3 +42,197 @@ async def test_under_a_mock_clock_the_backend_clock_follows_it() -> None:
     await anyio.sleep(30)  # no real time passes: the mock clock jumps
     assert clock() - start == pytest.approx(30, abs=1e-6)
     assert clock() == anyio.current_time()
+
+
+# -- admission per shard (pure: no event loop, the clock passed in) ---------------------------
+
+SHARDS = 4
+
+
+def _stream(
+    intake: Intake, *, shard_records: float = math.inf, shard_bytes: float = math.inf
+) -> StreamIntake:
+    """A stream of SHARDS even shards whose map is READY, every shard's backlog limited to
+    ``shard_records``/``shard_bytes``, and a limiter side that takes what is sealed."""
+    shard_map = ShardMap()
+    shard_map.begin_update()
+    shard_map.apply_page(
+        [
+            {
+                "ShardId": f"shardId-{i:012d}",
+                "HashKeyRange": {"StartingHashKey": str(start), "EndingHashKey": str(end)},
+            }
+            for i, (start, end) in enumerate(even_ranges(SHARDS))
+        ]
+    )
+    shard_map.finish_update(0.0)
+    aggregator = Aggregator(
+        enabled=True,
+        max_size=_limits.DEFAULT_MAX_RECORD_SIZE,
+        max_count=4294967295,
+        container_partition_key="a",
+        predict=shard_map.shard_id,
+    )
+    stream = StreamIntake(
+        intake.finish,
+        aggregator,
+        shard_map,
+        max_buffered_time=0.1,
+        record_ttl=30.0,
+        backlog_time=15.0,
+        ship=lambda sealed: None,
+        wake=lambda: None,
+        request_refresh=lambda: None,
+    )
+    stream.new_shard_records, stream.new_shard_bytes = shard_records, shard_bytes
+    return stream
+
+
+def _intake(max_records: int = 100_000, max_bytes: int = 128 * 1024 * 1024) -> Intake:
+    return Intake(
+        max_records, max_bytes, _limits.DEFAULT_MAX_RECORD_SIZE, lambda: 0.0, lambda: None
+    )
+
+
+def _key_on(shard: int, start: int = 0) -> str:
+    """A partition key whose hash key falls in shard ``shard`` of SHARDS even shards."""
+    low, high = even_ranges(SHARDS)[shard]
+    for n in range(start, start + 100_000):
+        key = f"key-{n}"
+        if low <= hash_of(key) <= high:
+            return key
+    raise AssertionError("no key found")  # pragma: no cover
+
+
+def _offer(
+    intake: Intake, stream: StreamIntake, key: str, size: int = 1000
+) -> PendingRecord | None:
+    """Admit one record for ``key`` if it fits now; None if it would wait."""
+    record = intake.make_record("s", b"x" * (size - len(key)), key, None)
+    if not intake.has_room(record, stream):
+        return None
+    intake.enqueue(stream, record)
+    return record
+
+
+def test_a_hot_shards_backlog_never_makes_another_shards_record_wait() -> None:
+    intake = _intake()
+    stream = _stream(intake, shard_bytes=15_000)  # 15 records of 1,000 bytes per shard
+    hot, cold = _key_on(0), _key_on(1)
+    admitted = [_offer(intake, stream, hot) for _ in range(20)]
+    assert sum(r is not None for r in admitted) == 15  # the hot shard is full: its callers wait
+    assert _offer(intake, stream, hot) is None
+    # the cold shard has its own room, whatever the hot one holds
+    cold_records = [_offer(intake, stream, cold) for _ in range(15)]
+    assert all(r is not None for r in cold_records)
+    assert _offer(intake, stream, cold) is None
+    # room comes back to the shard whose records finished, only
+    intake.finish([r for r in admitted[:3] if r is not None], True)
+    assert _offer(intake, stream, hot) is not None
+    assert _offer(intake, stream, cold) is None
+
+
+def test_a_shard_backlog_counts_its_records_out_when_they_finish() -> None:
+    intake = _intake()
+    stream = _stream(intake, shard_bytes=10_000)
+    records = [_offer(intake, stream, _key_on(2)) for _ in range(5)]
+    backlog = stream.backlogs["shardId-000000000002"]
+    assert (backlog.outstanding_records, backlog.outstanding_bytes) == (5, 5000)
+    assert intake.active_backlogs == 1
+    intake.finish([r for r in records if r is not None], False)
+    assert (backlog.outstanding_records, backlog.outstanding_bytes) == (0, 0)
+    assert intake.active_backlogs == 0
+    assert len(intake.outstanding) == 0
+
+
+def test_an_empty_shard_always_takes_one_record_of_any_size() -> None:
+    intake = _intake()
+    stream = _stream(intake, shard_bytes=100)
+    assert _offer(intake, stream, _key_on(0)) is not None  # 1,000 bytes over a 100-byte limit
+    assert _offer(intake, stream, _key_on(0)) is None
+    assert _offer(intake, stream, _key_on(3)) is not None
+
+
+def test_a_hot_shard_cannot_take_the_whole_producer_cap() -> None:
+    # no backlog limit per shard: only the producer's cap of 100 records binds
+    intake = _intake(max_records=100)
+    stream = _stream(intake)
+    hot = _key_on(0)
+    admitted = 0
+    while _offer(intake, stream, hot) is not None:
+        admitted += 1
+    # alone, the hot shard may fill the cap (its fair share is all of it)...
+    assert admitted == 100
+    intake2 = _intake(max_records=100)
+    stream2 = _stream(intake2)
+    # ...but once a cold shard holds records, the hot one stops at its fair share past the
+    # reserve, and the cold shard still finds room
+    assert _offer(intake2, stream2, _key_on(1)) is not None
+    hot_admitted = 0
+    while _offer(intake2, stream2, hot) is not None:
+        hot_admitted += 1
+    # 75 records in all (the reserve begins), far over the hot shard's half
+    assert 1 + hot_admitted == int(100 * (1 - RESERVE))
+    for _ in range(20):
+        assert _offer(intake2, stream2, _key_on(1)) is not None
+    assert len(intake2.outstanding) == 95
+
+
+def test_the_fair_share_holds_for_bytes_too() -> None:
+    intake = _intake(max_bytes=100_000)
+    stream = _stream(intake)
+    assert _offer(intake, stream, _key_on(1)) is not None
+    hot = 0
+    while _offer(intake, stream, _key_on(0)) is not None:
+        hot += 1
+    assert hot == 74  # 75,000 bytes with the cold shard's 1,000: the reserve begins
+    cold = 1
+    while _offer(intake, stream, _key_on(1)) is not None:
+        cold += 1
+    assert cold == 26  # the rest of the cap: the cold shard is still under its half
+
+
+def test_records_whose_shard_is_not_known_are_held_to_the_streams_limit() -> None:
+    intake = _intake()
+    stream = _stream(intake, shard_bytes=2000)
+    stream.shard_map.fail_update()  # not READY: no shard can be predicted
+    stream.backlog_records, stream.backlog_bytes = math.inf, 5000.0
+    keys = [_key_on(0), _key_on(1), _key_on(2), _key_on(3), _key_on(0, 5000)]
+    admitted = [_offer(intake, stream, key) for key in keys]
+    assert all(r is not None for r in admitted)  # the stream's 5,000 bytes, any shard
+    assert all(r.predicted_shard is None for r in admitted if r is not None)
+    assert _offer(intake, stream, _key_on(1)) is None
+    assert stream.unplaced.outstanding_records == 5
+
+
+def test_a_record_that_waited_is_placed_again_when_it_is_checked() -> None:
+    intake = _intake()
+    stream = _stream(intake, shard_bytes=1000)
+    key = _key_on(2)
+    assert _offer(intake, stream, key) is not None
+    waiting = intake.make_record("s", b"x" * 900, key, None)
+    assert not intake.has_room(waiting, stream)
+    assert waiting.predicted_shard == "shardId-000000000002"
+    # the shard's records finish; the waiting record's next check admits it into its shard
+    intake.finish(list(intake.outstanding), True)
+    assert intake.has_room(waiting, stream)
+    intake.enqueue(stream, waiting)
+    assert waiting.backlog is stream.backlogs["shardId-000000000002"]
+
+
+def test_no_room_reason_names_the_shard_or_the_caps() -> None:
+    intake = _intake(max_records=100)
+    stream = _stream(intake, shard_bytes=2000)
+    key = _key_on(3)
+    _offer(intake, stream, key)
+    _offer(intake, stream, key)
+    record = intake.make_record("s", b"x" * 900, key, None)
+    reason = intake.no_room_reason(record, stream)
+    assert "shard shardId-000000000003 of stream 's' holds 2 records / 2000 bytes" in reason
+    assert "max_outstanding_time=15 s" in reason
+    full = _intake(max_records=1)
+    stream = _stream(full)
+    _offer(full, stream, key)
+    reason = full.no_room_reason(full.make_record("s", b"x", _key_on(1), None), stream)
+    assert "1 records / " in reason
+    assert "max_outstanding_records=1" in reason

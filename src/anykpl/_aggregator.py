@@ -121,7 +121,14 @@ class Aggregator:
         Returns True if the earliest deadline may have moved earlier (the caller should wake
         the deadline timer).
         """
-        shard = record.predicted_shard = self.predict(record.hash_key)
+        record.predicted_shard = self.predict(record.hash_key)
+        return self.put_placed(record, out)
+
+    def put_placed(self, record: PendingRecord, out: list[KinesisRecord]) -> bool:
+        """:meth:`put` for a record whose shard was predicted already (``predicted_shard``,
+        ``None`` while the shard map was not ready): the intake predicts it to admit the record
+        by its shard's backlog, and the prediction is not repeated."""
+        shard = record.predicted_shard
         if shard is None:
             if self.map_unavailable:
                 # ListShards failed for good (a missing stream): out raw at once, to fail fast

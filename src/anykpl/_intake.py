@@ -1,9 +1,10 @@
 """The intake: what :meth:`Producer.submit` does for each record once it may admit it.
 
-Validation (:meth:`Intake.make_record`), the room check (:meth:`Intake.has_room`), admission
-(:meth:`Intake.enqueue`: the record's clock starts, it is counted as outstanding and handed to
-its stream's :class:`~anykpl._aggregator.Aggregator`) and, on the way back, resolving records
-(:meth:`Intake.finish`, a whole Kinesis record's user records in one call). These are the
+Validation (:meth:`Intake.make_record`), the room check (:meth:`Intake.has_room`: the rule of
+admission, per shard), admission (:meth:`Intake.enqueue`: the record's clock starts, it is
+counted as outstanding and handed to its stream's :class:`~anykpl._aggregator.Aggregator`) and,
+on the way back, resolving records (:meth:`Intake.finish`, a whole Kinesis record's user records
+in one call). These are the
 per-record steps of the producer; they are plain synchronous code on plain objects, kept apart
 from the producer's lifecycle and its waits, so that the compiled build (mypyc, see
 ``pyproject.toml``) compiles them together with the stages they call into. The pure-Python
@@ -11,9 +12,18 @@ package runs the same code.
 
 Two objects: one :class:`Intake` per producer (the producer-wide caps, the set of outstanding
 records that is the producer's safety net, the partition key cache) and one
-:class:`StreamIntake` per stream (its backlog limit, its counts, its aggregator). The producer
-owns the first, each stream's pipeline the second; the stages never touch them, apart from
-the Retrier's calls to :meth:`StreamIntake.finish`.
+:class:`StreamIntake` per stream (its shards' backlogs and their limits, its counts, its
+aggregator). The producer owns the first, each stream's pipeline the second; the stages never
+touch them, apart from the Retrier's calls to :meth:`StreamIntake.finish`.
+
+The rule (docs/admission.md). A record is admitted when it fits under the producer's caps
+(``max_outstanding_records``/``max_outstanding_bytes``) and under its own predicted shard's
+backlog limit: ``max_outstanding_time`` of what that shard delivers now (the pipeline plans it).
+Records whose shard is not known yet (the shard map is loading, or invalid) are held to the
+stream's limit instead, all of its shards together. Once the producer holds more than
+``1 - RESERVE`` of a cap, a shard may not grow past its fair share of that cap (the cap divided
+by the shards that hold records), so a hot shard never takes the whole cap: the others keep
+room. A hot shard's backlog thus makes only its own records wait.
 """
 
 from __future__ import annotations
@@ -25,11 +35,18 @@ from typing import Final
 
 from . import _limits, errors
 from ._aggregator import Aggregator
-from ._records import BatchCounter, KinesisRecord, PendingRecord, partition_key_hash
+from ._records import BatchCounter, KinesisRecord, PendingRecord, ShardBacklog, partition_key_hash
 from ._shard_map import ShardMap
 from ._spool import Spool
 
-__all__ = ("CHECKPOINT_EVERY", "KEY_CACHE_LIMIT", "Intake", "StreamIntake", "offset_clock")
+__all__ = (
+    "CHECKPOINT_EVERY",
+    "KEY_CACHE_LIMIT",
+    "RESERVE",
+    "Intake",
+    "StreamIntake",
+    "offset_clock",
+)
 
 #: Partition keys whose hash key and UTF-8 length are remembered (cleared when full).
 KEY_CACHE_LIMIT: Final = 65536
@@ -38,6 +55,10 @@ KEY_CACHE_LIMIT: Final = 65536
 #: (letting the stages run and cancellation in): a checkpoint per call would cost more than the
 #: rest of the admission.
 CHECKPOINT_EVERY: Final = 128
+
+#: The share of each producer cap kept for shards below their fair share: past ``1 - RESERVE``
+#: of a cap, a shard over its fair share (the cap / the shards holding records) waits.
+RESERVE: Final = 0.25
 
 
 class Intake:
@@ -53,6 +74,11 @@ class Intake:
     ) -> None:
         self.max_records = max_records
         self.max_bytes = max_bytes
+        # past these, a shard over its fair share of the caps waits (RESERVE)
+        self.reserve_records = max_records * (1.0 - RESERVE)
+        self.reserve_bytes = max_bytes * (1.0 - RESERVE)
+        # shard backlogs (of every stream) that hold records: the fair share's divisor
+        self.active_backlogs = 0
         self.max_record_size = max_record_size
         self.clock = clock
         # called after records were resolved (the producer wakes submits waiting for room)
@@ -90,7 +116,7 @@ class Intake:
         :raises: as :meth:`make_record` and :meth:`enqueue`.
         """
         record = self.make_record(stream, data, partition_key, explicit_hash_key)
-        if self.checkpoint_due(stream_intake) or not self.has_room(record.size, stream_intake):
+        if self.checkpoint_due(stream_intake) or not self.has_room(record, stream_intake):
             return None
         self.since_checkpoint += 1
         self.enqueue(stream_intake, record)
@@ -132,7 +158,7 @@ class Intake:
         now = self.clock()  # admitted together: one arrival time for the batch
         while position < end:
             record = records[position]
-            if not self.has_room(record.size, stream_intake):
+            if not self.has_room(record, stream_intake):
                 break
             try:
                 self.enqueue_at(stream_intake, record, now)
@@ -199,21 +225,81 @@ class Intake:
             )
         return PendingRecord(stream, key, payload, hash_key, ehk, 0.0, 0.0, 0.0, size)
 
-    def has_room(self, size: int, stream: StreamIntake, recovered: bool = False) -> bool:
-        """Whether a record of ``size`` bytes fits under the producer's caps, its stream's
-        backlog limit and the spool's limit now (an empty producer, or stream, always takes
-        one record). A ``recovered`` one (already on disk) skips the spool's checks."""
+    def has_room(
+        self, record: PendingRecord, stream: StreamIntake, recovered: bool = False
+    ) -> bool:
+        """Whether ``record`` fits now: under the producer's caps, its shard's fair share of
+        them once they run short, its shard's backlog limit (its stream's while its shard is
+        not known) and the spool's limit (see the module's docstring). An empty producer, or
+        shard, always takes one record. A ``recovered`` one (already on disk) skips the spool's
+        checks. Predicts the record's shard (``predicted_shard``) and sets the backlog it
+        would be counted in (``backlog``), for :meth:`enqueue`."""
+        size = record.size
+        backlog = record.backlog = stream.place(record)
         outstanding = len(self.outstanding)
+        if outstanding:
+            nbytes = self.outstanding_bytes + size
+            if outstanding >= self.max_records or nbytes > self.max_bytes:
+                return False
+            held = backlog.outstanding_records
+            if held:
+                if not stream.has_room(size, backlog):
+                    return False
+                if outstanding >= self.reserve_records or nbytes > self.reserve_bytes:
+                    # the caps run short: no shard past its fair share of them
+                    shards = self.active_backlogs
+                    if (held + 1) * shards > self.max_records or (
+                        backlog.outstanding_bytes + size
+                    ) * shards > self.max_bytes:
+                        return False
         spool = self.spool
         return (
-            outstanding < self.max_records
-            and (self.outstanding_bytes + size <= self.max_bytes or not outstanding)
-            and stream.has_room(size)
-            and (
-                spool is None
-                or recovered
-                or (not self.recovering and (not outstanding or spool.has_room(size)))
+            spool is None
+            or recovered
+            or (not self.recovering and (not outstanding or spool.has_room(size)))
+        )
+
+    def no_room_reason(self, record: PendingRecord, stream: StreamIntake) -> str:
+        """What keeps ``record`` out now, in words (for
+        :class:`~anykpl.errors.BackpressureTimeout`)."""
+        size = record.size
+        backlog = stream.place(record)
+        outstanding = len(self.outstanding)
+        spool = self.spool
+        if spool is not None and self.recovering:
+            return "the records recovered from the spool are admitted first"
+        if spool is not None and outstanding and not spool.has_room(size):
+            return (
+                f"the spool holds {spool.bytes} bytes of spool_max_bytes={spool.max_bytes} "
+                f"in {len(spool.segments)} segment(s)"
             )
+        held = backlog.outstanding_records
+        where = (
+            f"stream {record.stream!r}"
+            if backlog.shard is None
+            else f"shard {backlog.shard} of stream {record.stream!r}"
+        )
+        if outstanding and held and not stream.has_room(size, backlog):
+            if backlog.shard is None:
+                held_records, held_bytes = stream.outstanding_records, stream.outstanding_bytes
+                whose = "its shards deliver"  # the shard map is not ready
+            else:
+                held_records, held_bytes = held, backlog.outstanding_bytes
+                whose = "the shard delivers"
+            return (
+                f"{where} holds {held_records} records / {held_bytes} bytes, about "
+                f"max_outstanding_time={stream.backlog_time:g} s of what {whose} now"
+            )
+        caps = (
+            f"{outstanding} records / {self.outstanding_bytes} bytes outstanding in the "
+            f"producer (max_outstanding_records={self.max_records}, "
+            f"max_outstanding_bytes={self.max_bytes})"
+        )
+        if outstanding >= self.max_records or self.outstanding_bytes + size > self.max_bytes:
+            return caps
+        return (
+            f"{caps}; {where} holds {held} records / {backlog.outstanding_bytes} bytes, its "
+            f"fair share of the caps among {self.active_backlogs} shards holding records"
         )
 
     def enqueue(self, stream: StreamIntake, record: PendingRecord) -> None:
@@ -232,6 +318,9 @@ class Intake:
         spool = self.spool
         if spool is not None and record.spool_segment is None:
             spool.append(record)
+        backlog = record.backlog
+        if backlog is None:  # not checked by has_room (an admission that never waits)
+            backlog = record.backlog = stream.place(record)
         # the record's clock starts at admission, as the KPL's starts when the daemon sees it
         record.arrival = now
         deadline = now + stream.max_buffered_time
@@ -241,6 +330,10 @@ class Intake:
         size = record.size
         self.outstanding.add(record)
         self.outstanding_bytes += size
+        if not backlog.outstanding_records:
+            self.active_backlogs += 1
+        backlog.outstanding_records += 1
+        backlog.outstanding_bytes += size
         stream.outstanding_records += 1
         stream.outstanding_bytes += size
         stream.received += 1
@@ -255,8 +348,15 @@ class Intake:
         for record in records:
             if not record._state:  # still pending: resolve exactly once
                 outstanding.discard(record)
-                released += record.size
+                size = record.size
+                released += size
                 count += 1
+                backlog = record.backlog
+                if backlog is not None:
+                    backlog.outstanding_records -= 1
+                    backlog.outstanding_bytes -= size
+                    if not backlog.outstanding_records:
+                        self.active_backlogs -= 1
                 if spool is not None:
                     segment = record.spool_segment
                     if segment is not None:
@@ -269,7 +369,8 @@ class Intake:
 
 
 class StreamIntake:
-    """One stream's part of admission: its backlog limit and counts, and its aggregator."""
+    """One stream's part of admission: its shards' backlogs, its own limit (for records whose
+    shard is not known yet) and counts, and its aggregator."""
 
     def __init__(
         self,
@@ -278,6 +379,7 @@ class StreamIntake:
         shard_map: ShardMap,
         max_buffered_time: float,
         record_ttl: float,
+        backlog_time: float,
         ship: Callable[[list[KinesisRecord]], object],
         wake: Callable[[], object],
         request_refresh: Callable[[], object],
@@ -295,23 +397,50 @@ class StreamIntake:
         self.wake = wake
         self.request_refresh = request_refresh
         # records admitted for this stream and not yet terminal, and the most it may hold
-        # (``max_outstanding_time``, planned by the pipeline)
+        # while the shard map is not ready (``max_outstanding_time``, planned by the pipeline)
         self.outstanding_records = 0
         self.outstanding_bytes = 0
+        self.backlog_time = backlog_time
         self.backlog_records = math.inf
         self.backlog_bytes = math.inf
+        # each predicted shard's backlog, and the limits a shard seen for the first time
+        # starts with (its ceiling's worth, planned by the pipeline); the records admitted
+        # before the shard map was ready count in ``unplaced``, under the stream's limit
+        self.backlogs: dict[str, ShardBacklog] = {}
+        self.new_shard_records = math.inf
+        self.new_shard_bytes = math.inf
+        self.unplaced = ShardBacklog(None, math.inf, math.inf)
         self.received = 0  # user records admitted for this stream
         # the earliest deadline the Aggregator's task was told of (it plans its own wake-ups
         # from there on)
         self.wake_at = math.inf
         self._sealed: list[KinesisRecord] = []
 
-    def has_room(self, size: int) -> bool:
-        """Whether a record of ``size`` bytes fits in the stream's backlog limit (a stream
-        with nothing outstanding always takes one record)."""
-        return not self.outstanding_records or (
-            self.outstanding_records < self.backlog_records
-            and self.outstanding_bytes + size <= self.backlog_bytes
+    def place(self, record: PendingRecord) -> ShardBacklog:
+        """Predict ``record``'s shard (``predicted_shard``) and return the backlog it counts
+        in: its shard's, or ``unplaced`` while the shard map is not ready."""
+        shard = record.predicted_shard = self.shard_map.shard_id(record.hash_key)
+        if shard is None:
+            return self.unplaced
+        backlog = self.backlogs.get(shard)
+        if backlog is None:
+            backlog = self.backlogs[shard] = ShardBacklog(
+                shard, self.new_shard_records, self.new_shard_bytes
+            )
+        return backlog
+
+    def has_room(self, size: int, backlog: ShardBacklog) -> bool:
+        """Whether a record of ``size`` bytes fits in ``backlog``'s limit (a shard with
+        nothing outstanding always takes one record); for ``unplaced``, in the stream's limit
+        (likewise for a stream with nothing outstanding)."""
+        if backlog.shard is None:
+            held = self.outstanding_records
+            return not held or (
+                held < self.backlog_records and self.outstanding_bytes + size <= self.backlog_bytes
+            )
+        held = backlog.outstanding_records
+        return not held or (
+            held < backlog.limit_records and backlog.outstanding_bytes + size <= backlog.limit_bytes
         )
 
     def put(self, record: PendingRecord) -> None:
@@ -323,7 +452,7 @@ class StreamIntake:
             self.shard_map.refresh_requested = True
             self.request_refresh()
         sealed = self._sealed
-        if aggregator.put(record, sealed) and record.deadline < self.wake_at:
+        if aggregator.put_placed(record, sealed) and record.deadline < self.wake_at:
             self.wake_at = record.deadline
             self.wake()
         if sealed:

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
 
 from . import _limits
 from ._adaptive import RateController
@@ -61,9 +60,6 @@ MIN_REFILL_WAIT = 0.025
 
 #: A change of the adaptive fraction smaller than this is not applied to the bucket yet.
 _RATE_STEP = 0.005
-
-#: How much the latest interval weighs in a shard's share of the offered load.
-SHARE_SMOOTHING = 0.3
 
 #: The deadline floor plans for queued records to leave the Limiter this long before their
 #: expiration (the Collector's buffering and the request itself come after).
@@ -201,9 +197,6 @@ class Limiter:
         # Kinesis records (and bytes) put so far: the offered load a fleet worker reports
         self.offered_records = 0
         self.offered_bytes = 0
-        # each shard's share of the offered load, for deliverable()
-        self._offered_before: dict[str, tuple[int, int]] = {}
-        self._shares: dict[str, tuple[float, float]] = {}
 
     def __repr__(self) -> str:
         return f"<Limiter {len(self._shards)} shard(s) {self.queued} queued>"
@@ -413,66 +406,37 @@ class Limiter:
         records into one in user records)."""
         return sum(lim.counters.user_records_sent for lim in self._shards.values())
 
-    def deliverable(self, shards: Sequence[str]) -> tuple[float, float]:
-        """(Kinesis records/s, bytes/s) the stream can deliver now over ``shards`` (its open
-        shards) with its records spread over them as they have been lately.
-
-        Each shard delivers its current rate (its ceiling if it has not been used yet) less
-        the share of its records throttled as noise. A shard that gets a share ``s`` of the
-        stream's records can carry the stream up to ``rate / s``; the least of these binds (a
-        hot shard's backlog is the one that would expire). Until the spread is known, the
-        records are taken as all going to one shard: the first quarter second admits at most
-        what one shard delivers in ``max_outstanding_time``. The shared (fleet) bucket bounds
-        the total."""
-        shares = self._update_shares()
-        records = nbytes = math.inf
-        for shard in shards:
-            limiter = self._shards.get(shard)
-            if limiter is None:
-                rates = (self.records_ceiling, self.bytes_ceiling)
-            else:
-                bucket, controller = limiter.bucket, limiter.controller
-                accepted = 1.0 if controller is None else 1.0 - controller.noise
-                rates = (bucket.records_per_second * accepted, bucket.bytes_per_second * accepted)
-            records_share, bytes_share = shares.get(shard, (1.0, 1.0))
-            if records_share > 0.0:
-                records = min(records, rates[0] / records_share)
-            if bytes_share > 0.0:
-                nbytes = min(nbytes, rates[1] / bytes_share)
-        if records == math.inf:  # nothing offered to these shards lately
+    def shard_deliverable(self, shard: str) -> tuple[float, float]:
+        """(Kinesis records/s, bytes/s) ``shard`` can deliver now: its current rate (its
+        ceiling if it has not been used yet) less the share of its records throttled as
+        noise, and no more than the shared (fleet) bucket's rate."""
+        limiter = self._shards.get(shard)
+        if limiter is None:
             records, nbytes = self.records_ceiling, self.bytes_ceiling
+        else:
+            bucket, controller = limiter.bucket, limiter.controller
+            accepted = 1.0 if controller is None else 1.0 - controller.noise
+            records = bucket.records_per_second * accepted
+            nbytes = bucket.bytes_per_second * accepted
         shared = self.shared
         if shared is not None:
             records = min(records, shared.records_per_second)
             nbytes = min(nbytes, shared.bytes_per_second)
         return records, nbytes
 
-    def _update_shares(self) -> dict[str, tuple[float, float]]:
-        """Each shard's share of the records and bytes offered since the last call, smoothed
-        (the share of the last call weighs ``SHARE_SMOOTHING``)."""
-        offered: dict[str, tuple[int, int]] = {
-            shard: (lim.offered_records, lim.offered_bytes) for shard, lim in self._shards.items()
-        }
-        previous = self._offered_before
-        self._offered_before = offered
-        deltas = {
-            shard: (r - previous.get(shard, (0, 0))[0], b - previous.get(shard, (0, 0))[1])
-            for shard, (r, b) in offered.items()
-        }
-        total_records = sum(d[0] for d in deltas.values())
-        total_bytes = sum(d[1] for d in deltas.values())
-        if not total_records or not total_bytes:
-            return self._shares
-        weight = SHARE_SMOOTHING if self._shares else 1.0
-        shares = {}
-        for shard, (r, b) in deltas.items():
-            old_r, old_b = self._shares.get(shard, (0.0, 0.0))
-            shares[shard] = (
-                (1.0 - weight) * old_r + weight * r / total_records,
-                (1.0 - weight) * old_b + weight * b / total_bytes,
-            )
-        self._shares = shares
-        return shares
+    def aggregation_ratio(self, shard: str, samples: int) -> float | None:
+        """User records per Kinesis record that ``shard`` released, once it released
+        ``samples`` Kinesis records; before that the stream's, once all its shards together
+        did; ``None`` until then."""
+        limiter = self._shards.get(shard)
+        if limiter is not None:
+            counters = limiter.counters
+            if counters.records_sent >= samples:
+                return counters.user_records_sent / counters.records_sent
+        kinesis = self.released_kinesis_records()
+        if kinesis >= samples:
+            return self.released_user_records / kinesis
+        return None
 
     # -- introspection --------------------------------------------------------------------
 

@@ -39,7 +39,7 @@ from ._collector import Collector
 from ._intake import StreamIntake
 from ._limiter import AdaptiveSettings, Limiter
 from ._metrics import Metrics
-from ._records import AttemptRecord, KinesisRecord, PendingRecord
+from ._records import AttemptRecord, KinesisRecord, PendingRecord, ShardBacklog
 from ._retrier import Retrier, RetryBudget, StatisticSet
 from ._sender import Outcome, Transport, error_code, run_sender
 from ._shard_map import ShardMap, run_shard_map
@@ -215,6 +215,11 @@ class Pipeline:
         self.retrier_in: MemoryObjectReceiveStream[Outcome]
         self.retrier_send, self.retrier_in = anyio.create_memory_object_stream[Outcome](math.inf)
         self._refresh_event = anyio.Event()
+        # Admission by what the stream's shards can deliver (``max_outstanding_time``): each
+        # shard's backlog limit lives in the intake, planned again by the Limiter's task every
+        # BACKLOG_INTERVAL (see update_backlog_limit).
+        backlog_time = config.max_outstanding_time
+        self.backlog_time = config.record_ttl / 2 if backlog_time is None else backlog_time
         # the synchronous intake: admitted records into the aggregator, the stream's counts
         self.intake = StreamIntake(
             finish,
@@ -222,17 +227,13 @@ class Pipeline:
             self.shard_map,
             config.record_max_buffered_time,
             config.record_ttl,
+            self.backlog_time,
             ship=self.limiter_send.send_nowait,
             wake=self._wake_aggregator,
             request_refresh=self._request_refresh,
         )
         self._received_counted = 0
         self.in_flight = 0
-        # Admission by what the stream can deliver (``max_outstanding_time``): the records
-        # admitted for this stream and not yet terminal, and the most it may hold, planned
-        # again by the Limiter's task every BACKLOG_INTERVAL (see update_backlog_limit).
-        backlog_time = config.max_outstanding_time
-        self.backlog_time = config.record_ttl / 2 if backlog_time is None else backlog_time
         self._next_backlog_update = -math.inf
         self.on_room: Callable[[], None] | None = None  # the producer's wake-up for waiters
         self.update_backlog_limit(-math.inf)
@@ -246,7 +247,9 @@ class Pipeline:
     # -- intake (called synchronously by the producer) ------------------------------------
 
     def put(self, record: PendingRecord) -> None:
-        """Hand an admitted record to the aggregator (:meth:`StreamIntake.put`)."""
+        """Hand an admitted record to the aggregator (:meth:`StreamIntake.put`), its shard
+        predicted now."""
+        self.intake.place(record)
         self.intake.put(record)
 
     def _wake_aggregator(self) -> None:
@@ -300,9 +303,9 @@ class Pipeline:
         return new
 
     def has_room(self, size: int) -> bool:
-        """Whether a record of ``size`` bytes fits in the stream's backlog limit (a stream
-        with nothing outstanding always takes one record)."""
-        return self.intake.has_room(size)
+        """Whether a record of ``size`` bytes whose shard is not known fits in the stream's
+        backlog limit (a stream with nothing outstanding always takes one record)."""
+        return self.intake.has_room(size, self.intake.unplaced)
 
     def finish(self, records: Sequence[PendingRecord], success: bool) -> None:
         """Resolve records of this stream (the Retrier's, and the producer's when it fails
@@ -335,21 +338,28 @@ class Pipeline:
         """A frozen snapshot of the stream's stages (token levels only with ``now``)."""
         limiter = self.limiter.statistics(now)
         retrier = self.retrier.statistics()
-        shards = {
-            shard: ShardStatistics(
-                rate=state.rate,
+        backlogs = self.intake.backlogs
+        unused = ShardBacklog(None, math.inf, math.inf)
+        shards = {}
+        for shard in (*limiter.shards, *(s for s in backlogs if s not in limiter.shards)):
+            state = limiter.shards.get(shard)
+            backlog = backlogs.get(shard, unused)
+            shards[shard] = ShardStatistics(
+                rate=limiter.ceiling if state is None else state.rate,
                 ceiling=limiter.ceiling,
-                cuts=state.cuts,
+                cuts=0 if state is None else state.cuts,
                 throttled_records=retrier.throttled.get(shard, 0),
-                records_sent=state.records_sent,
-                bytes_sent=state.bytes_sent,
-                token_wait=state.token_wait,
+                records_sent=0 if state is None else state.records_sent,
+                bytes_sent=0 if state is None else state.bytes_sent,
+                token_wait=0.0 if state is None else state.token_wait,
                 backoff=retrier.backoff_time.get(shard, 0.0),
-                queued=state.queued,
-                noise=state.noise,
+                queued=0 if state is None else state.queued,
+                noise=0.0 if state is None else state.noise,
+                outstanding_records=backlog.outstanding_records,
+                outstanding_bytes=backlog.outstanding_bytes,
+                backlog_limit=(backlog.limit_records, backlog.limit_bytes),
+                admission_waits=backlog.waits,
             )
-            for shard, state in limiter.shards.items()
-        }
         return StreamStatistics(
             shard_map_state=self.shard_map.state.value,
             open_shards=self.shard_map.open_shards,
@@ -368,9 +378,11 @@ class Pipeline:
         )
 
     def update_backlog_limit(self, now: float) -> None:
-        """Plan the stream's backlog limit again: ``backlog_time`` seconds of what its open
-        shards deliver now (one shard's ceiling while the shard map is not ready), in bytes,
-        and in user records at the aggregation ratio seen so far."""
+        """Plan the backlog limits again: each shard's, ``backlog_time`` seconds of what the
+        shard delivers now (a new shard's: its ceiling's), in bytes, and in user records at the
+        aggregation ratio seen so far; and the stream's, for records admitted while the shard
+        map is not ready: what all its open shards deliver (one shard's ceiling without a
+        map). Wakes the waiting submits if a limit grew."""
         if now < self._next_backlog_update:
             return
         self._next_backlog_update = now + BACKLOG_INTERVAL
@@ -378,22 +390,43 @@ class Pipeline:
         if horizon == math.inf:
             return
         limiter = self.limiter
+        intake = self.intake
+        aggregating = self.config.aggregation_enabled
+        grew = False
+
+        def limits(shard: str, records_rate: float, bytes_rate: float) -> tuple[float, float]:
+            ratio = limiter.aggregation_ratio(shard, RATIO_SAMPLES)
+            if ratio is not None:
+                records = records_rate * ratio * horizon
+            elif aggregating:
+                records = math.inf  # no ratio yet: the bytes and the producer's caps bound it
+            else:
+                records = records_rate * horizon
+            return records, bytes_rate * horizon
+
         shards = self.shard_map.open_shards if self.shard_map.ready else ()
+        open_shards = set(shards)
+        for shard, backlog in list(intake.backlogs.items()):
+            if shard not in open_shards and not backlog.outstanding_records:
+                del intake.backlogs[shard]  # closed by a reshard, and drained
+                continue
+            records, nbytes = limits(shard, *limiter.shard_deliverable(shard))
+            grew = grew or records > backlog.limit_records or nbytes > backlog.limit_bytes
+            backlog.limit_records, backlog.limit_bytes = records, nbytes
+        intake.new_shard_records, intake.new_shard_bytes = limits(
+            "", limiter.records_ceiling, limiter.bytes_ceiling
+        )
         if shards:
-            records_rate, bytes_rate = limiter.deliverable(shards)
+            records_rate = bytes_rate = 0.0
+            for shard in shards:
+                shard_records, shard_bytes = limiter.shard_deliverable(shard)
+                records_rate += shard_records
+                bytes_rate += shard_bytes
         else:
             records_rate, bytes_rate = limiter.records_ceiling, limiter.bytes_ceiling
-        kinesis = limiter.released_kinesis_records()
-        if kinesis >= RATIO_SAMPLES:
-            ratio = limiter.released_user_records / kinesis
-            records = records_rate * ratio * horizon
-        elif self.config.aggregation_enabled:
-            records = math.inf  # no ratio yet: the bytes and the producer's caps bound it
-        else:
-            records = records_rate * horizon
-        nbytes = bytes_rate * horizon
-        grew = records > self.backlog_records or nbytes > self.backlog_bytes
-        self.backlog_records, self.backlog_bytes = records, nbytes
+        records, nbytes = limits("", records_rate, bytes_rate)
+        grew = grew or records > intake.backlog_records or nbytes > intake.backlog_bytes
+        intake.backlog_records, intake.backlog_bytes = records, nbytes
         if grew and self.on_room is not None:
             self.on_room()
 

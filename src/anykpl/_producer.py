@@ -29,6 +29,7 @@ from typing import Any
 import anyio
 
 from . import errors
+from ._admission import Admission
 from ._aws import running_trio
 from ._batch import PendingBatch
 from ._fleet import FleetDemand, FleetWorker
@@ -123,7 +124,6 @@ class Producer(anyio.AsyncContextManagerMixin):
         self._transport_override = transport
         self._transport: Transport | None = None
         self._pipelines: dict[str, Pipeline] = {}
-        self._room: anyio.Event | None = None
         self._task_group: anyio.abc.TaskGroup | None = None  # the stages' task group
         self._stages_scope: anyio.CancelScope | None = None
         self._shut_down_event: anyio.Event | None = None
@@ -140,6 +140,9 @@ class Producer(anyio.AsyncContextManagerMixin):
             self._clock,
             self._wake_waiters,
         )
+        # the waits for room (the rule is the intake's): submit, submit_many, the spool's
+        # recovery, and SyncProducer through submit
+        self._admission = Admission(self._intake, config.admission_timeout, self._not_open)
         self._tenants = TenantAdmission(config)
         # with a fleet cap: the producer-wide bucket every stream's Limiter also takes from;
         # its rates are this producer's grant (set by the fleet worker, unlimited until then)
@@ -262,12 +265,11 @@ class Producer(anyio.AsyncContextManagerMixin):
                         spool.finished(batch.segment, False)
                         continue
                     record.spool_segment = batch.segment
-                    while not intake.has_room(record.size, pipeline.intake, recovered=True):
-                        if self._room is None:
-                            self._room = anyio.Event()
-                        await self._room.wait()
-                        if self._state in ("closing", "closed"):
-                            return
+                    if not intake.has_room(record, pipeline.intake, recovered=True):
+                        try:
+                            await self._admission.wait(record, pipeline.intake, recovered=True)
+                        except errors.ProducerClosedError:
+                            return  # the rest stays in the spool, for the next producer
                     if self._on_recovered is not None:
                         record._on_done = self._on_recovered
                     self._enqueue(entry.stream, pipeline, record)
@@ -322,10 +324,6 @@ class Producer(anyio.AsyncContextManagerMixin):
         """Records waiting for their tenant's quota give up now (closing begins)."""
         self._tenants.close()
 
-    def _tenant_has_quota(self, tenant: str) -> bool:
-        """Whether ``tenant`` has a quota (named in ``tenant_quotas``, or a default one)."""
-        return self._tenants.quotas.quota_of(tenant) is not None
-
     async def _shut_down(self, cancelled: bool) -> None:
         """Close once: whoever comes second (the ``async with`` exit after :meth:`aclose`, or a
         second ``aclose``) waits for the first."""
@@ -335,7 +333,7 @@ class Producer(anyio.AsyncContextManagerMixin):
             return
         done = self._shut_down_event = anyio.Event()
         self._state = "closing"
-        self._wake_waiters()  # waits for room end now (the spool's recovery among them)
+        self._admission.close()  # waits for room end now (the spool's recovery among them)
         closing_at = anyio.current_time()
         try:
             await self._close(cancelled)
@@ -438,6 +436,7 @@ class Producer(anyio.AsyncContextManagerMixin):
                 return
             self._failure = exc
             self._state = "closing"
+            self._admission.close()
             logger.error(
                 "a pipeline stage crashed (%s: %s); failing %d outstanding record(s)",
                 type(exc).__name__,
@@ -539,10 +538,9 @@ class Producer(anyio.AsyncContextManagerMixin):
         # the tenant's quota first: a record that waits for its tokens holds no room meanwhile
         reservation = None if tenant is None else await self._admit_tenant(record, tenant)
         try:
-            if not intake.has_room(record.size, pipeline.intake):
-                await self._wait_for_room(record.size, reservation, pipeline)
-                if self._state != "open":
-                    raise self._not_open()
+            if not intake.has_room(record, pipeline.intake):
+                waited = 0.0 if reservation is None else reservation.wait
+                await self._admission.wait(record, pipeline.intake, waited=waited)
             else:
                 # with room, admission needs no wait; a loop of submits yields now and then
                 # (Intake.checkpoint_due)
@@ -562,11 +560,40 @@ class Producer(anyio.AsyncContextManagerMixin):
             await self._commit.wait()
         return record
 
+    def submit_nowait(
+        self,
+        stream: str,
+        data: bytes | bytearray | memoryview,
+        partition_key: str | None = None,
+        explicit_hash_key: str | int | None = None,
+    ) -> PendingRecord:
+        """Admit one record now, or raise :class:`anyio.WouldBlock` if :meth:`submit` would
+        have to wait for it: no room for it yet (backpressure), or a spool with
+        ``spool_fsync="commit"`` (the record is durable only after a sync). Nothing is
+        enqueued then. Never yields to the event loop, so a loop of calls should yield now and
+        then. Records for a tenant go through :meth:`submit` (they may wait for their quota).
+
+        :raises anyio.WouldBlock: :meth:`submit` would wait; the record was not admitted.
+        :raises: as :meth:`submit` otherwise.
+        """
+        if self._state != "open":
+            raise self._not_open()
+        intake = self._intake
+        record = intake.make_record(stream, data, partition_key, explicit_hash_key)
+        pipeline = self._pipelines.get(stream) or self._open_pipeline(stream)
+        if self._commit is not None or not intake.has_room(record, pipeline.intake):
+            raise anyio.WouldBlock
+        self._enqueue(stream, pipeline, record)
+        return record
+
     def _enqueue(self, stream: str, pipeline: Pipeline, record: PendingRecord) -> None:
         """Admit ``record``: it is outstanding from now on, and in its stream's pipeline."""
         if pipeline.stopped:
-            # the stream went idle and its pipeline closed while the caller waited
+            # the stream went idle and its pipeline closed while the caller waited: the record
+            # goes to the new pipeline, counted in its backlog (admitted all the same: it
+            # waited its turn)
             pipeline = self._pipelines.get(stream) or self._open_pipeline(stream)
+            self._intake.has_room(record, pipeline.intake)
         self._intake.enqueue(pipeline.intake, record)
 
     async def submit_many(
@@ -625,10 +652,11 @@ class Producer(anyio.AsyncContextManagerMixin):
                 if checked_tenant is not None:
                     reservation = await self._admit_tenant(record, checked_tenant)
                 try:
-                    if not intake.has_room(record.size, pipeline.intake) or self._state != "open":
-                        await self._wait_for_room(record.size, reservation, pipeline)
-                        if self._state != "open":
-                            raise self._not_open()
+                    if self._state != "open":
+                        raise self._not_open()
+                    if not intake.has_room(record, pipeline.intake):
+                        waited = 0.0 if reservation is None else reservation.wait
+                        await self._admission.wait(record, pipeline.intake, waited=waited)
                     self._enqueue(stream, pipeline, record)
                 except BaseException as exc:
                     if reservation is not None:
@@ -661,54 +689,9 @@ class Producer(anyio.AsyncContextManagerMixin):
             raise self._not_open()
         return reservation
 
-    async def _wait_for_room(
-        self, size: int, reservation: Reservation | None, pipeline: Pipeline
-    ) -> None:
-        """Wait until the record fits under the producer's caps and its stream's backlog
-        limit (``max_outstanding_time``)."""
-        timeout = self.config.admission_timeout
-        limit = math.inf if timeout is None else timeout
-        if reservation is not None:
-            limit = max(0.0, limit - reservation.wait)  # admission_timeout bounds both waits
-        try:
-            with anyio.fail_after(limit):
-                while not self._intake.has_room(size, pipeline.intake):
-                    if self._state != "open":
-                        raise self._not_open()
-                    if self._room is None:
-                        self._room = anyio.Event()
-                    await self._room.wait()
-        except TimeoutError:
-            spool = self._spool
-            if spool is not None and self._intake.recovering:
-                held = "the records recovered from the spool are admitted first"
-            elif spool is not None and not spool.has_room(size):
-                held = (
-                    f"the spool holds {spool.bytes} bytes of spool_max_bytes={spool.max_bytes}"
-                    f" in {len(spool.segments)} segment(s)"
-                )
-            elif pipeline.has_room(size):
-                intake = self._intake
-                held = (
-                    f"{len(intake.outstanding)} records / {intake.outstanding_bytes} bytes "
-                    "outstanding in the producer"
-                )
-            else:
-                held = (
-                    f"stream {pipeline.stream!r} holds {pipeline.outstanding_records} records / "
-                    f"{pipeline.outstanding_bytes} bytes, about max_outstanding_time="
-                    f"{pipeline.backlog_time:g} s of what its shards deliver now"
-                )
-            raise errors.BackpressureTimeout(
-                f"no room for the record within admission_timeout={timeout} s ({held})"
-            ) from None
-
     def _wake_waiters(self) -> None:
-        """Wake the submits waiting for room (records finished, or a stream's limit grew)."""
-        room = self._room
-        if room is not None:
-            self._room = None
-            room.set()
+        """Wake the submits waiting for room (records finished, or a backlog limit grew)."""
+        self._admission.wake()
 
     def _fail_closed(self) -> None:
         self._fail_outstanding(

@@ -31,7 +31,14 @@ from ._wire import AggregateBuilder
 if TYPE_CHECKING:
     from ._spool import Segment
 
-__all__ = ("Attempt", "BatchCounter", "KinesisRecord", "PendingRecord", "RecordResult")
+__all__ = (
+    "Attempt",
+    "BatchCounter",
+    "KinesisRecord",
+    "PendingRecord",
+    "RecordResult",
+    "ShardBacklog",
+)
 
 logger = logging.getLogger("anykpl.records")
 
@@ -142,6 +149,42 @@ class BatchCounter:
             await anyio.lowlevel.checkpoint()
 
 
+class ShardBacklog:
+    """The admitted, unfinished user records of one predicted shard (or of a stream's records
+    admitted before their shard was known), and the most it may hold: what admission per
+    shard compares (``Intake.has_room``).
+
+    Every admitted record points to the backlog it was counted in (``PendingRecord.backlog``)
+    and counts itself out when it becomes terminal (``Intake.finish``), once, wherever it went
+    meanwhile (a retry after a reshard may send it to another shard). Like
+    :class:`BatchCounter`, it refers to no record.
+    """
+
+    __slots__ = (
+        "limit_bytes",
+        "limit_records",
+        "outstanding_bytes",
+        "outstanding_records",
+        "shard",
+        "waits",
+    )
+
+    def __init__(self, shard: str | None, limit_records: float, limit_bytes: float) -> None:
+        self.shard = shard  # None: the stream's records admitted before the shard map was ready
+        self.outstanding_records = 0
+        self.outstanding_bytes = 0
+        # planned by the stream's pipeline: ``max_outstanding_time`` of what the shard delivers
+        self.limit_records = limit_records
+        self.limit_bytes = limit_bytes
+        self.waits = 0  # records that had to wait for room here (``Admission.wait``)
+
+    def __repr__(self) -> str:
+        return (
+            f"<ShardBacklog {self.shard} {self.outstanding_records} records / "
+            f"{self.outstanding_bytes} bytes of {self.limit_records:g} / {self.limit_bytes:g}>"
+        )
+
+
 _PENDING: Final = 0
 _SUCCEEDED: Final = 1
 _FAILED: Final = 2
@@ -174,6 +217,7 @@ class PendingRecord:
         "_on_done",
         "_state",
         "arrival",
+        "backlog",
         "data",
         "deadline",
         "expiration",
@@ -231,6 +275,8 @@ class PendingRecord:
         self._on_done: Callable[[PendingRecord], object] | None = None
         # the counter of the submit_many batch it came in, or None
         self._batch: BatchCounter | None = None
+        # the shard backlog it was admitted into (Intake.enqueue), None until then
+        self.backlog: ShardBacklog | None = None
 
     def __repr__(self) -> str:
         state = ("pending", "succeeded", "failed")[self._state]

@@ -9,6 +9,7 @@ object's fields to build them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -84,6 +85,14 @@ class ShardStatistics:
         noise: the share of the shard's records the service throttles whatever the rate, as
             adaptive control judges it (0 unless its throttles are judged to be noise; only
             throttles beyond it cut the rate). See docs/adaptive.md.
+        outstanding_records: user records admitted for this shard (as predicted when they
+            were admitted) and not yet terminal.
+        outstanding_bytes: their data + partition key bytes.
+        backlog_limit: (user records, bytes) the shard may hold now: ``max_outstanding_time``
+            seconds of what it delivers (``inf`` while unknown or turned off). Records for
+            this shard wait at the call beyond it; other shards' records do not.
+        admission_waits: records for this shard that had to wait for room at the call
+            (its backlog limit, or its fair share of the producer's caps).
     """
 
     rate: tuple[float, float]
@@ -96,6 +105,10 @@ class ShardStatistics:
     backoff: float
     queued: int
     noise: float = 0.0
+    outstanding_records: int = 0
+    outstanding_bytes: int = 0
+    backlog_limit: tuple[float, float] = (math.inf, math.inf)
+    admission_waits: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +127,9 @@ class StreamStatistics:
         outstanding_records: user records admitted for this stream and not yet terminal.
         outstanding_bytes: their data + partition key bytes.
         backlog_limit: (user records, bytes) the stream may hold now: ``max_outstanding_time``
-            seconds of what its shards deliver (``inf`` while unknown or turned off).
+            seconds of what its shards deliver (``inf`` while unknown or turned off). It
+            binds the records admitted while the shard map is not ready; once it is, each
+            shard's own limit does (``shards``).
         user_records_received: user records admitted for this stream.
         shards: rate control per shard: rate, ceiling, cuts, throttles, waits.
         retry_budget_exhausted: retries that found the retry budget spent (and waited

@@ -13,16 +13,17 @@ What blocks where. Two long-lived tasks run in the loop thread: ``_run`` (holds 
 open, then closes it) and the *admitter*.
 
 - ``submit`` appends the record to a thread-safe admission queue, wakes the admitter if it is
-  idle (one thread-safe callback, no task), and blocks the calling thread until the admitter
-  has passed the record to ``Producer.submit``. So input errors, ``ProducerClosedError`` and
-  backpressure (no room under ``max_outstanding_*``) reach the caller exactly as they do on the
-  async producer, and admission is FIFO across threads. One admitter serves every thread: a
-  burst from many threads is admitted in one pass, without a task or a loop round trip per
-  record (``BlockingPortal.call`` costs both; see docs/sync.md for the numbers). Records put
-  with ``tenant=`` for a tenant that has a quota are the exception: the admitter moves them to
-  that tenant's lane, admitted in order by a task of its own while the lane holds records, so
-  a tenant waiting for its quota holds up only its own records (FIFO per tenant, as on the
-  async producer). A record waiting in a lane can still be withdrawn by its caller's timeout.
+  idle (one thread-safe callback, no task), and blocks the calling thread until the record is
+  admitted (or refused). So input errors, ``ProducerClosedError`` and backpressure reach the
+  caller exactly as they do on the async producer. One admitter serves every thread: a burst
+  from many threads is admitted in one pass, in arrival order, without a task or a loop round
+  trip per record (``BlockingPortal.call`` costs both; see docs/sync.md for the numbers),
+  through ``Producer.submit_nowait``. A record that cannot be admitted at once — no room on
+  its shard yet, or put with ``tenant=`` (it may wait for its quota) — is handed to a task of
+  its own that waits in ``Producer.submit``, so that it holds up nobody else's records: a hot
+  partition key's callers wait, the other threads' records go on (admission per shard, as on
+  the async producer). A calling thread has one record in admission at a time, so each
+  thread's records keep their order.
 - The record's :class:`concurrent.futures.Future` is completed where the record is resolved:
   on admission the admitter sets the :class:`PendingRecord`'s completion hook
   (``PendingRecord._on_done``, one slot), and the stage that resolves the record calls it. No
@@ -92,6 +93,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from . import errors
 from ._aws import running_trio
+from ._intake import CHECKPOINT_EVERY
 from ._metrics import MetricValue
 from ._producer import Producer
 from ._records import PendingRecord, RecordResult
@@ -218,8 +220,6 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         self._lock = threading.Lock()
         self._state = "open"  # open → closing → closed
         self._queue: deque[_Admission] = deque()
-        # tenant -> its records waiting to be admitted by their lane's task (see _admit_forever)
-        self._tenant_lanes: dict[str, deque[_Admission]] = {}
         self._admitter_idle = False
         self._admitter_wakeup: anyio.Event | None = None
         # admitted records whose future is not done yet; only the loop thread changes it
@@ -606,19 +606,15 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
             event.set()
 
     async def _admit_forever(self, producer: Producer, admitted_all: anyio.Event) -> None:
-        """Pass queued records to ``Producer.submit``, one at a time, in arrival order.
-
-        Records for a tenant with a quota go to that tenant's lane instead, admitted in order
-        by a task of its own while the lane has records: a tenant waiting for its quota must
-        not hold up everyone else's records (module docstring).
-        """
+        """Admit queued records in arrival order: each one that fits now at once
+        (``Producer.submit_nowait``), each one that must wait — for room on its shard, or for
+        its tenant's quota — in a task of its own (``Producer.submit``), so that it holds up
+        nobody else's records (module docstring)."""
         lock = self._lock
         queue = self._queue
-        lanes = self._tenant_lanes
-        has_quota = producer._tenant_has_quota
-        async with anyio.create_task_group() as lane_tasks:
+        since_checkpoint = 0
+        async with anyio.create_task_group() as waiting:
             while True:
-                new_lane = None
                 with lock:
                     item = queue.popleft() if queue else None
                     if item is None:
@@ -628,46 +624,33 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
                         wakeup = self._admitter_wakeup = anyio.Event()
                     elif item.state == _CANCELLED:
                         continue
-                    elif type(item.tenant) is str and has_quota(item.tenant):
-                        # stays _QUEUED in the lane: its caller may still withdraw it
-                        lane = lanes.get(item.tenant)
-                        if lane is None:
-                            lane = lanes[item.tenant] = deque()
-                            new_lane = item.tenant
-                        lane.append(item)
                     else:
                         item.state = _TAKEN
                 if item is None:
+                    since_checkpoint = 0
                     await wakeup.wait()
-                elif new_lane is not None:
-                    lane_tasks.start_soon(self._admit_lane, producer, new_lane)
-                elif item.state == _TAKEN:
-                    await self._admit_one(producer, item)
-        admitted_all.set()  # after the lanes' tasks, too, have admitted what they held
+                elif item.tenant is not None or not self._admit_now(producer, item):
+                    waiting.start_soon(self._admit_one, producer, item)
+                else:
+                    since_checkpoint += 1
+                    if since_checkpoint >= CHECKPOINT_EVERY:
+                        # a steady stream of callers: the stages run, and cancellation gets in
+                        since_checkpoint = 0
+                        await anyio.lowlevel.checkpoint()
+        admitted_all.set()  # after the waiting records' tasks, too, have admitted them
 
-    async def _admit_lane(self, producer: Producer, tenant: str) -> None:
-        """Admit one tenant's queued records in order; ends when its lane is empty."""
-        lane = self._tenant_lanes[tenant]
+    def _admit_now(self, producer: Producer, item: _Admission) -> bool:
+        """Admit ``item`` if it fits now and release its caller; False if it must wait."""
         try:
-            while True:
-                with self._lock:
-                    item = lane.popleft() if lane else None
-                    if item is None:
-                        del self._tenant_lanes[tenant]
-                        return
-                    if item.state == _CANCELLED:
-                        continue
-                    item.state = _TAKEN
-                await self._admit_one(producer, item)
-        except BaseException:
-            with self._lock:
-                self._tenant_lanes.pop(tenant, None)
-                left = [item for item in lane if item.state == _QUEUED]
-                for item in left:
-                    item.state = _TAKEN
-                lane.clear()
-            self._refuse(left)
-            raise
+            pending = producer.submit_nowait(*item.args)
+        except anyio.WouldBlock:
+            return False
+        except Exception as exc:
+            item.error = exc
+        else:
+            self._hand_over(pending, item)
+        item.signal.release()
+        return True
 
     async def _admit_one(self, producer: Producer, item: _Admission) -> None:
         """``Producer.submit`` one record, within its caller's deadline; release its caller."""
@@ -692,27 +675,28 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
             )
             raise
         else:
-            if pending.done():  # pragma: no cover - resolved within submit (a crash, say)
-                _complete(pending, item.future)
-            else:
-                self._futures[pending] = item.future
-                pending._on_done = self._record_done
+            self._hand_over(pending, item)
         finally:
             item.signal.release()
+
+    def _hand_over(self, pending: PendingRecord, item: _Admission) -> None:
+        """The admitted record completes its caller's future when it is terminal."""
+        if pending.done():  # pragma: no cover - resolved within submit (a crash, say)
+            _complete(pending, item.future)
+        else:
+            self._futures[pending] = item.future
+            pending._on_done = self._record_done
 
     def _record_done(self, pending: PendingRecord) -> None:
         """The completion hook of every admitted record (runs where the record is resolved)."""
         _complete(pending, self._futures.pop(pending))
 
     def _take_queued(self) -> list[_Admission]:
-        """Empty the admission queue and the tenants' lanes (under the lock); returns the
-        records never admitted."""
-        waiting = [self._queue, *self._tenant_lanes.values()]
-        queued = [item for items in waiting for item in items if item.state == _QUEUED]
+        """Empty the admission queue (under the lock); returns the records never admitted."""
+        queued = [item for item in self._queue if item.state == _QUEUED]
         for item in queued:
             item.state = _TAKEN
-        for items in waiting:
-            items.clear()
+        self._queue.clear()
         return queued
 
     @staticmethod

@@ -17,6 +17,7 @@ import pytest
 from anykpl import PendingRecord, Producer
 from anykpl.emulator import Emulator, EmulatorClient, Faults, spawn
 
+from ..fakes import hash_of
 from .conftest import CREDENTIALS, REGION
 from .test_end_to_end import Sent, assert_success, check_read_back, make_sent, read_stream_async
 from .test_interop import user_records
@@ -163,4 +164,82 @@ async def test_overload_waits_at_the_call_and_expires_nothing() -> None:
         # at most 3 s of a shard's 1 MiB/s held (and a record over, as it is admitted)
         assert peak_bytes <= 3.0 * 1024 * 1024 + 2 * size
         assert limit == pytest.approx(3.0 * 1024 * 1024, rel=0.05)
+        await _read_back_everything(url, stream, sent)
+
+
+def _keys_by_shard(url: str, stream: str) -> list[str]:
+    """One partition key per shard of ``stream``, in the order of its shards' hash ranges."""
+    client = boto3.client("kinesis", region_name=REGION, endpoint_url=url, **CREDENTIALS)
+    shards = client.list_shards(StreamName=stream)["Shards"]
+    ranges = sorted(
+        (int(s["HashKeyRange"]["StartingHashKey"]), int(s["HashKeyRange"]["EndingHashKey"]))
+        for s in shards
+    )
+    keys: list[str] = []
+    n = 0
+    for low, high in ranges:
+        while not low <= hash_of(f"key-{n}") <= high:
+            n += 1
+        keys.append(f"key-{n}")
+    return keys
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "limit",
+    [
+        # the hot shard's own backlog limit binds (2 s of it, so that it fills within the run)
+        {"max_outstanding_time": 2.0},
+        # the producer's cap binds: the hot shard stops at its fair share of it
+        {"max_outstanding_records": 2000},
+    ],
+    ids=["shard-backlog", "producer-cap"],
+)
+async def test_a_hot_key_makes_only_its_own_callers_wait(limit: dict[str, float]) -> None:
+    """One key offered three times its shard's byte limit, three others a quarter of theirs,
+    on a 4-shard stream for 6 s: the hot key's callers wait at the call; the cold keys' never
+    wait for room (they waited up to 10 s when admission was per stream), their offer is
+    admitted on time, and every admitted record is delivered, none expired."""
+    stream = _stream("hotkey")
+    with spawn(streams={stream: 4}) as url:
+        hot_key, *cold_keys = await anyio.to_thread.run_sync(_keys_by_shard, url, stream)
+        sent: dict[int, Sent] = {}
+        handles: list[PendingRecord] = []
+        waits: dict[str, list[float]] = {key: [] for key in (hot_key, *cold_keys)}
+        offered: dict[str, int] = {}
+        duration, size = 6.0, 1000
+        uids = iter(range(1 << 30))
+        async with Producer(region=REGION, endpoint_url=url, **limit, **CREDENTIALS) as producer:
+
+            async def offer(key: str, per_second: float) -> None:
+                start = anyio.current_time()
+                while (elapsed := anyio.current_time() - start) < duration:
+                    due = int(elapsed * per_second)
+                    while len(waits[key]) < due and anyio.current_time() - start < duration:
+                        uid = next(uids)
+                        record = sent[uid] = make_sent(uid, key, size=size)
+                        before = anyio.current_time()
+                        handles.append(
+                            await producer.submit(stream, record.data, record.partition_key)
+                        )
+                        waits[key].append(anyio.current_time() - before)
+                    await anyio.sleep(0.01)
+                offered[key] = int(duration * per_second)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(offer, hot_key, 3 * 1024 * 1024 / size)
+                for key in cold_keys:
+                    tg.start_soon(offer, key, 1024 * 1024 / 4 / size)
+            shards = producer.statistics().streams[stream].shards
+            await producer.flush()
+            for handle in handles:
+                assert_success(await handle)  # nothing expired
+        hot_shard = {shard for shard, stats in shards.items() if stats.admission_waits}
+        assert len(hot_shard) == 1, {s: stats.admission_waits for s, stats in shards.items()}
+        # the overload showed at the hot calls, and only there
+        assert len(waits[hot_key]) < 0.7 * offered[hot_key]
+        assert sum(waits[hot_key]) > 2.0
+        for key in cold_keys:
+            assert len(waits[key]) >= 0.97 * offered[key], (key, len(waits[key]), offered[key])
+            assert max(waits[key]) < 0.5, (key, max(waits[key]))
         await _read_back_everything(url, stream, sent)
