@@ -1,4 +1,4 @@
-"""Delivery under throttling: adaptive rate control against the static limiter, three scenarios.
+"""Delivery under throttling: adaptive rate control against the static limiter, four scenarios.
 
 Each scenario runs twice in one invocation, with the defaults (``adaptive=True``) and with
 ``adaptive=False`` (everything else at its default: ``record_ttl`` 30 s, the retry budget on,
@@ -10,33 +10,49 @@ leak from one run into the next:
   (``Faults(record_throttle_rate=0.25)``); ``--records`` records of 100 B..2 KiB with random keys,
   submitted as fast as admission allows, then a flush. Throttles that are noise, not a full shard:
   adaptive control should not read them as congestion.
-- ``storm``: a 1-shard stream, ``--records`` records of 1 KiB; 5 s after the first submit (a
-  producer that has held its rate for a while) the shard's limits drop to 0.3 for 10 s (a
-  throttle storm). Also measured: the seconds after
-  the storm until the producer's rate for the shard is back at 90 % of its ceiling (sampled from
-  ``statistics()`` every 0.1 s while records wait; only while records wait, as the limiter
-  applies a recovering rate when it drains), and the shard's use per second.
+- ``storm``: a ``--storm-shards``-shard stream (1 unless told), ``--records`` records of 1 KiB
+  with random keys, submitted as fast as admission allows; ``--storm-start`` seconds after the
+  job's first submit (5 s by default: a producer that has held its rate for a while; 0.5 s: a
+  storm in the producer's first second, as after a restart) the first shard's limits drop to
+  0.3 for ``--storm-duration`` seconds (10), a throttle storm (``EmulatorClient.storm`` with that
+  shard's id; with two or more shards the others stay unthrottled). Also measured: the seconds
+  after the storm until the producer's rate for the storm's shard is back at 90 % of its ceiling
+  (sampled from ``statistics()`` every 0.1 s while records wait; only while records wait, as the
+  limiter applies a recovering rate when it drains), and that shard's use per second.
 - ``overload``: a 2-shard stream offered 5× its capacity (10 MiB/s of 1 KiB records against 2 ×
   1 MiB/s) for ``--overload-duration`` seconds by a loop that submits on that schedule (and so
   waits when ``submit`` waits, then catches up), then a flush. Each record's data is its own
   ``bytes`` object, so the producer's peak RSS reflects a real workload.
+- ``hotkey``: a 4-shard stream, four loops like overload's for ``--hotkey-duration`` seconds
+  (30): the *hot* one offers 3,000 records/s of 1 KiB under one partition key (3× its shard's
+  1 MiB/s), each of the three *cold* ones 250 records/s of 1 KiB under a key of its own that
+  hashes to one of the other three shards (a quarter of the shard's capacity; the keys are chosen
+  from the hash key ranges ListShards gives, by MD5 of the key as Kinesis routes it). Then a
+  flush. One hot key should not slow the other shards' keys. Reported per class (hot, cold) and
+  per cold shard: records due on the schedule, submitted, admitted within the duration and their
+  share of what was due, ``submit`` waits (max, p99), delivery latency (p50, p99), delivered,
+  expired, and the emulator's accepted and throttled Kinesis records of the class's shards.
 
 Every record's result is checked and counted by the final attempt's error code (``Expired``
 split by where it expired). Reported per run: wall time from the first submit to the last record
 terminal, delivered / expired / failed records, Kinesis records throttled (the emulator's count,
 and the injected ones apart), the producer's throttles and cuts, ``submit`` waits (max, p99),
-delivery latency (p50, p99), peak RSS of the producer process. The tables show both modes and
-their ratio. ::
+delivery latency (p50, p99: from admission, the return of ``submit``, to the result, as the
+record's attempts count it), peak RSS of the producer process. The tables (markdown) show both
+modes and their ratio; ``--json`` writes every figure. ::
 
-    python benchmarks/delivery.py                                  # all three, asyncio
+    python benchmarks/delivery.py                                  # all four, asyncio
     python benchmarks/delivery.py --scenario storm --backend trio
+    python benchmarks/delivery.py --scenario storm --storm-shards 2 --storm-start 0.5
     python benchmarks/delivery.py --scenario overload --overload-duration 30 --json overload.json
+    python benchmarks/delivery.py --scenario hotkey --adaptive-only --backend trio
     python benchmarks/delivery.py --scenario noise --static-only --records 5000
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -46,11 +62,12 @@ import sys
 import time
 from array import array
 from collections import Counter, deque
+from collections.abc import Iterable
 from typing import Any
 
 REGION = "us-east-1"
-SCENARIOS = ("noise", "storm", "overload")
-SHARDS = {"noise": 4, "storm": 1, "overload": 2}
+SCENARIOS = ("noise", "storm", "overload", "hotkey")
+SHARDS = {"noise": 4, "storm": 1, "overload": 2, "hotkey": 4}  # storm: --storm-shards
 NOISE_THROTTLE_RATE = 0.25
 NOISE_SIZES = (100, 2048)
 RECORD_SIZE = 1024
@@ -59,6 +76,10 @@ STORM_DURATION = 10.0
 STORM_FACTOR = 0.3
 RECOVERED = 0.9  # share of the ceiling that counts as recovered
 OVERLOAD = 5.0  # offered load, in multiples of the stream's byte capacity
+HOT_RATE = 3000.0  # records/s of RECORD_SIZE under the hot key: 3× its shard's 1 MiB/s
+COLD_RATE = 250.0  # records/s of RECORD_SIZE under each cold key: a quarter of its shard's
+HOTKEY_DURATION = 30.0
+HOT_KEY = "hot"
 SAMPLE_INTERVAL = 0.1
 RSS_INTERVAL = 0.5
 #: seconds a run may take beyond its traffic before the producer process is told to stop
@@ -128,6 +149,87 @@ class Outcomes:
         self.latencies.append(sum(a.delay + a.duration for a in result.attempts))
 
 
+class Flow:
+    """One submitting loop: what it offered, its ``submit`` waits, and every record's result.
+
+    ``key`` is its one partition key (``None``: a random key per record), ``shard_id`` the shard
+    that key hashes to, ``rate`` the records per second its schedule offers (0: no schedule)."""
+
+    def __init__(
+        self, name: str, key: str | None = None, shard_id: str | None = None, rate: float = 0.0
+    ) -> None:
+        self.name = name
+        self.key = key
+        self.shard_id = shard_id
+        self.rate = rate
+        self.scheduled = 0  # records due on the schedule (or the records to submit)
+        self.offered = 0  # submit called
+        self.admitted_in_time = 0  # submit returned a handle before the traffic's end
+        self.backpressure_timeouts = 0
+        self.waits: array[float] = array("d")
+        self.outcomes = Outcomes()
+        self.window: deque[Any] = deque()  # handles not yet settled, in submit order
+
+    def settle_done(self) -> None:
+        while self.window and self.window[0].done():
+            self.outcomes.settle(self.window.popleft())
+
+    def settle_all(self) -> None:
+        """After the producer closed: every record is terminal (what the close could not flush
+        failed)."""
+        while self.window:
+            self.outcomes.settle(self.window.popleft())
+
+
+def figures(flows: Iterable[Flow]) -> dict[str, Any]:
+    """What some flows offered and what became of it, summed."""
+    from anykpl import errors
+
+    flows = list(flows)
+    waits: array[float] = array("d")
+    latencies: array[float] = array("d")
+    failed: Counter[str] = Counter()
+    expired_where: Counter[str] = Counter()
+    for flow in flows:
+        waits.extend(flow.waits)
+        latencies.extend(flow.outcomes.latencies)
+        failed.update(flow.outcomes.failed)
+        expired_where.update(flow.outcomes.expired_where)
+    timeouts = sum(flow.backpressure_timeouts for flow in flows)
+    admitted = len(waits) - timeouts
+    scheduled = sum(flow.scheduled for flow in flows)
+    admitted_in_time = sum(flow.admitted_in_time for flow in flows)
+    settled = sum(flow.outcomes.settled for flow in flows)
+    expired = failed.get(errors.EXPIRED, 0)
+    return {
+        "keys": [flow.key for flow in flows if flow.key is not None],
+        "shard_ids": sorted({flow.shard_id for flow in flows if flow.shard_id is not None}),
+        "rate": sum(flow.rate for flow in flows),
+        "scheduled": scheduled,
+        "offered": sum(flow.offered for flow in flows),
+        "admitted": admitted,
+        "admitted_in_time": admitted_in_time,
+        "admitted_share": round(admitted_in_time / scheduled, 4) if scheduled else None,
+        "backpressure_timeouts": timeouts,
+        "settled": settled,
+        "delivered": sum(flow.outcomes.delivered for flow in flows),
+        "failed_by_code": dict(failed.most_common()),
+        "failed_other": sum(n for code, n in failed.items() if code != errors.EXPIRED),
+        "expired": expired,
+        "expired_share": round(expired / max(1, admitted), 4),
+        "expired_where": dict(expired_where.most_common()),
+        "submit_wait_total": round(sum(waits), 3),
+        "submit_wait_max": round(max(waits, default=0.0), 4),
+        "submit_wait_p99": round(quantile(waits, 0.99) or 0.0, 4),
+        "latency_p50": round(quantile(latencies, 0.5) or 0.0, 3),
+        "latency_p99": round(quantile(latencies, 0.99) or 0.0, 3),
+        "latency_max": round(max(latencies, default=0.0), 3),
+        "attempts_per_record": round(
+            sum(flow.outcomes.attempts for flow in flows) / max(1, settled), 3
+        ),
+    }
+
+
 async def produce(opts: argparse.Namespace) -> dict[str, Any]:
     import anyio
     import anyio.to_thread
@@ -152,11 +254,13 @@ async def produce(opts: argparse.Namespace) -> dict[str, Any]:
         start = rng.randrange(len(source) - size)
         return bytes(view[start : start + size]), f"{rng.getrandbits(64):016x}"
 
-    outcomes = Outcomes()
-    waits: array[float] = array("d")
-    backpressure_timeouts = 0
-    window: deque[Any] = deque()
-    samples: list[tuple[float, float]] = []  # (seconds since t0, lowest rate share of ceiling)
+    if scenario == "hotkey":
+        flows = [Flow(**flow) for flow in json.loads(opts.flows)]
+    else:
+        flows = [Flow(scenario)]
+    # the shard whose rate is sampled: the storm's, or (None) the lowest of all
+    watched = opts.storm_shard if scenario == "storm" else None
+    samples: list[tuple[float, float]] = []  # (seconds since t0, rate share of ceiling)
     peak = {"rss": rss_bytes(), "outstanding": 0}
     t0 = math.inf
 
@@ -167,32 +271,50 @@ async def produce(opts: argparse.Namespace) -> dict[str, Any]:
             peak["outstanding"] = max(peak["outstanding"], statistics.outstanding_records)
             shards = statistics.streams[stream].shards if stream in statistics.streams else {}
             if shards and t0 < math.inf:
-                share = min(s.rate[1] / s.ceiling[1] for s in shards.values())
+                if watched in shards:
+                    share = shards[watched].rate[1] / shards[watched].ceiling[1]
+                else:
+                    share = min(s.rate[1] / s.ceiling[1] for s in shards.values())
                 samples.append((time.perf_counter() - t0, share))
             if tick % round(RSS_INTERVAL / SAMPLE_INTERVAL) == 0:
                 peak["rss"] = max(peak["rss"], rss_bytes())
             tick += 1
             await anyio.sleep(SAMPLE_INTERVAL)
 
-    async def submit(producer: Producer, size: int) -> None:
-        nonlocal backpressure_timeouts
+    async def submit(producer: Producer, flow: Flow, size: int, end: float = math.inf) -> None:
         data, key = make(size)
+        flow.offered += 1
         started = time.perf_counter()
         try:
-            pending = await producer.submit(stream, data, partition_key=key)
+            pending = await producer.submit(stream, data, partition_key=flow.key or key)
         except errors.BackpressureTimeout:
-            backpressure_timeouts += 1
+            flow.backpressure_timeouts += 1
             return
         finally:
-            waits.append(time.perf_counter() - started)
-        window.append(pending)
-        while window and window[0].done():
-            outcomes.settle(window.popleft())
+            admitted_at = time.perf_counter()
+            flow.waits.append(admitted_at - started)
+        if admitted_at < end:
+            flow.admitted_in_time += 1
+        flow.window.append(pending)
+        flow.settle_done()
+
+    async def on_schedule(producer: Producer, flow: Flow, rate: float, duration: float) -> None:
+        """Submit ``rate`` records/s of RECORD_SIZE for ``duration`` s from t0: a submit that
+        waits puts the loop behind, and it then catches up; what is still due at the end is
+        not submitted."""
+        end = t0 + duration
+        flow.scheduled = total = int(duration * rate)
+        while (now := time.perf_counter()) < end:
+            due = min(int((now - t0) * rate) + 1, total)
+            if flow.offered >= due:
+                await anyio.sleep(0.002)
+                continue
+            while flow.offered < due and time.perf_counter() < end:
+                await submit(producer, flow, RECORD_SIZE, end)
 
     timed_out = False
     submitted_at = flushed_at = math.nan
-    offered = 0
-    traffic = opts.overload_duration if scenario == "overload" else 0.0
+    traffic = {"overload": opts.overload_duration, "hotkey": opts.hotkey_duration}.get(scenario, 0)
     async with Producer(config) as producer, anyio.create_task_group() as tasks:
         # the shard map and the connections ready before the clock starts
         await producer.put_record(stream, b"warm-up", partition_key="warm-up")
@@ -201,31 +323,29 @@ async def produce(opts: argparse.Namespace) -> dict[str, Any]:
             client = EmulatorClient(opts.endpoint)
             await anyio.to_thread.run_sync(
                 lambda: client.storm(
-                    stream, duration=STORM_DURATION, factor=STORM_FACTOR, start=STORM_START
+                    stream,
+                    duration=opts.storm_duration,
+                    factor=STORM_FACTOR,
+                    shard_id=opts.storm_shard,
+                    start=opts.storm_start,
                 )
             )
         t0 = time.perf_counter()
         t0_wall = time.time()
         with anyio.move_on_after(traffic + RUN_LIMIT) as scope:
-            if scenario == "noise":
+            if scenario in ("noise", "storm"):
+                flows[0].scheduled = opts.records
                 for _ in range(opts.records):
-                    await submit(producer, rng.randint(*NOISE_SIZES))
-            elif scenario == "storm":
-                for _ in range(opts.records):
-                    await submit(producer, RECORD_SIZE)
-            else:
-                # the schedule: OVERLOAD × the stream's bytes per second in RECORD_SIZE records;
-                # a submit that waits puts the loop behind, and it then catches up
+                    size = rng.randint(*NOISE_SIZES) if scenario == "noise" else RECORD_SIZE
+                    await submit(producer, flows[0], size)
+            elif scenario == "overload":
+                # OVERLOAD × the stream's bytes per second in RECORD_SIZE records
                 rate = OVERLOAD * SHARDS["overload"] * 1024 * 1024 / RECORD_SIZE
-                end = t0 + opts.overload_duration
-                while (now := time.perf_counter()) < end:
-                    due = min(int((now - t0) * rate) + 1, int(opts.overload_duration * rate))
-                    if offered >= due:
-                        await anyio.sleep(0.002)
-                        continue
-                    while offered < due and time.perf_counter() < end:
-                        offered += 1
-                        await submit(producer, RECORD_SIZE)
+                await on_schedule(producer, flows[0], rate, opts.overload_duration)
+            else:
+                async with anyio.create_task_group() as loops:
+                    for flow in flows:
+                        loops.start_soon(on_schedule, producer, flow, flow.rate, traffic)
             submitted_at = time.perf_counter() - t0
             await producer.flush()
             flushed_at = time.perf_counter() - t0
@@ -234,17 +354,15 @@ async def produce(opts: argparse.Namespace) -> dict[str, Any]:
         final = producer.statistics()
         tasks.cancel_scope.cancel()
     closed_at = time.perf_counter() - t0
-    # closed: every record is terminal now (what the close could not flush failed)
-    while window:
-        outcomes.settle(window.popleft())
+    for flow in flows:
+        flow.settle_all()
     shards = final.streams[stream].shards if stream in final.streams else {}
-    if scenario != "overload":
-        offered = opts.records
-    admitted = len(waits) - backpressure_timeouts
+    overall = figures(flows)
+    wall = closed_at if timed_out else flushed_at
     import resource
 
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return {
+    result = {
         "anykpl": os.path.dirname(anykpl.__file__),
         "scenario": scenario,
         "adaptive": opts.adaptive,
@@ -253,33 +371,11 @@ async def produce(opts: argparse.Namespace) -> dict[str, Any]:
         "retry_budget": config.retry_budget,
         "t0_wall": t0_wall,
         "timed_out": timed_out,
-        "offered": offered,
-        "scheduled": round(
-            OVERLOAD * SHARDS["overload"] * 1024 * 1024 / RECORD_SIZE * opts.overload_duration
-        )
-        if scenario == "overload"
-        else opts.records,
-        "admitted": admitted,
-        "backpressure_timeouts": backpressure_timeouts,
-        "settled": outcomes.settled,
-        "delivered": outcomes.delivered,
-        "failed_by_code": dict(outcomes.failed.most_common()),
-        "expired": outcomes.failed.get(errors.EXPIRED, 0),
-        "expired_share": round(outcomes.failed.get(errors.EXPIRED, 0) / max(1, admitted), 4),
-        "expired_where": dict(outcomes.expired_where.most_common()),
+        **{key: value for key, value in overall.items() if key not in ("keys", "shard_ids")},
         "submit_seconds": None if math.isnan(submitted_at) else round(submitted_at, 3),
         # timed out: until the close had failed what was left
-        "wall_seconds": round(closed_at if timed_out else flushed_at, 3),
-        "delivered_per_second": round(
-            outcomes.delivered / (closed_at if timed_out else flushed_at), 1
-        ),
-        "submit_wait_total": round(sum(waits), 3),
-        "submit_wait_max": round(max(waits, default=0.0), 4),
-        "submit_wait_p99": round(quantile(waits, 0.99) or 0.0, 4),
-        "latency_p50": round(quantile(outcomes.latencies, 0.5) or 0.0, 3),
-        "latency_p99": round(quantile(outcomes.latencies, 0.99) or 0.0, 3),
-        "latency_max": round(max(outcomes.latencies, default=0.0), 3),
-        "attempts_per_record": round(outcomes.attempts / max(1, outcomes.settled), 3),
+        "wall_seconds": round(wall, 3),
+        "delivered_per_second": round(overall["delivered"] / wall, 1),
         "producer_throttled_records": sum(s.throttled_records for s in shards.values()),
         "cuts": sum(s.cuts for s in shards.values()),
         "records_sent": sum(s.records_sent for s in shards.values()),
@@ -291,10 +387,25 @@ async def produce(opts: argparse.Namespace) -> dict[str, Any]:
         "peak_rss_mib": round(peak["rss"] / 2**20, 1),
         "maxrss_mib": round(usage.ru_maxrss / 1024, 1),
         "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 2),
-        # the storm was scheduled just before t0, to start STORM_START later
-        "storm_scheduled": 0.0 if scenario == "storm" else None,
         "rate_samples": [(round(t, 2), round(share, 4)) for t, share in samples],
     }
+    if scenario == "storm":
+        # scheduled just before t0, to start storm_start later
+        result.update(
+            storm_scheduled=0.0,
+            storm_start=opts.storm_start,
+            storm_duration=opts.storm_duration,
+            storm_factor=STORM_FACTOR,
+            storm_shard=opts.storm_shard,
+        )
+    if scenario == "hotkey":
+        result["hotkey_duration"] = opts.hotkey_duration
+        result["classes"] = {
+            "hot": figures(flow for flow in flows if flow.name == "hot"),
+            "cold": figures(flow for flow in flows if flow.name == "cold"),
+            **{f"cold {flow.shard_id}": figures([flow]) for flow in flows if flow.name == "cold"},
+        }
+    return result
 
 
 def run_child(opts: argparse.Namespace) -> None:
@@ -311,12 +422,68 @@ def run_child(opts: argparse.Namespace) -> None:
 # -- the orchestrating process ----------------------------------------------------------------
 
 
+def shard_count(scenario: str, args: argparse.Namespace) -> int:
+    return args.storm_shards if scenario == "storm" else SHARDS[scenario]
+
+
+def hash_key_ranges(endpoint: str, stream: str) -> list[tuple[str, int, int]]:
+    """The stream's shards as (shard id, first hash key, last hash key), from ListShards
+    (boto3, which the emulator's moto brings), in shard id order."""
+    import boto3
+
+    kinesis = boto3.client(
+        "kinesis",
+        region_name=REGION,
+        endpoint_url=endpoint,
+        aws_access_key_id="bench",
+        aws_secret_access_key="bench",
+    )
+    try:
+        shards = kinesis.list_shards(StreamName=stream)["Shards"]
+    finally:
+        kinesis.close()
+    return sorted(
+        (
+            shard["ShardId"],
+            int(shard["HashKeyRange"]["StartingHashKey"]),
+            int(shard["HashKeyRange"]["EndingHashKey"]),
+        )
+        for shard in shards
+    )
+
+
+def shard_of(key: str, ranges: list[tuple[str, int, int]]) -> str:
+    """The shard Kinesis routes ``key`` to: the one whose hash key range holds the MD5 of the
+    key's UTF-8 bytes, read as a big-endian 128-bit integer."""
+    hash_key = int.from_bytes(hashlib.md5(key.encode(), usedforsecurity=False).digest(), "big")
+    return next(shard for shard, low, high in ranges if low <= hash_key <= high)
+
+
+def hotkey_flows(ranges: list[tuple[str, int, int]]) -> list[dict[str, Any]]:
+    """The hot key on its shard, and for each other shard the first key ``cold-N`` that
+    hashes to it."""
+    hot_shard = shard_of(HOT_KEY, ranges)
+    cold: dict[str, str] = {}
+    n = 0
+    while len(cold) < len(ranges) - 1:
+        key = f"cold-{n}"
+        n += 1
+        shard = shard_of(key, ranges)
+        if shard != hot_shard:
+            cold.setdefault(shard, key)
+    return [{"name": "hot", "key": HOT_KEY, "shard_id": hot_shard, "rate": HOT_RATE}] + [
+        {"name": "cold", "key": cold[shard], "shard_id": shard, "rate": COLD_RATE}
+        for shard in sorted(cold)
+    ]
+
+
 def storm_recovery(result: dict[str, Any]) -> dict[str, Any]:
-    """From the rate samples: the rate when the storm ended, and the seconds
-    after it ended until the rate was back at ``RECOVERED`` of the ceiling (``None`` without
-    adaptive control, which never cuts, or if it had not recovered by the last sample)."""
+    """From the rate samples of the storm's shard: its rate when the storm ended, and the
+    seconds after it ended until the rate was back at ``RECOVERED`` of the ceiling (``None``
+    without adaptive control, which never cuts, or if it had not recovered by the last
+    sample)."""
     samples = result.pop("rate_samples")
-    storm_end = result["storm_scheduled"] + STORM_START + STORM_DURATION
+    storm_end = result["storm_scheduled"] + result["storm_start"] + result["storm_duration"]
     at_end = next((share for t, share in samples if t >= storm_end), None)
     recovery = None
     if result["adaptive"]:
@@ -344,20 +511,30 @@ def emulator_figures(
     stats: dict[str, Any], stream: str, t0_wall: float, origin: float
 ) -> dict[str, Any]:
     """The emulator's counters for ``stream``, and its use per second of the run (the busier
-    of records and bytes, as a share of the unstormed limits of all its shards)."""
+    of records and bytes, as a share of the unstormed limits of all its shards), also shard by
+    shard."""
     from anykpl.emulator import Limits
 
     shards = [s for s in stats["shards"] if s["stream"] == stream]
     limits = Limits()
     use: dict[int, float] = {}
     throttled_per_second: dict[int, int] = {}
+    by_shard: dict[str, dict[str, Any]] = {}
     for shard in shards:
+        shard_use = []
         for second, records, nbytes, throttled, _tb in shard["per_second"]:
             # the emulator's second `second` began at origin + second; seconds since t0
             offset = round(origin + second - t0_wall)
             share = max(records / limits.records_per_second, nbytes / limits.bytes_per_second)
             use[offset] = use.get(offset, 0.0) + share / len(shards)
             throttled_per_second[offset] = throttled_per_second.get(offset, 0) + throttled
+            if offset >= 0:
+                shard_use.append([offset, round(share, 3), throttled])
+        by_shard[shard["shard_id"]] = {
+            "emulator_accepted_records": shard["accepted_records"],
+            "emulator_throttled_records": shard["throttled_records"],
+            "use_per_second": shard_use,
+        }
     accepted = sum(s["accepted_records"] for s in shards)
     throttled = sum(s["throttled_records"] for s in shards)
     return {
@@ -369,6 +546,7 @@ def emulator_figures(
         "use_per_second": [
             [s, round(use[s], 3), throttled_per_second[s]] for s in sorted(use) if s >= 0
         ],
+        "by_shard": by_shard,
     }
 
 
@@ -377,10 +555,11 @@ def run_one(scenario: str, adaptive: bool, args: argparse.Namespace) -> dict[str
 
     faults = Faults(record_throttle_rate=NOISE_THROTTLE_RATE) if scenario == "noise" else None
     stream = f"delivery-{scenario}"
-    traffic = args.overload_duration if scenario == "overload" else 0.0
+    traffic = {"overload": args.overload_duration, "hotkey": args.hotkey_duration}.get(scenario, 0)
     with spawn(faults=faults) as endpoint:
         client = EmulatorClient(endpoint)
-        client.create_stream(stream, SHARDS[scenario])
+        client.create_stream(stream, shard_count(scenario, args))
+        ranges = hash_key_ranges(endpoint, stream)
         argv = [
             sys.executable,
             os.path.abspath(__file__),
@@ -397,6 +576,17 @@ def run_one(scenario: str, adaptive: bool, args: argparse.Namespace) -> dict[str
             str(args.records),
             "--overload-duration",
             repr(args.overload_duration),
+            "--hotkey-duration",
+            repr(args.hotkey_duration),
+            "--storm-start",
+            repr(args.storm_start),
+            "--storm-duration",
+            repr(args.storm_duration),
+            # the storm's shard: the first (with one shard, the stream's only one)
+            "--storm-shard",
+            ranges[0][0],
+            "--flows",
+            json.dumps(hotkey_flows(ranges) if scenario == "hotkey" else []),
             "--seed",
             str(args.seed),
         ]
@@ -423,6 +613,7 @@ def run_one(scenario: str, adaptive: bool, args: argparse.Namespace) -> dict[str
         before = time.time()
         stats = client.stats()
         origin = (before + time.time()) / 2 - stats["uptime"]
+    result["shards"] = len(ranges)
     result.update(emulator_figures(stats, stream, result["t0_wall"], origin))
     shares = [share for _, share in result["rate_samples"]]
     result["rate_lowest"] = min(shares, default=None)
@@ -431,6 +622,10 @@ def run_one(scenario: str, adaptive: bool, args: argparse.Namespace) -> dict[str
         result.update(storm_recovery(result))
     else:
         result.pop("rate_samples")
+    for figures_ in result.get("classes", {}).values():
+        # the emulator's counts for the shards of a class
+        for key in ("emulator_accepted_records", "emulator_throttled_records"):
+            figures_[key] = sum(result["by_shard"][s][key] for s in figures_["shard_ids"])
     return result
 
 
@@ -438,7 +633,7 @@ ROWS: dict[str, list[tuple[str, str]]] = {
     "common": [
         ("wall_seconds", "wall s (first submit → last terminal)"),
         ("submit_seconds", "submit loop s"),
-        ("scheduled", "records due (overload: on the schedule)"),
+        ("scheduled", "records due (overload, hotkey: on the schedule)"),
         ("offered", "records offered (submit called)"),
         ("admitted", "records admitted"),
         ("delivered", "delivered"),
@@ -467,9 +662,31 @@ ROWS: dict[str, list[tuple[str, str]]] = {
         ("cpu_seconds", "producer process CPU s"),
     ],
     "storm": [
-        ("rate_at_storm_end", "rate / ceiling at storm end"),
+        ("rate_at_storm_end", "storm shard's rate / ceiling at storm end"),
         ("recovery_seconds", "s after storm to ≥ 90 % of ceiling"),
         ("last_sample_after_storm_end", "last rate sample, s after storm"),
+    ],
+    # per class of the hotkey scenario
+    "hotkey": [
+        ("keys", "partition key(s)"),
+        ("shard_ids", "shard(s)"),
+        ("rate", "records/s offered"),
+        ("scheduled", "records due on the schedule"),
+        ("offered", "records submitted (submit called)"),
+        ("admitted_in_time", "admitted within the duration"),
+        ("admitted_share", "share of the offer admitted"),
+        ("submit_wait_max", "submit wait max s"),
+        ("submit_wait_p99", "submit wait p99 s"),
+        ("backpressure_timeouts", "BackpressureTimeout"),
+        ("latency_p50", "delivery latency p50 s"),
+        ("latency_p99", "delivery latency p99 s"),
+        ("admitted", "admitted (in all)"),
+        ("delivered", "delivered"),
+        ("expired", "expired"),
+        ("expired_share", "expired / admitted"),
+        ("failed_other", "failed, other codes"),
+        ("emulator_accepted_records", "Kinesis records accepted (emulator, the class's shards)"),
+        ("emulator_throttled_records", "Kinesis records throttled (emulator, the class's shards)"),
     ],
 }
 
@@ -483,23 +700,49 @@ def cell(value: Any) -> str:
         return f"{value:,}"
     if isinstance(value, float):
         return f"{value:,.4g}" if abs(value) < 1 else f"{value:,.2f}"
+    if isinstance(value, list):
+        return ", ".join(cell(v) for v in value)
     return str(value)
+
+
+def title(scenario: str, runs: dict[str, dict[str, Any]], backend: str) -> str:
+    run = next((run for run in runs.values() if "error" not in run), {})
+    shards = run.get("shards", SHARDS[scenario])
+    text = f"### {scenario} ({backend}, {shards} shard(s)"
+    if scenario == "storm" and run:
+        text += (
+            f"; {run['storm_shard']} at {run['storm_factor']:g} of its limits from "
+            f"{run['storm_start']:g} s for {run['storm_duration']:g} s"
+        )
+    if scenario == "hotkey" and run:
+        text += f"; {run['hotkey_duration']:g} s"
+    return text + ")"
+
+
+def class_table(run: dict[str, Any], mode: str) -> list[str]:
+    """The hotkey scenario's figures per class (hot, cold) and per cold shard."""
+    classes = run["classes"]
+    lines = [
+        f"#### by class, {mode}",
+        "",
+        "| metric | " + " | ".join(classes) + " |",
+        "|---" * (len(classes) + 1) + "|",
+    ]
+    for key, label in ROWS["hotkey"]:
+        values = [figures_.get(key) for figures_ in classes.values()]
+        lines.append(f"| {label} | " + " | ".join(cell(v) for v in values) + " |")
+    return [*lines, ""]
 
 
 def table(scenario: str, runs: dict[str, dict[str, Any]], backend: str) -> str:
     modes = [mode for mode in ("adaptive", "static") if mode in runs]
-    lines = [f"### {scenario} ({backend}, {SHARDS[scenario]} shard(s))", ""]
+    lines = [title(scenario, runs, backend), ""]
     for mode in modes:
         if "error" in runs[mode]:
             lines.append(f"- {mode}: {runs[mode]['error']}")
     modes = [mode for mode in modes if "error" not in runs[mode]]
     if not modes:
         return "\n".join(lines)
-    for run in runs.values():
-        if "error" not in run:
-            run["failed_other"] = sum(
-                n for code, n in run["failed_by_code"].items() if code != "Expired"
-            )
     header = (
         "| metric | " + " | ".join(modes) + (" | adaptive / static |" if len(modes) == 2 else " |")
     )
@@ -515,6 +758,9 @@ def table(scenario: str, runs: dict[str, dict[str, Any]], backend: str) -> str:
             line += f" {ratio} |"
         lines.append(line)
     lines.append("")
+    if scenario == "hotkey":
+        for mode in modes:
+            lines += class_table(runs[mode], mode)
     for mode in modes:
         run = runs[mode]
         details = [f"failed by code {run['failed_by_code'] or {}}"]
@@ -524,10 +770,13 @@ def table(scenario: str, runs: dict[str, dict[str, Any]], backend: str) -> str:
             details.append("TIMED OUT (the close failed what was left)")
         lines.append(f"- {mode}: " + "; ".join(details))
         if scenario == "storm":
-            use = " ".join(f"{u:.2f}" for _, u, _ in run["use_per_second"])
+            stormed = run["by_shard"].get(run["storm_shard"], {}).get("use_per_second", [])
+            use = " ".join(f"{u:.2f}" for _, u, _ in stormed)
             rate = " ".join(f"{r:.2f}" for r in run["rate_per_second"])
-            lines.append(f"  - shard use per second (of 1 MiB/s or 1000 rec/s): {use}")
-            lines.append(f"  - producer rate / ceiling per second: {rate}")
+            lines.append(
+                f"  - {run['storm_shard']} use per second (of 1 MiB/s or 1000 rec/s): {use}"
+            )
+            lines.append(f"  - its producer rate / ceiling per second: {rate}")
     return "\n".join(lines)
 
 
@@ -541,6 +790,30 @@ def main() -> None:
     parser.add_argument(
         "--overload-duration", type=float, default=60.0, help="seconds of overload (60)"
     )
+    parser.add_argument(
+        "--hotkey-duration",
+        type=float,
+        default=HOTKEY_DURATION,
+        help=f"seconds of the hotkey scenario's traffic ({HOTKEY_DURATION:g})",
+    )
+    parser.add_argument(
+        "--storm-start",
+        type=float,
+        default=STORM_START,
+        help=f"seconds from the first submit to the storm ({STORM_START:g}; 0.5: a young producer)",
+    )
+    parser.add_argument(
+        "--storm-duration",
+        type=float,
+        default=STORM_DURATION,
+        help=f"seconds the storm lasts ({STORM_DURATION:g})",
+    )
+    parser.add_argument(
+        "--storm-shards",
+        type=int,
+        default=SHARDS["storm"],
+        help="shards of the storm scenario's stream; the storm hits the first only (1)",
+    )
     modes = parser.add_mutually_exclusive_group()
     modes.add_argument("--adaptive-only", action="store_true", help="only adaptive=True")
     modes.add_argument("--static-only", action="store_true", help="only adaptive=False")
@@ -549,7 +822,13 @@ def main() -> None:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
     parser.add_argument("--stream", help=argparse.SUPPRESS)
+    parser.add_argument("--storm-shard", help=argparse.SUPPRESS)
+    parser.add_argument("--flows", default="[]", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.storm_shards < 1:
+        parser.error("--storm-shards must be at least 1")
+    if args.storm_start < 0 or args.storm_duration <= 0 or args.hotkey_duration <= 0:
+        parser.error("--storm-start must be >= 0, --storm-duration and --hotkey-duration > 0")
     if args.child:
         args.adaptive = not args.static_only
         run_child(args)
@@ -565,6 +844,10 @@ def main() -> None:
         "backend": args.backend,
         "records": args.records,
         "overload_duration": args.overload_duration,
+        "hotkey_duration": args.hotkey_duration,
+        "storm_start": args.storm_start,
+        "storm_duration": args.storm_duration,
+        "storm_shards": args.storm_shards,
         "anykpl": os.path.dirname(anykpl.__file__),
         "runs": {},
     }

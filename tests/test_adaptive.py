@@ -311,3 +311,34 @@ def test_chance_cut_under_noise_at_two_standard_deviations(monkeypatch: pytest.M
     """The test above fails with the first version's rule (any excess past 2 sigma cut)."""
     monkeypatch.setattr("anykpl._adaptive.EXCESS_SIGNIFICANCE", 1.0)
     assert all(_under_noise(seed)[0] >= 10 for seed in SEEDS)
+
+
+# -- recovery after an early storm, and a shard that accepts less than the ceiling ------------
+
+
+def _storm_then_clean(start: float, storm: float) -> tuple[RateController, float]:
+    """A lone producer: clean rounds until ``start``, throttled rounds (half of each) for
+    ``storm`` seconds, clean rounds for 3 s after the last throttle; returns the controller
+    and the time of the last throttled outcome."""
+    c = make()
+    now = feed(c, 0.0, start, 10, 0) if start > 0 else 0.0
+    last = feed(c, now, now + storm, 10, 5)
+    feed(c, last, last + 3.0, 10, 0)
+    return c, last
+
+
+def test_a_storm_after_a_long_clean_history_is_recovered_within_three_seconds() -> None:
+    c, last = _storm_then_clean(10.0, 1.0)
+    assert c.cuts >= 3
+    assert c.fraction(last + 3.0) >= 0.9
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_shard_that_accepts_half_the_ceiling_throttles_little(seed: int) -> None:
+    """A lone producer whose shard accepts only half of its ceiling (what sharing it with an
+    equal producer that holds its rate looks like) for 60 s: it settles near that half
+    without climbing to the ceiling again and again."""
+    producer = sim.SimProducer(make())
+    sim.run([producer], 60.0, limit=lambda now: 0.5, seed=seed)
+    assert producer.throttled / producer.sent <= 0.03
+    assert producer.delivered >= 0.9 * 0.5 * sim.CEILING * 60.0

@@ -57,6 +57,12 @@ def _ten_records_a_second(fake: FakeKinesis, **overrides: Any) -> Producer:
     return Producer(transport=fake, **{**options, **overrides})
 
 
+def spread(i: int) -> int:
+    """An explicit hash key on shard ``i % 4`` of the FakeKinesis's four: records spread
+    evenly, so that the producer's caps, not one shard's share of them, bind."""
+    return even_ranges(4)[i % 4][0]
+
+
 def fast(**overrides: Any) -> dict[str, Any]:
     return {**FAST, **overrides}
 
@@ -537,7 +543,10 @@ async def test_backpressure_on_outstanding_records() -> None:
     async with Producer(transport=fake, max_outstanding_records=10, **FAST) as producer:
         await ready(producer)
         fake.close_gate()
-        pendings = [await producer.submit(STREAM, b"%d" % i, partition_key="k") for i in range(10)]
+        pendings = [
+            await producer.submit(STREAM, b"%d" % i, partition_key="k", explicit_hash_key=spread(i))
+            for i in range(10)
+        ]
         assert producer.outstanding_records == 10
         # the 11th waits for room
         admitted: list[PendingRecord] = []
@@ -567,7 +576,7 @@ async def test_admission_timeout_on_outstanding_records() -> None:
         await ready(producer)
         fake.close_gate()
         for i in range(10):
-            await producer.submit(STREAM, b"%d" % i, partition_key="k")
+            await producer.submit(STREAM, b"%d" % i, partition_key="k", explicit_hash_key=spread(i))
         start = anyio.current_time()
         with pytest.raises(errors.BackpressureTimeout):
             await producer.submit(STREAM, b"10", partition_key="k")
@@ -1241,7 +1250,7 @@ async def test_submit_many_waits_for_room_and_reports_what_it_admitted() -> None
     ) as producer:
         await ready(producer)
         fake.close_gate()
-        records = [(b"%d" % i, "k") for i in range(15)]
+        records = [(b"%d" % i, "k", spread(i)) for i in range(15)]
         with pytest.raises(errors.BackpressureTimeout) as caught:
             await producer.submit_many(STREAM, records)
         admitted = caught.value.admitted

@@ -639,3 +639,62 @@ def test_close_makes_a_tenant_quota_waiter_give_up_at_once_and_still_flushes(
     # the rest was flushed, not failed
     assert first.result(timeout=0).success
     assert plain.result(timeout=0).success
+
+
+@pytest.mark.parametrize("tenant", [None, "t1"])
+def test_a_thread_waiting_on_a_hot_shard_holds_up_no_other_thread(
+    backend: str, fake_kinesis: FakeKinesis, tenant: str | None
+) -> None:
+    # One admitter serves every thread: while it waited for a hot shard's room (in submit),
+    # every other thread's record waited behind it. Now a record that must wait does so in a
+    # task of its own, and the other threads' records go on (with tenants too).
+    from anykpl import TenantQuota
+
+    hot_shard = fake_kinesis.shards[0].shard_id
+    fake_kinesis.entry_error = lambda shard, index: (
+        (errors.THROTTLED, "slow down") if shard == hot_shard else None
+    )
+    quotas = {"t1": TenantQuota(records_per_second=1e6)} if tenant else {}
+    with SyncProducer(
+        transport=fake_kinesis,
+        backend=backend,
+        max_outstanding_records=8,
+        record_ttl=60.0,
+        tenant_quotas=quotas,
+        **FAST,
+    ) as producer:
+        # the shard map is ready from here on (records admitted before go by the stream's rule)
+        producer.put_record(STREAM, b"warm-up", partition_key="w", explicit_hash_key=MAX_HASH)
+        hot: list[Future[RecordResult]] = []
+
+        def put_hot() -> None:
+            for i in range(10):  # the shard may hold 6 (all but the reserve): the 7th waits
+                hot.append(
+                    producer.submit(
+                        STREAM, b"hot%d" % i, partition_key="h", explicit_hash_key=0, tenant=tenant
+                    )
+                )
+
+        thread = threading.Thread(target=put_hot)
+        thread.start()
+        deadline = time.monotonic() + 5
+        while len(hot) < 6:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        time.sleep(0.05)
+        assert len(hot) == 6  # the hot thread waits at the call
+        started = time.monotonic()
+        for i in range(3):
+            result = producer.put_record(
+                STREAM, b"cold%d" % i, partition_key="c", explicit_hash_key=MAX_HASH, timeout=5
+            )
+            assert result.success
+        assert time.monotonic() - started < 1.0
+        assert len(hot) == 6
+        stats = producer.statistics().streams[STREAM].shards
+        assert stats[hot_shard].admission_waits >= 1
+        assert stats[hot_shard].outstanding_records == 6
+        fake_kinesis.entry_error = None  # the hot shard recovers: its thread goes on
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+        assert all(future.result(timeout=5).success for future in hot)

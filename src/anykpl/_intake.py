@@ -20,10 +20,11 @@ The rule (docs/admission.md). A record is admitted when it fits under the produc
 (``max_outstanding_records``/``max_outstanding_bytes``) and under its own predicted shard's
 backlog limit: ``max_outstanding_time`` of what that shard delivers now (the pipeline plans it).
 Records whose shard is not known yet (the shard map is loading, or invalid) are held to the
-stream's limit instead, all of its shards together. Once the producer holds more than
-``1 - RESERVE`` of a cap, a shard may not grow past its fair share of that cap (the cap divided
-by the shards that hold records), so a hot shard never takes the whole cap: the others keep
-room. A hot shard's backlog thus makes only its own records wait.
+stream's limit instead, all of its shards together. No shard holds more than ``1 - RESERVE``
+of a cap, and once the producer as a whole does, a shard may not grow past its fair share of
+that cap (the cap divided by the shards that hold records): a hot shard never takes the whole
+cap, and a quiet shard finds room. A hot shard's backlog thus makes only its own records
+wait.
 """
 
 from __future__ import annotations
@@ -245,12 +246,14 @@ class Intake:
             if held:
                 if not stream.has_room(size, backlog):
                     return False
+                # (each line may be passed by one record, as an empty shard takes one)
+                held_bytes = backlog.outstanding_bytes
+                if held >= self.reserve_records or held_bytes >= self.reserve_bytes:
+                    return False  # no shard takes the reserve: a quiet one may need it
                 if outstanding >= self.reserve_records or nbytes > self.reserve_bytes:
                     # the caps run short: no shard past its fair share of them
                     shards = self.active_backlogs
-                    if (held + 1) * shards > self.max_records or (
-                        backlog.outstanding_bytes + size
-                    ) * shards > self.max_bytes:
+                    if held * shards >= self.max_records or held_bytes * shards >= self.max_bytes:
                         return False
         spool = self.spool
         return (
@@ -298,8 +301,9 @@ class Intake:
         if outstanding >= self.max_records or self.outstanding_bytes + size > self.max_bytes:
             return caps
         return (
-            f"{caps}; {where} holds {held} records / {backlog.outstanding_bytes} bytes, its "
-            f"fair share of the caps among {self.active_backlogs} shards holding records"
+            f"{caps}; {where} holds {held} records / {backlog.outstanding_bytes} bytes: a shard "
+            f"may hold at most {1 - RESERVE:.0%} of a cap, and once the producer holds that "
+            f"much, its fair share among the {self.active_backlogs} shards holding records"
         )
 
     def enqueue(self, stream: StreamIntake, record: PendingRecord) -> None:
