@@ -309,19 +309,23 @@ class ProducerConfig:
         min_connections: Accepted for compatibility and unused, as in the KPL, which sends it to
             its native code but never reads it. Default 1, 1..16. KPL: ``MinConnections``.
         max_outstanding_records: Most user records admitted and not yet finished; ``submit``
-            and ``put_record`` wait for room beyond it (backpressure). Default 100000, at
-            least 1. No KPL property (the KPL's buffer is unbounded).
-        max_outstanding_bytes: Most bytes of user data admitted and not yet finished. Default
-            134217728 (128 MiB), at least 1024. No KPL property.
-        max_outstanding_time: Seconds of a stream's delivery that may be admitted and not yet
-            finished: ``submit`` and ``put_record`` wait while a stream's outstanding records
-            would take longer than this to deliver at the rate its shards accept now (each
-            open shard's current rate in the Limiter, less throttles judged to be noise, with
-            the records spread over the shards as they have been lately: the busiest shard
-            binds). This is what turns sustained overload into backpressure at the call rather
-            than expiry later: a backlog the stream cannot send before ``record_ttl`` is never
-            admitted. Default ``None``: half of ``record_ttl``. Greater than 0; ``math.inf``
-            turns it off. No KPL property.
+            and ``put_record`` wait for room beyond it (backpressure). One shard holds at most
+            75 % of it, and no more than its fair share once the producer holds that much
+            (docs/admission.md). Default 100000, at least 1. No KPL property (the KPL's
+            buffer is unbounded).
+        max_outstanding_bytes: Most bytes of user data admitted and not yet finished, shared
+            between shards as ``max_outstanding_records`` is. Default 134217728 (128 MiB), at
+            least 1024. No KPL property.
+        max_outstanding_time: Seconds of a shard's delivery that may be admitted and not yet
+            finished: ``submit`` and ``put_record`` wait while the outstanding records of the
+            record's own predicted shard would take longer than this to deliver at the rate
+            the shard accepts now (its current rate in the Limiter, less throttles judged to
+            be noise); records of other shards do not wait for it. Records whose shard is not
+            known yet (the shard map loading) are held to the whole stream's delivery. This is
+            what turns sustained overload into backpressure at the call rather than expiry
+            later: a backlog a shard cannot send before ``record_ttl`` is never admitted.
+            Default ``None``: half of ``record_ttl``. Greater than 0; ``math.inf`` turns it
+            off. No KPL property.
         admission_timeout: Seconds ``submit`` and ``put_record`` wait for room under the
             outstanding limits, and for their tenant's quota (``tenant_quotas``), before
             raising :class:`~anykpl.errors.BackpressureTimeout`; a put whose quota wait alone
