@@ -236,7 +236,14 @@ class Intake:
         checks. Predicts the record's shard (``predicted_shard``) and sets the backlog it
         would be counted in (``backlog``), for :meth:`enqueue`."""
         size = record.size
-        backlog = record.backlog = stream.place(record)
+        # StreamIntake.place, inline (one call less per record)
+        shard = record.predicted_shard = stream.shard_map.shard_id(record.hash_key)
+        if shard is None:
+            backlog = stream.unplaced
+        else:
+            found = stream.backlogs.get(shard)
+            backlog = stream.place(record) if found is None else found
+        record.backlog = backlog
         outstanding = len(self.outstanding)
         if outstanding:
             nbytes = self.outstanding_bytes + size
@@ -244,10 +251,13 @@ class Intake:
                 return False
             held = backlog.outstanding_records
             if held:
-                if not stream.has_room(size, backlog):
-                    return False
-                # (each line may be passed by one record, as an empty shard takes one)
                 held_bytes = backlog.outstanding_bytes
+                if backlog.shard is None:
+                    if not stream.has_room(size, backlog):
+                        return False
+                elif held >= backlog.limit_records or held_bytes + size > backlog.limit_bytes:
+                    return False  # the shard's own backlog limit (StreamIntake.has_room, inline)
+                # (each line may be passed by one record, as an empty shard takes one)
                 if held >= self.reserve_records or held_bytes >= self.reserve_bytes:
                     return False  # no shard takes the reserve: a quiet one may need it
                 if outstanding >= self.reserve_records or nbytes > self.reserve_bytes:
