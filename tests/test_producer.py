@@ -1403,3 +1403,52 @@ async def test_submit_many_after_close_is_refused(fake_kinesis: FakeKinesis) -> 
         pass
     with pytest.raises(errors.ProducerClosedError):
         await producer.submit_many(STREAM, [b"x"])
+
+
+async def test_submit_nowait_admits_what_fits_and_never_waits() -> None:
+    fake = GatedKinesis()
+    async with Producer(transport=fake, max_outstanding_records=4, **FAST) as producer:
+        with pytest.raises(errors.InvalidRecordError):
+            producer.submit_nowait(STREAM, b"x", partition_key="")  # bad input: at the call
+        await ready(producer)
+        fake.close_gate()
+        admitted = [
+            producer.submit_nowait(
+                STREAM, b"%d" % i, partition_key="k", explicit_hash_key=spread(i)
+            )
+            for i in range(4)
+        ]
+        with pytest.raises(anyio.WouldBlock):  # the producer's cap: nothing enqueued
+            producer.submit_nowait(STREAM, b"4", partition_key="k", explicit_hash_key=spread(4))
+        assert producer.outstanding_records == 4
+        assert fake.gate is not None
+        fake.gate.set()
+        await producer.flush()
+        assert all([(await pending).success for pending in admitted])
+        assert producer.submit_nowait(STREAM, b"5", partition_key="k").done() is False
+    with pytest.raises(errors.ProducerClosedError):
+        producer.submit_nowait(STREAM, b"6", partition_key="k")
+    assert stored(fake) == Counter(b"%d" % i for i in (0, 1, 2, 3, 5))
+
+
+async def test_submit_nowait_on_a_hot_shard_would_block_while_other_shards_take_records() -> None:
+    fake = GatedKinesis()
+    async with Producer(transport=fake, max_outstanding_records=8, **FAST) as producer:
+        await ready(producer)
+        fake.close_gate()
+        # no shard takes more than 75 % of a cap
+        hot = [
+            producer.submit_nowait(STREAM, b"h", partition_key="h", explicit_hash_key=0)
+            for _ in range(6)
+        ]
+        with pytest.raises(anyio.WouldBlock):
+            producer.submit_nowait(STREAM, b"h", partition_key="h", explicit_hash_key=0)
+        assert len(hot) == 6
+        cold = producer.submit_nowait(STREAM, b"c", partition_key="c", explicit_hash_key=MAX_HASH)
+        shards = producer.statistics().streams[STREAM].shards
+        first, last = fake.shards[0].shard_id, fake.shards[-1].shard_id
+        assert (shards[first].outstanding_records, shards[last].outstanding_records) == (6, 1)
+        assert fake.gate is not None
+        fake.gate.set()
+        await producer.flush()
+        assert (await cold).success
