@@ -153,44 +153,47 @@ def test_an_empty_shard_always_takes_one_record_of_any_size() -> None:
     assert _offer(intake, stream, _key_on(3)) is not None
 
 
+def _fill(intake: Intake, stream: StreamIntake, key: str) -> int:
+    """Admit records for ``key`` until one would wait; return how many were admitted."""
+    admitted = 0
+    while _offer(intake, stream, key) is not None:
+        admitted += 1
+    return admitted
+
+
 def test_a_hot_shard_cannot_take_the_whole_producer_cap() -> None:
     # no backlog limit per shard: only the producer's cap of 100 records binds
     intake = _intake(max_records=100)
     stream = _stream(intake)
-    hot = _key_on(0)
-    admitted = 0
-    while _offer(intake, stream, hot) is not None:
-        admitted += 1
     # alone, the hot shard takes all but the reserve...
-    assert admitted == int(100 * (1 - RESERVE))
-    assert _offer(intake, stream, _key_on(1)) is not None  # ...which a quiet shard finds
-    intake2 = _intake(max_records=100)
-    stream2 = _stream(intake2)
-    # ...but once a cold shard holds records, the hot one stops at its fair share past the
-    # reserve, and the cold shard still finds room
-    assert _offer(intake2, stream2, _key_on(1)) is not None
-    hot_admitted = 0
-    while _offer(intake2, stream2, hot) is not None:
-        hot_admitted += 1
-    # 75 records in all (the reserve begins), far over the hot shard's half
-    assert 1 + hot_admitted == int(100 * (1 - RESERVE))
-    for _ in range(20):
-        assert _offer(intake2, stream2, _key_on(1)) is not None
-    assert len(intake2.outstanding) == 95
+    assert _fill(intake, stream, _key_on(0)) == int(100 * (1 - RESERVE))
+    # ...which quiet shards grow into, each while it holds less than an equal part of it (with
+    # one shard more to come: 10 / 3)
+    assert _fill(intake, stream, _key_on(1)) == 4
+    assert _offer(intake, stream, _key_on(2)) is not None  # and some is left for a newcomer
 
 
-def test_the_fair_share_holds_for_bytes_too() -> None:
+def test_however_many_shards_are_hot_a_shard_that_holds_nothing_finds_room() -> None:
+    # Two hot shards used to share the reserve between them (the second under its fair share
+    # of the cap), and a third shard's first record waited for the producer's cap.
+    for hot_shards in (1, 2, 3):
+        intake = _intake(max_records=100)
+        stream = _stream(intake)
+        for shard in range(hot_shards):
+            _fill(intake, stream, _key_on(shard))
+        assert len(intake.outstanding) < 100
+        assert _offer(intake, stream, _key_on(3)) is not None, hot_shards
+
+
+def test_the_reserve_holds_for_bytes_too() -> None:
     intake = _intake(max_bytes=100_000)
     stream = _stream(intake)
     assert _offer(intake, stream, _key_on(1)) is not None
-    hot = 0
-    while _offer(intake, stream, _key_on(0)) is not None:
-        hot += 1
-    assert hot == 74  # 75,000 bytes with the cold shard's 1,000: the reserve begins
-    cold = 1
-    while _offer(intake, stream, _key_on(1)) is not None:
-        cold += 1
-    assert cold == 26  # the rest of the cap: the cold shard is still under its half
+    # 90,000 bytes with the quiet shard's 1,000: the reserve begins
+    assert _fill(intake, stream, _key_on(0)) == 89
+    # the quiet shard grows into the reserve while it holds less than 10,000 / 3 bytes
+    assert 1 + _fill(intake, stream, _key_on(1)) == 4
+    assert _offer(intake, stream, _key_on(2)) is not None
 
 
 def test_records_whose_shard_is_not_known_are_held_to_the_streams_limit() -> None:

@@ -16,6 +16,7 @@ from anykpl import _limits
 from anykpl._metrics import Metrics
 from anykpl._pipeline import Pipeline
 from anykpl._records import PendingRecord
+from anykpl._token_bucket import TokenBucket
 from anykpl.config import ProducerConfig
 
 from .fakes import FakeKinesis, hash_of
@@ -241,3 +242,48 @@ async def test_the_backlog_limit_is_planned_again_at_most_every_quarter_second()
         pipeline.update_backlog_limit(now + 0.3)
         assert pipeline.backlog_records == planned
         assert calls == [None]  # it grew: the producer's waiters are woken
+
+
+async def test_each_shard_has_its_own_backlog_limit_and_a_fleet_grant_bounds_them_together() -> (
+    None
+):
+    fake = FakeKinesis()  # 4 shards
+    finished = Finished(1)
+    pipeline = pipeline_for(fake, finished, aggregation_enabled=False, max_outstanding_time=2.0)
+    async with running(pipeline):
+        record(pipeline, "warm-up", b"w")
+        with anyio.fail_after(5):
+            await finished.all_done.wait()
+        for shard in fake.shards:  # a record's backlog for each shard
+            pending = PendingRecord(STREAM, "k", b"x", shard.start, None, 0.0, 0.0, 0.0)
+            pipeline.intake.place(pending)
+        now = anyio.current_time() + 1.0
+        pipeline.update_backlog_limit(now)
+        backlogs = pipeline.intake.backlogs
+        assert len(backlogs) == 4
+        for backlog in backlogs.values():  # 2 s of each shard's own 1 MiB/s
+            assert backlog.limit_bytes == pytest.approx(2 * _limits.SHARD_BYTES_PER_SECOND)
+        # the stream's limit (records whose shard is not known) is all four shards together
+        assert pipeline.backlog_bytes == pytest.approx(8 * _limits.SHARD_BYTES_PER_SECOND)
+
+    shared = TokenBucket(1e15, 100_000.0, 0.0)  # a fleet grant of 100 KB/s for the producer
+    finished = Finished(1)
+    fleet = Pipeline(
+        STREAM,
+        ProducerConfig(aggregation_enabled=False, max_outstanding_time=2.0),
+        fake,
+        Metrics(),
+        finished,
+        shared_bucket=shared,
+    )
+    async with running(fleet):
+        record(fleet, "warm-up", b"w")
+        with anyio.fail_after(5):
+            await finished.all_done.wait()
+        for shard in fake.shards:
+            fleet.intake.place(PendingRecord(STREAM, "k", b"x", shard.start, None, 0.0, 0.0, 0.0))
+        fleet.update_backlog_limit(anyio.current_time() + 1.0)
+        # the grant split over the shards (each was bounded by the whole grant, four times it)
+        total = sum(backlog.limit_bytes for backlog in fleet.intake.backlogs.values())
+        assert total == pytest.approx(2 * 100_000.0)
+        assert fleet.backlog_bytes == pytest.approx(2 * 100_000.0)

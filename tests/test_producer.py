@@ -57,10 +57,15 @@ def _ten_records_a_second(fake: FakeKinesis, **overrides: Any) -> Producer:
     return Producer(transport=fake, **{**options, **overrides})
 
 
+#: Shards of the fakes whose records are spread one to a shard (``spread``).
+SPREAD_SHARDS = 10
+
+
 def spread(i: int) -> int:
-    """An explicit hash key on shard ``i % 4`` of the FakeKinesis's four: records spread
-    evenly, so that the producer's caps, not one shard's share of them, bind."""
-    return even_ranges(4)[i % 4][0]
+    """An explicit hash key on shard ``i % SPREAD_SHARDS`` of a fake with SPREAD_SHARDS
+    shards: each record on a shard of its own, so that the producer's caps bind, not the last
+    part of them that is kept for quiet shards (``RESERVE``)."""
+    return even_ranges(SPREAD_SHARDS)[i % SPREAD_SHARDS][0]
 
 
 def fast(**overrides: Any) -> dict[str, Any]:
@@ -539,7 +544,7 @@ async def test_wrong_shard_after_a_split_is_retried_into_the_children() -> None:
 
 
 async def test_backpressure_on_outstanding_records() -> None:
-    fake = GatedKinesis()
+    fake = GatedKinesis(SPREAD_SHARDS)
     async with Producer(transport=fake, max_outstanding_records=10, **FAST) as producer:
         await ready(producer)
         fake.close_gate()
@@ -569,7 +574,7 @@ async def test_backpressure_on_outstanding_records() -> None:
 
 
 async def test_admission_timeout_on_outstanding_records() -> None:
-    fake = GatedKinesis()
+    fake = GatedKinesis(SPREAD_SHARDS)
     async with Producer(
         transport=fake, max_outstanding_records=10, admission_timeout=0.1, **FAST
     ) as producer:
@@ -590,19 +595,22 @@ async def test_admission_timeout_on_outstanding_records() -> None:
 
 
 async def test_backpressure_on_outstanding_bytes() -> None:
-    fake = GatedKinesis()
+    fake = GatedKinesis(SPREAD_SHARDS)
     async with Producer(
         transport=fake, max_outstanding_bytes=1024, admission_timeout=0.1, **FAST
     ) as producer:
         await ready(producer)
         fake.close_gate()
-        await producer.submit(STREAM, bytes(500), partition_key="a")
-        await producer.submit(STREAM, bytes(500), partition_key="b")
+        # each on a shard of its own: the producer's cap binds, not its reserve for quiet shards
+        await producer.submit(STREAM, bytes(500), partition_key="a", explicit_hash_key=spread(0))
+        await producer.submit(STREAM, bytes(500), partition_key="b", explicit_hash_key=spread(1))
         assert producer.statistics().outstanding_bytes == 1002
         with pytest.raises(errors.BackpressureTimeout):
-            await producer.submit(STREAM, bytes(500), partition_key="c")
+            await producer.submit(
+                STREAM, bytes(500), partition_key="c", explicit_hash_key=spread(2)
+            )
         # a smaller record still fits
-        await producer.submit(STREAM, bytes(10), partition_key="d")
+        await producer.submit(STREAM, bytes(10), partition_key="d", explicit_hash_key=spread(3))
         statistics = producer.statistics()
         assert statistics.outstanding_records == 3
         assert statistics.outstanding_bytes == 1013
@@ -1244,7 +1252,7 @@ async def test_submit_many_validates_everything_first(
 
 
 async def test_submit_many_waits_for_room_and_reports_what_it_admitted() -> None:
-    fake = GatedKinesis()
+    fake = GatedKinesis(SPREAD_SHARDS)
     async with Producer(
         transport=fake, max_outstanding_records=10, admission_timeout=0.1, **FAST
     ) as producer:
@@ -1406,7 +1414,7 @@ async def test_submit_many_after_close_is_refused(fake_kinesis: FakeKinesis) -> 
 
 
 async def test_submit_nowait_admits_what_fits_and_never_waits() -> None:
-    fake = GatedKinesis()
+    fake = GatedKinesis(SPREAD_SHARDS)
     async with Producer(transport=fake, max_outstanding_records=4, **FAST) as producer:
         with pytest.raises(errors.InvalidRecordError):
             producer.submit_nowait(STREAM, b"x", partition_key="")  # bad input: at the call
@@ -1436,18 +1444,15 @@ async def test_submit_nowait_on_a_hot_shard_would_block_while_other_shards_take_
     async with Producer(transport=fake, max_outstanding_records=8, **FAST) as producer:
         await ready(producer)
         fake.close_gate()
-        # no shard takes more than 75 % of a cap
-        hot = [
+        # the last record of the cap (RESERVE, at least one) is kept for a quiet shard
+        for _ in range(7):
             producer.submit_nowait(STREAM, b"h", partition_key="h", explicit_hash_key=0)
-            for _ in range(6)
-        ]
         with pytest.raises(anyio.WouldBlock):
             producer.submit_nowait(STREAM, b"h", partition_key="h", explicit_hash_key=0)
-        assert len(hot) == 6
         cold = producer.submit_nowait(STREAM, b"c", partition_key="c", explicit_hash_key=MAX_HASH)
         shards = producer.statistics().streams[STREAM].shards
         first, last = fake.shards[0].shard_id, fake.shards[-1].shard_id
-        assert (shards[first].outstanding_records, shards[last].outstanding_records) == (6, 1)
+        assert (shards[first].outstanding_records, shards[last].outstanding_records) == (7, 1)
         assert fake.gate is not None
         fake.gate.set()
         await producer.flush()

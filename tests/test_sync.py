@@ -668,7 +668,9 @@ def test_a_thread_waiting_on_a_hot_shard_holds_up_no_other_thread(
         hot: list[Future[RecordResult]] = []
 
         def put_hot() -> None:
-            for i in range(10):  # the shard may hold 6 (all but the reserve): the 7th waits
+            for i in range(
+                10
+            ):  # the shard may hold 7 (the 8th record is the reserve): the 8th waits
                 hot.append(
                     producer.submit(
                         STREAM, b"hot%d" % i, partition_key="h", explicit_hash_key=0, tenant=tenant
@@ -678,11 +680,11 @@ def test_a_thread_waiting_on_a_hot_shard_holds_up_no_other_thread(
         thread = threading.Thread(target=put_hot)
         thread.start()
         deadline = time.monotonic() + 5
-        while len(hot) < 6:
+        while len(hot) < 7:
             assert time.monotonic() < deadline
             time.sleep(0.001)
         time.sleep(0.05)
-        assert len(hot) == 6  # the hot thread waits at the call
+        assert len(hot) == 7  # the hot thread waits at the call
         started = time.monotonic()
         for i in range(3):
             result = producer.put_record(
@@ -690,10 +692,10 @@ def test_a_thread_waiting_on_a_hot_shard_holds_up_no_other_thread(
             )
             assert result.success
         assert time.monotonic() - started < 1.0
-        assert len(hot) == 6
+        assert len(hot) == 7
         stats = producer.statistics().streams[STREAM].shards
         assert stats[hot_shard].admission_waits >= 1
-        assert stats[hot_shard].outstanding_records == 6
+        assert stats[hot_shard].outstanding_records == 7
         fake_kinesis.entry_error = None  # the hot shard recovers: its thread goes on
         thread.join(timeout=10)
         assert not thread.is_alive()

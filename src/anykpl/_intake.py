@@ -20,11 +20,11 @@ The rule (docs/admission.md). A record is admitted when it fits under the produc
 (``max_outstanding_records``/``max_outstanding_bytes``) and under its own predicted shard's
 backlog limit: ``max_outstanding_time`` of what that shard delivers now (the pipeline plans it).
 Records whose shard is not known yet (the shard map is loading, or invalid) are held to the
-stream's limit instead, all of its shards together. No shard holds more than ``1 - RESERVE``
-of a cap, and once the producer as a whole does, a shard may not grow past its fair share of
-that cap (the cap divided by the shards that hold records): a hot shard never takes the whole
-cap, and a quiet shard finds room. A hot shard's backlog thus makes only its own records
-wait.
+stream's limit instead, all of its shards together. Once the producer holds ``1 - RESERVE``
+of a cap, the rest of it (the reserve) is for quiet shards: a shard grows into it only while it
+holds less than an equal part of the reserve among the shards holding records and one more.
+However many shards are hot, part of the reserve is left for a shard that holds nothing yet.
+A hot shard's backlog thus makes only its own records wait.
 """
 
 from __future__ import annotations
@@ -57,9 +57,10 @@ KEY_CACHE_LIMIT: Final = 65536
 #: rest of the admission.
 CHECKPOINT_EVERY: Final = 128
 
-#: The share of each producer cap kept for shards below their fair share: past ``1 - RESERVE``
-#: of a cap, a shard over its fair share (the cap / the shards holding records) waits.
-RESERVE: Final = 0.25
+#: The share of each producer cap kept for quiet shards: once the producer holds the rest of a
+#: cap, only shards holding less than an equal part of the reserve (with one more shard to
+#: come) are admitted, so a shard that holds nothing yet always finds room.
+RESERVE: Final = 0.1
 
 
 class Intake:
@@ -75,10 +76,13 @@ class Intake:
     ) -> None:
         self.max_records = max_records
         self.max_bytes = max_bytes
-        # past these, a shard over its fair share of the caps waits (RESERVE)
-        self.reserve_records = max_records * (1.0 - RESERVE)
-        self.reserve_bytes = max_bytes * (1.0 - RESERVE)
-        # shard backlogs (of every stream) that hold records: the fair share's divisor
+        # past these in all, only quiet shards grow into the rest of the caps (RESERVE; at
+        # least one record of it)
+        self.reserved_records = max(1.0, max_records * RESERVE)
+        self.reserved_bytes = max_bytes * RESERVE
+        self.reserve_records = max_records - self.reserved_records
+        self.reserve_bytes = max_bytes - self.reserved_bytes
+        # shard backlogs (of every stream) that hold records
         self.active_backlogs = 0
         self.max_record_size = max_record_size
         self.clock = clock
@@ -229,8 +233,8 @@ class Intake:
     def has_room(
         self, record: PendingRecord, stream: StreamIntake, recovered: bool = False
     ) -> bool:
-        """Whether ``record`` fits now: under the producer's caps, its shard's fair share of
-        them once they run short, its shard's backlog limit (its stream's while its shard is
+        """Whether ``record`` fits now: under the producer's caps, the reserve of them kept
+        for quiet shards, its shard's backlog limit (its stream's while its shard is
         not known) and the spool's limit (see the module's docstring). An empty producer, or
         shard, always takes one record. A ``recovered`` one (already on disk) skips the spool's
         checks. Predicts the record's shard (``predicted_shard``) and sets the backlog it
@@ -257,13 +261,16 @@ class Intake:
                         return False
                 elif held >= backlog.limit_records or held_bytes + size > backlog.limit_bytes:
                     return False  # the shard's own backlog limit (StreamIntake.has_room, inline)
-                # (each line may be passed by one record, as an empty shard takes one)
-                if held >= self.reserve_records or held_bytes >= self.reserve_bytes:
-                    return False  # no shard takes the reserve: a quiet one may need it
                 if outstanding >= self.reserve_records or nbytes > self.reserve_bytes:
-                    # the caps run short: no shard past its fair share of them
-                    shards = self.active_backlogs
-                    if held * shards >= self.max_records or held_bytes * shards >= self.max_bytes:
+                    # The caps run short: the reserve is for quiet shards, those that hold
+                    # less than an equal part of it with one more shard to come. Each may take
+                    # at most that part, so some of it is always left for a shard that holds
+                    # nothing yet, however many shards are hot.
+                    shards = self.active_backlogs + 1
+                    if (
+                        held * shards >= self.reserved_records
+                        or held_bytes * shards >= self.reserved_bytes
+                    ):
                         return False
         spool = self.spool
         return (
@@ -311,9 +318,9 @@ class Intake:
         if outstanding >= self.max_records or self.outstanding_bytes + size > self.max_bytes:
             return caps
         return (
-            f"{caps}; {where} holds {held} records / {backlog.outstanding_bytes} bytes: a shard "
-            f"may hold at most {1 - RESERVE:.0%} of a cap, and once the producer holds that "
-            f"much, its fair share among the {self.active_backlogs} shards holding records"
+            f"{caps}; {where} holds {held} records / {backlog.outstanding_bytes} bytes, and "
+            f"the last {RESERVE:.0%} of each cap is kept for shards that hold less than an "
+            f"equal part of it ({self.active_backlogs} shards hold records)"
         )
 
     def enqueue(self, stream: StreamIntake, record: PendingRecord) -> None:

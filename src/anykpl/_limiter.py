@@ -409,20 +409,21 @@ class Limiter:
     def shard_deliverable(self, shard: str) -> tuple[float, float]:
         """(Kinesis records/s, bytes/s) ``shard`` can deliver now: its current rate (its
         ceiling if it has not been used yet) less the share of its records throttled as
-        noise, and no more than the shared (fleet) bucket's rate."""
+        noise. The shared (fleet) bucket bounds the shards together: :meth:`shared_rates`."""
         limiter = self._shards.get(shard)
         if limiter is None:
-            records, nbytes = self.records_ceiling, self.bytes_ceiling
-        else:
-            bucket, controller = limiter.bucket, limiter.controller
-            accepted = 1.0 if controller is None else 1.0 - controller.noise
-            records = bucket.records_per_second * accepted
-            nbytes = bucket.bytes_per_second * accepted
+            return self.records_ceiling, self.bytes_ceiling
+        bucket, controller = limiter.bucket, limiter.controller
+        accepted = 1.0 if controller is None else 1.0 - controller.noise
+        return bucket.records_per_second * accepted, bucket.bytes_per_second * accepted
+
+    def shared_rates(self) -> tuple[float, float] | None:
+        """(records/s, bytes/s) of the shared (fleet) bucket, which every shard of every
+        stream also takes from; ``None`` without one."""
         shared = self.shared
-        if shared is not None:
-            records = min(records, shared.records_per_second)
-            nbytes = min(nbytes, shared.bytes_per_second)
-        return records, nbytes
+        if shared is None:
+            return None
+        return shared.records_per_second, shared.bytes_per_second
 
     def aggregation_ratio(self, shard: str, samples: int) -> float | None:
         """User records per Kinesis record that ``shard`` released, once it released

@@ -404,27 +404,41 @@ class Pipeline:
                 records = records_rate * horizon
             return records, bytes_rate * horizon
 
-        shards = self.shard_map.open_shards if self.shard_map.ready else ()
+        # the open shards (the last map's while a refresh runs; none before the first)
+        shards = self.shard_map.open_shards
         open_shards = set(shards)
         for shard, backlog in list(intake.backlogs.items()):
             if shard not in open_shards and not backlog.outstanding_records:
                 del intake.backlogs[shard]  # closed by a reshard, and drained
-                continue
-            records, nbytes = limits(shard, *limiter.shard_deliverable(shard))
+        rates = {
+            shard: limiter.shard_deliverable(shard) for shard in (*open_shards, *intake.backlogs)
+        }
+        if rates:
+            records_rate = sum(r for r, _ in rates.values())
+            bytes_rate = sum(b for _, b in rates.values())
+        else:  # no map yet: the records may all go to one shard
+            records_rate, bytes_rate = limiter.records_ceiling, limiter.bytes_ceiling
+        # With a fleet cap, the shards together deliver no more than this producer's grant:
+        # each shard's part of it is in proportion to its own rate (the grant is shared by the
+        # producer's streams too; each stream is bounded by the whole of it).
+        records_scale = bytes_scale = 1.0
+        shared = limiter.shared_rates()
+        if shared is not None:
+            if records_rate > shared[0]:
+                records_scale = shared[0] / records_rate
+            if bytes_rate > shared[1]:
+                bytes_scale = shared[1] / bytes_rate
+        for shard, backlog in intake.backlogs.items():
+            shard_records, shard_bytes = rates[shard]
+            records, nbytes = limits(
+                shard, shard_records * records_scale, shard_bytes * bytes_scale
+            )
             grew = grew or records > backlog.limit_records or nbytes > backlog.limit_bytes
             backlog.limit_records, backlog.limit_bytes = records, nbytes
         intake.new_shard_records, intake.new_shard_bytes = limits(
-            "", limiter.records_ceiling, limiter.bytes_ceiling
+            "", limiter.records_ceiling * records_scale, limiter.bytes_ceiling * bytes_scale
         )
-        if shards:
-            records_rate = bytes_rate = 0.0
-            for shard in shards:
-                shard_records, shard_bytes = limiter.shard_deliverable(shard)
-                records_rate += shard_records
-                bytes_rate += shard_bytes
-        else:
-            records_rate, bytes_rate = limiter.records_ceiling, limiter.bytes_ceiling
-        records, nbytes = limits("", records_rate, bytes_rate)
+        records, nbytes = limits("", records_rate * records_scale, bytes_rate * bytes_scale)
         grew = grew or records > intake.backlog_records or nbytes > intake.backlog_bytes
         intake.backlog_records, intake.backlog_bytes = records, nbytes
         if grew and self.on_room is not None:
@@ -501,6 +515,10 @@ class Pipeline:
 
     def _shard_map_ready(self) -> None:
         self.aggregator.map_unavailable = False
+        # records waiting under the stream's limit may fit their shards' now
+        self._next_backlog_update = -math.inf
+        if self.on_room is not None:
+            self.on_room()
         # records that waited for the map can be aggregated now
         if self.aggregator.waiting_for_shard_map:
             self.aggregator_send.send_nowait(WAKE)

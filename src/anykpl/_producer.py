@@ -551,6 +551,11 @@ class Producer(anyio.AsyncContextManagerMixin):
                     await anyio.lowlevel.checkpoint()
                     if self._state != "open":
                         raise self._not_open()
+                    # checked (and its shard predicted) again: the shard map may have become
+                    # ready, or the room gone, meanwhile
+                    if not intake.has_room(record, pipeline.intake):
+                        waited = 0.0 if reservation is None else reservation.wait
+                        await self._admission.wait(record, pipeline.intake, waited=waited)
             self._enqueue(stream, pipeline, record)  # with a spool, SpoolError can refuse it
         except BaseException:
             if reservation is not None:  # not enqueued after all: the tenant's tokens go back

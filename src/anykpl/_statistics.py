@@ -92,7 +92,7 @@ class ShardStatistics:
             seconds of what it delivers (``inf`` while unknown or turned off). Records for
             this shard wait at the call beyond it; other shards' records do not.
         admission_waits: records for this shard that had to wait for room at the call
-            (its backlog limit, or its fair share of the producer's caps).
+            (its backlog limit, or the producer's caps and their reserve for quiet shards).
     """
 
     rate: tuple[float, float]
