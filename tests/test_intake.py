@@ -168,8 +168,8 @@ def test_a_hot_shard_cannot_take_the_whole_producer_cap() -> None:
     # alone, the hot shard takes all but the reserve...
     assert _fill(intake, stream, _key_on(0)) == int(100 * (1 - RESERVE))
     # ...which quiet shards grow into, each while it holds less than an equal part of it (with
-    # one shard more to come: 10 / 3)
-    assert _fill(intake, stream, _key_on(1)) == 4
+    # one shard more to come: 20 / 3)
+    assert _fill(intake, stream, _key_on(1)) == 7
     assert _offer(intake, stream, _key_on(2)) is not None  # and some is left for a newcomer
 
 
@@ -189,10 +189,10 @@ def test_the_reserve_holds_for_bytes_too() -> None:
     intake = _intake(max_bytes=100_000)
     stream = _stream(intake)
     assert _offer(intake, stream, _key_on(1)) is not None
-    # 90,000 bytes with the quiet shard's 1,000: the reserve begins
-    assert _fill(intake, stream, _key_on(0)) == 89
-    # the quiet shard grows into the reserve while it holds less than 10,000 / 3 bytes
-    assert 1 + _fill(intake, stream, _key_on(1)) == 4
+    # 80,000 bytes with the quiet shard's 1,000: the reserve begins
+    assert _fill(intake, stream, _key_on(0)) == 79
+    # the quiet shard grows into the reserve while it holds less than 20,000 / 3 bytes
+    assert 1 + _fill(intake, stream, _key_on(1)) == 7
     assert _offer(intake, stream, _key_on(2)) is not None
 
 

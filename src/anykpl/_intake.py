@@ -60,7 +60,7 @@ CHECKPOINT_EVERY: Final = 128
 #: The share of each producer cap kept for quiet shards: once the producer holds the rest of a
 #: cap, only shards holding less than an equal part of the reserve (with one more shard to
 #: come) are admitted, so a shard that holds nothing yet always finds room.
-RESERVE: Final = 0.1
+RESERVE: Final = 0.2
 
 
 class Intake:

@@ -309,7 +309,7 @@ class ProducerConfig:
         min_connections: Accepted for compatibility and unused, as in the KPL, which sends it to
             its native code but never reads it. Default 1, 1..16. KPL: ``MinConnections``.
         max_outstanding_records: Most user records admitted and not yet finished; ``submit``
-            and ``put_record`` wait for room beyond it (backpressure). Its last 10 % is kept
+            and ``put_record`` wait for room beyond it (backpressure). Its last 20 % is kept
             for quiet shards, so that a hot partition key cannot take all of it
             (docs/admission.md). Default 100000, at least 1. No KPL property (the KPL's
             buffer is unbounded).

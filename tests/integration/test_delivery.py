@@ -191,7 +191,7 @@ def _keys_by_shard(url: str, stream: str) -> list[str]:
         # the hot shard's own backlog limit binds (2 s of it, so that it fills within the run)
         {"max_outstanding_time": 2.0},
         # the producer's cap binds: the hot shard stops at its fair share of it
-        {"max_outstanding_records": 2000},
+        {"max_outstanding_records": 6000},
     ],
     ids=["shard-backlog", "producer-cap"],
 )
