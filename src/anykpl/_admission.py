@@ -46,7 +46,6 @@ class Admission:
         self._not_open = not_open
         self._closed = False
         self._room: anyio.Event | None = None
-        self.waiting = 0  # submits waiting for room now
 
     def close(self) -> None:
         """The producer is closing: every wait ends with ``ProducerClosedError``, and so does
@@ -87,7 +86,6 @@ class Admission:
             backlog.waits += 1
         timeout = None if recovered else self.timeout
         limit = math.inf if timeout is None else max(0.0, timeout - waited)
-        self.waiting += 1
         try:
             with anyio.fail_after(limit):
                 while not intake.has_room(record, stream, recovered):
@@ -102,7 +100,5 @@ class Admission:
                 f"no room for the record within admission_timeout={timeout} s "
                 f"({intake.no_room_reason(record, stream)})"
             ) from None
-        finally:
-            self.waiting -= 1
         if self._closed:
             raise self._not_open()
