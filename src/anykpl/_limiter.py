@@ -406,19 +406,16 @@ class Limiter:
         records into one in user records)."""
         return sum(lim.counters.user_records_sent for lim in self._shards.values())
 
-    def shard_deliverable(self, shard: str, now: float) -> tuple[float, float]:
-        """(Kinesis records/s, bytes/s) ``shard`` can deliver now: the rate adaptive control
-        allows it (its ceiling if it has not been used yet, or without adaptive control) less
-        the share of its records throttled as noise. Not the deadline floor's raise: that
-        spends politeness so that queued records do not expire, and admitting more on its
-        strength would feed it. The shared (fleet) bucket bounds the shards together:
-        :meth:`shared_rates`."""
+    def shard_deliverable(self, shard: str) -> tuple[float, float]:
+        """(Kinesis records/s, bytes/s) ``shard`` can deliver now: its current rate (its
+        ceiling if it has not been used yet) less the share of its records throttled as
+        noise. The shared (fleet) bucket bounds the shards together: :meth:`shared_rates`."""
         limiter = self._shards.get(shard)
-        controller = None if limiter is None else limiter.controller
-        if controller is None:
+        if limiter is None:
             return self.records_ceiling, self.bytes_ceiling
-        allowed = controller.fraction(now) * (1.0 - controller.noise)
-        return self.records_ceiling * allowed, self.bytes_ceiling * allowed
+        bucket, controller = limiter.bucket, limiter.controller
+        accepted = 1.0 if controller is None else 1.0 - controller.noise
+        return bucket.records_per_second * accepted, bucket.bytes_per_second * accepted
 
     def shared_rates(self) -> tuple[float, float] | None:
         """(records/s, bytes/s) of the shared (fleet) bucket, which every shard of every

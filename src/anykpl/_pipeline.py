@@ -411,8 +411,7 @@ class Pipeline:
             if shard not in open_shards and not backlog.outstanding_records:
                 del intake.backlogs[shard]  # closed by a reshard, and drained
         rates = {
-            shard: limiter.shard_deliverable(shard, now)
-            for shard in (*open_shards, *intake.backlogs)
+            shard: limiter.shard_deliverable(shard) for shard in (*open_shards, *intake.backlogs)
         }
         if rates:
             records_rate = sum(r for r, _ in rates.values())
