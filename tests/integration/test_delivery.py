@@ -113,8 +113,10 @@ async def test_after_a_storm_the_rate_is_back_within_three_seconds() -> None:
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(watch)
-                # 7 MB: 3 s at 30 % of 1 MiB/s, then about 6 s at the full rate
-                await _submit(producer, stream, range(5000, 12000), 1000, sent, handles)
+                # 10 MB: 3 s at 30 % of 1 MiB/s, then about 9 s at the full rate (records
+                # stay queued well past the 3 s the rate has to come back in, so that the
+                # samples see it: with 7 MB, trio runs in CI sometimes drained first)
+                await _submit(producer, stream, range(5000, 15000), 1000, sent, handles)
                 await producer.flush()
                 tg.cancel_scope.cancel()
             for handle in handles:
