@@ -46,6 +46,7 @@ async def run_once(
     adaptive: bool = True,
     batch: int = 0,
     spool: str = "none",
+    adaptive_batching: bool = True,
 ) -> dict[str, Any]:
     spool_options: dict[str, Any] = {}
     scratch = None
@@ -58,6 +59,7 @@ async def run_once(
         rate_limit=1e9,  # limits off
         adaptive=adaptive,
         retry_budget=0.2 if adaptive else None,
+        adaptive_batching=adaptive_batching,
         **spool_options,
         **CREDENTIALS,
     )
@@ -110,6 +112,9 @@ async def run_once(
             await producer.flush()
             failed += sum(1 for p in window if not p.result().success)
             wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+        kinesis_records = sum(
+            shard.records_sent for shard in producer.statistics().streams[stream].shards.values()
+        )
     if scratch is not None:
         scratch.cleanup()
     return {
@@ -118,6 +123,8 @@ async def run_once(
         "seconds": round(wall, 3),
         "records_per_second": round(records / wall),
         "cpu_seconds_per_100k": round(cpu / records * 100_000, 3),
+        # the warm-up's record included
+        "kinesis_records_per_user_record": round(kinesis_records / (records + 1), 4),
     }
 
 
@@ -157,6 +164,12 @@ def main() -> None:
         help="comma-separated spool settings to run, interleaved: none (no spool_dir), or a "
         "spool_fsync value (off, interval, commit)",
     )
+    parser.add_argument(
+        "--kpl-batching",
+        dest="adaptive_batching",
+        action="store_false",
+        help="adaptive_batching=False: every record waits for a full batch or its deadline",
+    )
     parser.add_argument("--endpoint", default="emulator", type=check_endpoint, help=ENDPOINT_HELP)
     parser.add_argument("--profile", action="store_true", help="profile with pyinstrument")
     parser.add_argument("--json", help="write results to this file")
@@ -189,6 +202,7 @@ def main() -> None:
                 args.adaptive,
                 args.batch,
                 spool,
+                args.adaptive_batching,
                 backend=backend,
             )
             if args.profile:

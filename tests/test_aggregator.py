@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -454,3 +455,41 @@ def test_a_serialized_aggregate_or_a_raw_record_is_not_split() -> None:
     assert kr.split(100_000) == [kr]
     assert kr.data  # serialized for a request: its builder is gone
     assert kr.split(1000) == [kr]
+
+
+def _arrived(key: str, hash_key: int, arrival: float, size: int = 1000) -> PendingRecord:
+    return PendingRecord(
+        "stream", key, b"x" * size, hash_key, str(hash_key), arrival, arrival + 0.1, 30.0
+    )
+
+
+def test_seal_all_leaves_busy_shards_and_aggregates_about_to_fill_gathering() -> None:
+    """Adaptive batching's early seal: a busy shard's aggregate (its records wait for tokens)
+    keeps gathering; with a horizon, so does one that fills within it at the pace it has been
+    filling, and its deadline comes at the horizon's end at the latest; the rest go."""
+    shards = {1: "busy", 2: "fast", 3: "slow"}
+    agg = make_aggregator(predict=lambda h: shards[h], max_size=10_000)
+    out: list[KinesisRecord] = []
+    for i in range(3):
+        agg.put(_arrived(f"b{i}", 1, 1.0), out)
+    # "fast": 5 KB in 10 ms, so the other 5 KB would come in the next 10 ms
+    for i in range(5):
+        agg.put(_arrived(f"f{i}", 2, 0.99 + i * 0.0025), out)
+    # "slow": 2 KB in 0.5 s: 4 s more to fill
+    agg.put(_arrived("s0", 3, 0.5), out)
+    agg.put(_arrived("s1", 3, 0.9), out)
+    assert not out
+    assert agg.seal_all(out, {"busy"}, now=1.0, horizon=0.05)
+    assert [kr.predicted_shard for kr in out] == ["slow"]
+    assert agg.queue_depths() == {"busy": 3, "fast": 5}
+    assert agg.next_deadline == pytest.approx(1.05)  # "fast" goes by the horizon's end
+    out.clear()
+    agg.flush_due(1.05, out)
+    assert [kr.predicted_shard for kr in out] == ["fast"]
+    # without a horizon, only the busy shard's aggregate stays
+    out.clear()
+    agg.put(_arrived("f9", 2, 1.06), out)
+    assert agg.seal_all(out, {"busy"})
+    assert [kr.predicted_shard for kr in out] == ["fast"]
+    assert not agg.seal_all(out)
+    assert agg.open_aggregates == 0

@@ -209,7 +209,13 @@ def test_values_at_the_bounds_are_accepted(name: str, value: object) -> None:
 
 # --- Types --------------------------------------------------------------------------------
 
-BOOL_FIELDS = ["verify_certificate", "aggregation_enabled", "fail_if_throttled", "adaptive"]
+BOOL_FIELDS = [
+    "verify_certificate",
+    "aggregation_enabled",
+    "fail_if_throttled",
+    "adaptive",
+    "adaptive_batching",
+]
 INT_FIELDS = [
     "max_connections",
     "aggregation_max_count",

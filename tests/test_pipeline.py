@@ -128,7 +128,13 @@ async def test_flush_sends_what_the_stages_hold_before_their_deadlines() -> None
 async def test_records_are_held_until_their_deadline_or_a_flush() -> None:
     fake = FakeKinesis()
     finished = Finished(2)
-    pipeline = pipeline_for(fake, finished, record_max_buffered_time=60.0, record_ttl=600.0)
+    pipeline = pipeline_for(
+        fake,
+        finished,
+        record_max_buffered_time=60.0,
+        record_ttl=600.0,
+        adaptive_batching=False,  # the KPL's batching
+    )
     async with anyio.create_task_group() as tg:
         pipeline.start(tg, guard)
         started = anyio.current_time()
@@ -146,6 +152,76 @@ async def test_records_are_held_until_their_deadline_or_a_flush() -> None:
             await finished.all_done.wait()
         pipeline.stop()
     assert sorted(r.data for r in fake.user_records()) == [b"flushed", b"held"]
+
+
+async def _map_ready(pipeline: Pipeline) -> None:
+    while not pipeline.shard_map.ready:  # noqa: ASYNC110 (the shard map's task)
+        await anyio.sleep(0.001)
+
+
+@pytest.mark.autojump
+async def test_with_nothing_in_flight_records_go_at_once_and_gather_while_one_is() -> None:
+    """Adaptive batching (Nagle's rule): a record that finds nothing in flight goes at once,
+    whatever its deadline; records that come while that request is in flight gather, one
+    aggregate per shard, and go together the moment it returns."""
+    fake = FakeKinesis()
+    fake.delay = 1.0  # a second's round trip (virtual time)
+    finished = Finished(41)
+    pipeline = pipeline_for(fake, finished, record_max_buffered_time=60.0, record_ttl=600.0)
+    async with anyio.create_task_group() as tg:
+        pipeline.start(tg, guard)
+        await _map_ready(pipeline)
+        started = anyio.current_time()
+        record(pipeline, "first", b"alone")
+        await anyio.sleep(0.01)
+        assert [[entry["Data"] for entry in request] for request in fake.requests] == [[b"alone"]]
+        for i in range(40):  # while it is in flight
+            record(pipeline, f"k{i}", b"%d" % i)
+            await anyio.sleep(0.01)
+        assert len(fake.requests) == 1
+        with anyio.fail_after(5):
+            await finished.all_done.wait()
+        # the second request left when the first returned (1 s), not at a deadline (60 s)
+        assert anyio.current_time() - started < 2.5
+        assert len(fake.requests) == 2
+        second = fake.requests[1]
+        assert len(second) <= 4  # aggregated: one Kinesis record per shard
+        pipeline.stop()
+    assert sorted(r.data for r in fake.user_records()) == sorted(
+        [b"alone", *(b"%d" % i for i in range(40))]
+    )
+
+
+@pytest.mark.autojump
+async def test_records_behind_a_record_waiting_for_tokens_keep_gathering() -> None:
+    """A stream whose Limiter holds records for tokens is not idle: records that come
+    meanwhile gather in their aggregate (sending them early would only spend the shard's
+    record tokens), and go once a request returns with nothing left waiting for tokens."""
+    fake = FakeKinesis(shard_count=1)
+    finished = Finished(3)
+    pipeline = pipeline_for(
+        fake, finished, record_max_buffered_time=5.0, record_ttl=600.0, rate_limit=1
+    )
+    big = b"x" * 4000
+    async with anyio.create_task_group() as tg:
+        pipeline.start(tg, guard)
+        await _map_ready(pipeline)
+        # 1 % of 1 MiB/s: about 10 KB of byte tokens a second, half a second's at start
+        record(pipeline, "a", big)
+        await anyio.sleep(0.01)
+        assert len(fake.requests) == 1
+        record(pipeline, "b", big)  # sealed at once (idle), then waits for its tokens
+        await anyio.sleep(0.01)
+        assert pipeline.limiter.queued == 1
+        record(pipeline, "c", b"gathers")  # not idle: waits in its aggregate
+        await anyio.sleep(0.1)
+        assert pipeline.limiter.queued == 1
+        assert pipeline.aggregator.open_aggregates == 1
+        assert len(fake.requests) == 1
+        with anyio.fail_after(30):
+            await finished.all_done.wait()
+        pipeline.stop()
+    assert sorted(r.data for r in fake.user_records()) == [b"gathers", big, big]
 
 
 async def test_stop_ends_every_stage_and_the_task_group_exits() -> None:

@@ -144,12 +144,26 @@ async def test_put_record_returns_its_result(fake_kinesis: FakeKinesis) -> None:
     assert result.sub_sequence_number == 0
     (attempt,) = result.attempts
     assert attempt.success
-    # a lone record waits out record_max_buffered_time before its one request (the producer's
-    # clock is the backend's, the same as anyio's), and both intervals lie inside the call
-    assert attempt.delay >= FAST["record_max_buffered_time"] - 0.001
+    # nothing else in flight: the lone record goes at once (adaptive batching), not after
+    # record_max_buffered_time (the producer's clock is the backend's, the same as anyio's),
+    # and both intervals lie inside the call
+    assert attempt.delay < FAST["record_max_buffered_time"] / 2
     assert attempt.delay + attempt.duration <= returned - called
     assert attempt.error_code is None
     assert [(r.partition_key, r.data) for r in fake_kinesis.user_records()] == [("k", b"hello")]
+
+
+async def test_without_adaptive_batching_a_lone_record_waits_its_buffered_time(
+    fake_kinesis: FakeKinesis,
+) -> None:
+    """The KPL's batching, one setting away: the record waits out record_max_buffered_time."""
+    async with Producer(transport=fake_kinesis, adaptive_batching=False, **FAST) as producer:
+        called = anyio.current_time()
+        result = await producer.put_record(STREAM, b"hello", partition_key="k")
+        returned = anyio.current_time()
+    (attempt,) = result.attempts
+    assert attempt.delay >= FAST["record_max_buffered_time"] - 0.001
+    assert attempt.delay + attempt.duration <= returned - called
 
 
 async def test_many_records_are_aggregated_and_all_delivered(fake_kinesis: FakeKinesis) -> None:

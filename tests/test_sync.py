@@ -335,7 +335,9 @@ def test_close_timeout_bounds_the_producers_own_closing_steps(
 def _wedge_the_loop_with_a_callback(
     producer: SyncProducer, release: threading.Event
 ) -> Future[RecordResult]:
-    """A future whose done callback blocks the event loop until ``release`` is set."""
+    """A future whose done callback blocks the event loop until ``release`` is set (the
+    producer without adaptive batching, so that the record is not done before the callback is
+    added: a callback added to a done future runs in the calling thread)."""
     wedged = threading.Event()
 
     def block(future: Future[RecordResult]) -> None:
@@ -367,7 +369,9 @@ def test_an_abandoned_close_says_what_is_lost_and_later_calls_fail_at_once(
     fake_kinesis.entry_error = lambda shard, index: (
         (errors.THROTTLED, "slow down") if shard == first_shard else None
     )
-    producer = SyncProducer(transport=fake_kinesis, backend=backend, **FAST)
+    producer = SyncProducer(
+        transport=fake_kinesis, backend=backend, adaptive_batching=False, **FAST
+    )
     release = threading.Event()
     try:
         retrying = producer.submit(STREAM, b"retrying", partition_key="k", explicit_hash_key=0)
@@ -424,7 +428,9 @@ def test_an_abandoned_close_with_nothing_outstanding_only_warns(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setattr(_sync, "_CLOSE_GRACE", 0.2)
-    producer = SyncProducer(transport=fake_kinesis, backend=backend, **FAST)
+    producer = SyncProducer(
+        transport=fake_kinesis, backend=backend, adaptive_batching=False, **FAST
+    )
     release = threading.Event()
     try:
         future = _wedge_the_loop_with_a_callback(producer, release)
@@ -487,20 +493,24 @@ def test_configuration(fake_kinesis: FakeKinesis) -> None:
         assert "SyncProducer open" in repr(producer)
 
 
-def test_calling_from_the_loop_thread_raises(
-    producer: SyncProducer, fake_kinesis: FakeKinesis
-) -> None:
+def test_calling_from_the_loop_thread_raises(backend: str, fake_kinesis: FakeKinesis) -> None:
     seen: list[BaseException] = []
+    # the KPL's batching: the record waits for its deadline, so the callback is added before
+    # the future is done and runs in the loop's thread (with adaptive batching the record may
+    # be done before add_done_callback, which then calls it in this thread)
+    with SyncProducer(
+        transport=fake_kinesis, backend=backend, adaptive_batching=False, **FAST
+    ) as producer:
 
-    def callback(future: Future[RecordResult]) -> None:
-        try:
-            producer.put_record(STREAM, b"nested", partition_key="k")
-        except BaseException as exc:
-            seen.append(exc)
+        def callback(future: Future[RecordResult]) -> None:
+            try:
+                producer.put_record(STREAM, b"nested", partition_key="k")
+            except BaseException as exc:
+                seen.append(exc)
 
-    future = producer.submit(STREAM, b"x", partition_key="k")
-    future.add_done_callback(callback)
-    producer.flush()
+        future = producer.submit(STREAM, b"x", partition_key="k")
+        future.add_done_callback(callback)
+        producer.flush()
     assert len(seen) == 1
     assert isinstance(seen[0], RuntimeError)
     assert "deadlock" in str(seen[0])

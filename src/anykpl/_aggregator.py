@@ -32,6 +32,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 
 from ._records import KinesisRecord, PendingRecord
 from ._wire import AggregateBuilder
@@ -103,6 +104,11 @@ class Aggregator:
                 return min(deadline, self._unmapped_until)
             heapq.heappop(heap)
         return self._unmapped_until
+
+    @property
+    def open_aggregates(self) -> int:
+        """Aggregates gathering records now."""
+        return len(self._open)
 
     @property
     def waiting_for_shard_map(self) -> int:
@@ -240,6 +246,46 @@ class Aggregator:
         for agg in list(self._open.values()):
             out.append(self._seal(agg))
         self._deadlines.clear()
+
+    def seal_all(
+        self,
+        out: list[KinesisRecord],
+        busy: AbstractSet[str] = frozenset(),
+        now: float = 0.0,
+        horizon: float = 0.0,
+    ) -> bool:
+        """Seal the open aggregates now (adaptive batching: nothing is in flight that they
+        could wait for), except those of the ``busy`` shards (their records wait for tokens,
+        so the aggregate keeps gathering) and, with a ``horizon``, those that fill up within
+        it at the pace they have been filling (a firehose's, which a full aggregate serves
+        better than an early one; such an aggregate's deadline comes at the horizon's end at
+        the latest). Records waiting for the shard map keep waiting. Returns whether an
+        aggregate was left gathering for either reason."""
+        left = False
+        max_size = self.max_size
+        for agg in list(self._open.values()):
+            if agg.shard in busy:
+                left = True
+                continue
+            if horizon > 0.0:
+                size = agg.builder.size
+                age = now - agg.records[0].arrival
+                # fills within the horizon: (max_size - size) / (size / age) <= horizon
+                if (max_size - size) * age <= horizon * size:
+                    # ... or goes at the horizon's end, should the pace not hold (a burst)
+                    deadline = now + horizon
+                    if deadline < agg.deadline:
+                        agg.deadline = deadline
+                        self._counter += 1
+                        heapq.heappush(self._deadlines, (deadline, self._counter, agg))
+                    left = True
+                    continue
+            out.append(self._seal(agg))
+        return left
+
+    def open_outside(self, busy: AbstractSet[str]) -> bool:
+        """Whether an aggregate is gathering records for a shard not in ``busy``."""
+        return any(agg.shard not in busy for agg in self._open.values())
 
     def deferred_flush_due(self) -> bool:
         """Whether records a flush found waiting for the shard map have gone since (the

@@ -435,6 +435,11 @@ class StreamIntake:
         # the earliest deadline the Aggregator's task was told of (it plans its own wake-ups
         # from there on)
         self.wake_at = math.inf
+        # adaptive batching: set by the pipeline while nothing is in flight or on its way to
+        # the Sender; the next record then asks for what the stages hold to go at once
+        # (``send_now``), and clears it
+        self.idle = False
+        self.send_now: Callable[[], object] = _nothing
         self._sealed: list[KinesisRecord] = []
 
     def place(self, record: PendingRecord) -> ShardBacklog:
@@ -479,6 +484,9 @@ class StreamIntake:
         if sealed:
             self._sealed = []
             self.ship(sealed)
+        if self.idle:
+            self.idle = False
+            self.send_now()
 
     def finish(self, records: Sequence[PendingRecord], success: bool) -> None:
         """Resolve records of this stream (the Retrier's, and the producer's when it fails
@@ -486,6 +494,10 @@ class StreamIntake:
         count, nbytes = self._producer_finish(records, success)
         self.outstanding_records -= count
         self.outstanding_bytes -= nbytes
+
+
+def _nothing() -> None:
+    return None
 
 
 def offset_clock(base: Callable[[], float], offset: float) -> Callable[[], float]:

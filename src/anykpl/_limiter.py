@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Set as AbstractSet
 
 from . import _limits
 from ._adaptive import RateController
@@ -200,6 +201,11 @@ class Limiter:
 
     def __repr__(self) -> str:
         return f"<Limiter {len(self._shards)} shard(s) {self.queued} queued>"
+
+    @property
+    def waiting_shards(self) -> AbstractSet[str]:
+        """The shards with Kinesis records waiting for tokens (do not modify)."""
+        return self._waiting
 
     def _shard(self, shard: str, now: float) -> _ShardLimiter:
         limiter = self._shards.get(shard)

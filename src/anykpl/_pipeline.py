@@ -11,9 +11,10 @@
 Each bracket is an anyio memory object stream; each stage is a task in the producer's task
 group. Messages are *lists* of Kinesis records (or a whole PutRecords request), never one per
 user record: the intake calls :meth:`Aggregator.put` synchronously and ships whatever it seals.
-The aggregator's input carries retries plus two control messages, ``WAKE`` (a record with an
-earlier deadline arrived) and ``FLUSH`` (a manual flush, which travels down the pipeline and
-flushes the collector once the aggregates ahead of it have passed).
+The aggregator's input carries retries plus three control messages, ``WAKE`` (a record with an
+earlier deadline arrived), ``FLUSH`` (a manual flush, which travels down the pipeline and
+flushes the collector once the aggregates ahead of it have passed) and ``SEND_NOW`` (adaptive
+batching: no request is in flight, so what the stages hold goes at once; docs/batching.md).
 
 The streams are unbounded in type but bounded in practice: every message holds admitted
 records, and admission is capped by ``max_outstanding_records``/``max_outstanding_bytes``.
@@ -56,6 +57,10 @@ ProducerFinish = Callable[[Sequence[PendingRecord], bool], tuple[int, int]]
 #: many Kinesis records must have been released before their aggregation ratio is trusted.
 BACKLOG_INTERVAL = 0.25
 RATIO_SAMPLES = 100
+#: Adaptive batching: when the last request in flight returns, an aggregate that would fill up
+#: within this share of ``record_max_buffered_time`` (or the request's round trip, if longer)
+#: at the pace it has been filling keeps gathering; the others go at once.
+FILL_HORIZON = 0.25
 
 
 class Control(Enum):
@@ -67,9 +72,12 @@ class Control(Enum):
     FLUSH = "flush"
     #: the end of the stream: the stage returns
     END = "end"
+    #: adaptive batching: nothing is in flight, so each stage sends what it holds now (as a
+    #: flush does, but for the records already there; the Limiter's tokens still apply)
+    SEND_NOW = "send now"
 
 
-WAKE, FLUSH, END = Control.WAKE, Control.FLUSH, Control.END
+WAKE, FLUSH, END, SEND_NOW = Control.WAKE, Control.FLUSH, Control.END, Control.SEND_NOW
 
 
 #: What travels each stream: the Aggregator's input carries retries (user records); the
@@ -234,6 +242,15 @@ class Pipeline:
         )
         self._received_counted = 0
         self.in_flight = 0
+        # adaptive batching (Nagle's rule): while no request is in flight, records go at once;
+        # while one is, they gather until it returns (or a size limit, or their deadline)
+        self.adaptive_batching = config.adaptive_batching
+        self._send_now_horizon = 0.0  # for the next SEND_NOW (see _idle)
+        self._gathering = False  # the last SEND_NOW left aggregates gathering on purpose
+        self._fill_horizon = FILL_HORIZON * config.record_max_buffered_time
+        if self.adaptive_batching:
+            self.intake.send_now = self._send_now
+            self.intake.idle = True
         self._next_backlog_update = -math.inf
         self.on_room: Callable[[], None] | None = None  # the producer's wake-up for waiters
         self.update_backlog_limit(-math.inf)
@@ -254,6 +271,28 @@ class Pipeline:
 
     def _wake_aggregator(self) -> None:
         self.aggregator_send.send_nowait(WAKE)
+
+    def _send_now(self) -> None:
+        """A record came while the stream was idle: the stages send what they hold at once."""
+        self.aggregator_send.send_nowait(SEND_NOW)
+
+    def _idle(self, horizon: float = 0.0) -> None:
+        """No request is in flight any more (adaptive batching): what waits in the
+        Aggregator or the Collector goes now; with nothing there, the next record that comes
+        asks for it. A shard whose records wait for the Limiter's tokens is not idle: its
+        aggregate keeps gathering until its deadline (or the Limiter's queue empties), as it
+        would without adaptive batching, since sending it early would only spend the shard's
+        record tokens. An aggregate that fills within ``horizon`` (the round trip of the
+        request that just returned) at its pace keeps gathering too. Records waiting for the
+        shard map go when it is ready."""
+        aggregator = self.aggregator
+        if aggregator.waiting_for_shard_map:
+            return
+        if len(self.collector) or aggregator.open_outside(self.limiter.waiting_shards):
+            self._send_now_horizon = horizon
+            self.aggregator_send.send_nowait(SEND_NOW)
+        else:
+            self.intake.idle = True
 
     def flush(self) -> None:
         self.aggregator_send.send_nowait(FLUSH)
@@ -522,6 +561,8 @@ class Pipeline:
         # records that waited for the map can be aggregated now
         if self.aggregator.waiting_for_shard_map:
             self.aggregator_send.send_nowait(WAKE)
+            if self.adaptive_batching and not self.in_flight:
+                self.aggregator_send.send_nowait(SEND_NOW)  # after the WAKE has placed them
 
     async def _run_aggregator(self) -> None:
         aggregator = self.aggregator
@@ -533,12 +574,21 @@ class Pipeline:
                 if message is END:
                     return
                 out: list[KinesisRecord] = []
+                send_now = message is SEND_NOW
                 if message is FLUSH:
                     aggregator.flush_all(out)
                 elif isinstance(message, list):  # retries
                     for record in message:
                         aggregator.put(record, out)
+                    if self.intake.idle:
+                        self.intake.idle = False
+                        send_now = True
                 aggregator.flush_due(anyio.current_time(), out)
+                if send_now:
+                    horizon, self._send_now_horizon = self._send_now_horizon, 0.0
+                    self._gathering = aggregator.seal_all(
+                        out, self.limiter.waiting_shards, anyio.current_time(), horizon
+                    )
                 flush = message is FLUSH
                 if aggregator.deferred_flush_due():
                     # records a flush found waiting for the shard map went now: flush them too
@@ -548,6 +598,8 @@ class Pipeline:
                     self.limiter_send.send_nowait(out)
                 if flush:
                     self.limiter_send.send_nowait(FLUSH)
+                if send_now:
+                    self.limiter_send.send_nowait(SEND_NOW)
 
     async def _run_limiter(self) -> None:
         limiter = self.limiter
@@ -572,6 +624,8 @@ class Pipeline:
                 if FLUSH in messages:
                     # after the records that came before it (and a few after: harmless)
                     self.collector_send.send_nowait(FLUSH)
+                if SEND_NOW in messages:
+                    self.collector_send.send_nowait(SEND_NOW)
                 if messages and messages[-1] is END:
                     return
 
@@ -584,12 +638,22 @@ class Pipeline:
                     return
                 now = anyio.current_time()
                 out: list[list[KinesisRecord]] = []
+                send_now = False
                 for message in messages:
                     if message is FLUSH:
                         collector.flush(out)
+                    elif message is SEND_NOW:
+                        send_now = True
                     elif isinstance(message, list):
                         collector.put(message, now, out)
                 collector.flush_due(now, out)
+                if self.adaptive_batching and not self.in_flight and not out:
+                    # nothing in flight could carry these records: they go now
+                    collector.flush(out)
+                    if send_now and not out and not self._gathering:
+                        # nothing to send after all: idle, unless more came meanwhile (what
+                        # was left gathering on purpose goes when it fills, or at its deadline)
+                        self._idle()
                 for request in out:
                     self.in_flight += 1
                     self.sender_send.send_nowait(request)
@@ -617,6 +681,10 @@ class Pipeline:
                 if outcome is not None and not isinstance(outcome, Control):
                     self.in_flight -= 1
                     retrier.handle(outcome, now)
+                    if not self.in_flight and self.adaptive_batching:
+                        # an aggregate that fills within a round trip, or a quarter of the
+                        # buffered time, is better full: a firehose's keeps gathering
+                        self._idle(max(outcome.end - outcome.start, self._fill_horizon))
                 due = retrier.take_due(now)
                 if due:
                     self.aggregator_send.send_nowait(due)

@@ -121,6 +121,7 @@ class StreamSettings:
         fail_if_throttled: see :class:`ProducerConfig`.
         max_outstanding_time: see :class:`ProducerConfig`.
         adaptive: see :class:`ProducerConfig`.
+        adaptive_batching: see :class:`ProducerConfig`.
     """
 
     record_max_buffered_time: float | None = None
@@ -134,6 +135,7 @@ class StreamSettings:
     fail_if_throttled: bool | None = None
     max_outstanding_time: float | None = None
     adaptive: bool | None = None
+    adaptive_batching: bool | None = None
 
     def overrides(self) -> dict[str, Any]:
         """The settings given (not ``None``), by field name."""
@@ -326,6 +328,14 @@ class ProducerConfig:
             later: a backlog a shard cannot send before ``record_ttl`` is never admitted.
             Default ``None``: half of ``record_ttl``. Greater than 0; ``math.inf`` turns it
             off. No KPL property.
+        adaptive_batching: Send a stream's records at once while none of its PutRecords
+            requests is in flight, and otherwise when the last one returns, a size limit
+            fills, or ``record_max_buffered_time`` passes, whichever comes first (Nagle's
+            rule). A service that awaits each ``put_record`` then waits about one round trip
+            instead of the whole buffering time, and under load batches still fill, because
+            requests are in flight. Records waiting for a shard's tokens keep gathering until
+            their deadline. Default ``True``; ``False`` is the KPL's batching (every record
+            waits for its deadline unless a batch fills). No KPL property.
         admission_timeout: Seconds ``submit`` and ``put_record`` wait for room under the
             outstanding limits, and for their tenant's quota (``tenant_quotas``), before
             raising :class:`~anykpl.errors.BackpressureTimeout`; a put whose quota wait alone
@@ -438,6 +448,7 @@ class ProducerConfig:
     max_outstanding_records: int = 100_000
     max_outstanding_bytes: int = 128 * 1024 * 1024
     max_outstanding_time: float | None = None
+    adaptive_batching: bool = True
     admission_timeout: float | None = None
     close_timeout: float = 30.0
     stream_idle_timeout: float | None = 300.0
@@ -488,6 +499,7 @@ class ProducerConfig:
         _check_int(self, "collection_max_count", 1, PUT_RECORDS_MAX_RECORDS)
         _check_int(self, "collection_max_size", 52224, PUT_RECORDS_MAX_BYTES)
         _check_bool(self, "fail_if_throttled")
+        _check_bool(self, "adaptive_batching")
         _check_number(self, "rate_limit", 1.0, _INT64_MAX, unit="percent")
         _check_number(self, "record_max_buffered_time", 0.0, _MAX_MILLISECONDS_IN_SECONDS)
         ttl = _check_number(self, "record_ttl", 0.1, None, allow_inf=True)

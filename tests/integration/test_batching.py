@@ -1,0 +1,84 @@
+"""Adaptive batching through the public API, against the emulator (its own process, the
+service's shard limits), on both backends: a service's awaited ``put_record`` costs about a
+round trip, not ``record_max_buffered_time``; the KPL's batching is one setting away. Every
+success is read back and deaggregated with AWS's deaggregator (``_read_back_everything``)."""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import pytest
+
+from anykpl import Producer
+from anykpl.emulator import spawn
+
+from .conftest import CREDENTIALS, REGION
+from .test_delivery import _read_back_everything
+from .test_end_to_end import Sent, assert_success, make_sent
+
+pytestmark = pytest.mark.anyio
+
+#: long enough that a record which waited for its deadline cannot pass for one that did not
+BUFFERED = 1.0
+
+
+async def _serve(producer: Producer, stream: str, handlers: int, puts: int) -> tuple[
+    dict[int, Sent], list[float]
+]:
+    """``handlers`` tasks, each awaiting ``puts`` put_record calls in turn: what was sent, and
+    how long each call took."""
+    sent: dict[int, Sent] = {}
+    took: list[float] = []
+
+    async def handler(index: int) -> None:
+        for n in range(puts):
+            uid = index * puts + n
+            record = sent[uid] = make_sent(uid, f"h{uid}", size=500)
+            started = anyio.current_time()
+            assert_success(await producer.put_record(stream, record.data, record.partition_key))
+            took.append(anyio.current_time() - started)
+
+    async with anyio.create_task_group() as tg:
+        for index in range(handlers):
+            tg.start_soon(handler, index)
+    return sent, took
+
+
+@pytest.mark.timeout(60)
+async def test_awaited_puts_take_a_round_trip_not_the_buffered_time() -> None:
+    """20 handlers awaiting put_record, 10 each, with record_max_buffered_time 1 s: every call
+    (the first ones too, which wait for the shard map) returns long before the deadline, since
+    the stream was idle or the request in flight returned; the records share aggregates, and
+    all are in the stream."""
+    stream = f"batching-{random.randrange(1 << 32):08x}"
+    with spawn(streams={stream: 2}) as url:
+        async with Producer(
+            region=REGION, endpoint_url=url, record_max_buffered_time=BUFFERED, **CREDENTIALS
+        ) as producer:
+            sent, took = await _serve(producer, stream, handlers=20, puts=10)
+            kinesis_records = sum(
+                shard.records_sent
+                for shard in producer.statistics().streams[stream].shards.values()
+            )
+        assert max(took) < BUFFERED / 4, sorted(took)[-5:]
+        assert kinesis_records < len(sent)  # aggregated, not one Kinesis record each
+        await _read_back_everything(url, stream, sent)
+
+
+@pytest.mark.timeout(60)
+async def test_without_adaptive_batching_each_put_waits_for_its_deadline() -> None:
+    """adaptive_batching=False is the KPL's batching: a lone awaited record waits out
+    record_max_buffered_time before it is sent."""
+    stream = f"batching-{random.randrange(1 << 32):08x}"
+    with spawn(streams={stream: 1}) as url:
+        async with Producer(
+            region=REGION,
+            endpoint_url=url,
+            record_max_buffered_time=BUFFERED,
+            adaptive_batching=False,
+            **CREDENTIALS,
+        ) as producer:
+            sent, took = await _serve(producer, stream, handlers=2, puts=1)
+        assert min(took) >= BUFFERED * 0.9
+        await _read_back_everything(url, stream, sent)
