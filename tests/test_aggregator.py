@@ -465,8 +465,9 @@ def _arrived(key: str, hash_key: int, arrival: float, size: int = 1000) -> Pendi
 
 def test_seal_all_leaves_busy_shards_and_aggregates_about_to_fill_gathering() -> None:
     """Adaptive batching's early seal: a busy shard's aggregate (its records wait for tokens)
-    keeps gathering; with a horizon, so does one that fills within it at the pace it has been
-    filling, and its deadline comes at the horizon's end at the latest; the rest go."""
+    keeps gathering; with a horizon, so does one of two or more records that fills within it
+    at the pace it has been filling, and its deadline comes at the horizon's end at the latest
+    (``seal_all`` says so); the rest go."""
     shards = {1: "busy", 2: "fast", 3: "slow"}
     agg = make_aggregator(predict=lambda h: shards[h], max_size=10_000)
     out: list[KinesisRecord] = []
@@ -489,7 +490,12 @@ def test_seal_all_leaves_busy_shards_and_aggregates_about_to_fill_gathering() ->
     # without a horizon, only the busy shard's aggregate stays
     out.clear()
     agg.put(_arrived("f9", 2, 1.06), out)
-    assert agg.seal_all(out, {"busy"})
+    assert not agg.seal_all(out, {"busy"})  # nothing left filling (the busy one goes later)
     assert [kr.predicted_shard for kr in out] == ["fast"]
+    assert agg.open_aggregates == 1
+    # a lone record tells no pace: it goes, horizon or not
+    agg.put(_arrived("s9", 3, 1.1), out)
+    assert not agg.seal_all(out, {"busy"}, now=1.1, horizon=10.0)
+    assert out[-1].predicted_shard == "slow"
     assert not agg.seal_all(out)
     assert agg.open_aggregates == 0

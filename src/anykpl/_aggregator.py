@@ -257,17 +257,17 @@ class Aggregator:
         """Seal the open aggregates now (adaptive batching: nothing is in flight that they
         could wait for), except those of the ``busy`` shards (their records wait for tokens,
         so the aggregate keeps gathering) and, with a ``horizon``, those that fill up within
-        it at the pace they have been filling (a firehose's, which a full aggregate serves
-        better than an early one; such an aggregate's deadline comes at the horizon's end at
-        the latest). Records waiting for the shard map keep waiting. Returns whether an
-        aggregate was left gathering for either reason."""
-        left = False
+        it at the pace they have been filling since their first record (a firehose's, which a
+        full aggregate serves better than an early one; such an aggregate's deadline comes at
+        the horizon's end at the latest; one record alone tells no pace). Records waiting for
+        the shard map keep waiting. Returns whether an aggregate was left filling (a busy
+        shard's does not count: it goes with its shard's tokens)."""
+        filling = False
         max_size = self.max_size
         for agg in list(self._open.values()):
             if agg.shard in busy:
-                left = True
                 continue
-            if horizon > 0.0:
+            if horizon > 0.0 and len(agg.records) > 1:
                 size = agg.builder.size
                 age = now - agg.records[0].arrival
                 # fills within the horizon: (max_size - size) / (size / age) <= horizon
@@ -278,10 +278,10 @@ class Aggregator:
                         agg.deadline = deadline
                         self._counter += 1
                         heapq.heappush(self._deadlines, (deadline, self._counter, agg))
-                    left = True
+                    filling = True
                     continue
             out.append(self._seal(agg))
-        return left
+        return filling
 
     def open_outside(self, busy: AbstractSet[str]) -> bool:
         """Whether an aggregate is gathering records for a shard not in ``busy``."""

@@ -58,8 +58,8 @@ ProducerFinish = Callable[[Sequence[PendingRecord], bool], tuple[int, int]]
 BACKLOG_INTERVAL = 0.25
 RATIO_SAMPLES = 100
 #: Adaptive batching: when the last request in flight returns, an aggregate that would fill up
-#: within this share of ``record_max_buffered_time`` (or the request's round trip, if longer)
-#: at the pace it has been filling keeps gathering; the others go at once.
+#: within this share of ``record_max_buffered_time`` at the pace it has been filling keeps
+#: gathering (until then at the latest); the others go at once.
 FILL_HORIZON = 0.25
 
 
@@ -280,18 +280,19 @@ class Pipeline:
         """No request is in flight any more (adaptive batching): what waits in the
         Aggregator or the Collector goes now; with nothing there, the next record that comes
         asks for it. A shard whose records wait for the Limiter's tokens is not idle: its
-        aggregate keeps gathering until its deadline (or the Limiter's queue empties), as it
-        would without adaptive batching, since sending it early would only spend the shard's
-        record tokens. An aggregate that fills within ``horizon`` (the round trip of the
-        request that just returned) at its pace keeps gathering too. Records waiting for the
-        shard map go when it is ready."""
+        aggregate keeps gathering until its deadline (or a later SEND_NOW finds the shard's
+        tokens caught up), as it would without adaptive batching, since sending it early
+        would only spend the shard's record tokens. An aggregate that fills within
+        ``horizon`` at its pace keeps gathering too (``Aggregator.seal_all``). Records waiting
+        for the shard map go when it is ready (the Aggregator's task sends them on if the
+        stream is idle then)."""
         aggregator = self.aggregator
-        if aggregator.waiting_for_shard_map:
-            return
         if len(self.collector) or aggregator.open_outside(self.limiter.waiting_shards):
             self._send_now_horizon = horizon
             self.aggregator_send.send_nowait(SEND_NOW)
-        else:
+        elif not aggregator.waiting_for_shard_map:
+            # (while records wait for the map, the next ones wait with them: its arrival sends
+            # them, see _run_aggregator)
             self.intake.idle = True
 
     def flush(self) -> None:
@@ -575,15 +576,23 @@ class Pipeline:
                     return
                 out: list[KinesisRecord] = []
                 send_now = message is SEND_NOW
+                unmapped = aggregator.waiting_for_shard_map
                 if message is FLUSH:
                     aggregator.flush_all(out)
                 elif isinstance(message, list):  # retries
                     for record in message:
                         aggregator.put(record, out)
-                    if self.intake.idle:
-                        self.intake.idle = False
-                        send_now = True
                 aggregator.flush_due(anyio.current_time(), out)
+                placed = unmapped and not aggregator.waiting_for_shard_map
+                if (
+                    self.adaptive_batching
+                    and aggregator.open_aggregates
+                    and (self.intake.idle or (placed and not self.in_flight))
+                ):
+                    # retries on an idle stream, or the records the shard map's arrival placed
+                    # with nothing in flight: they go now
+                    self.intake.idle = False
+                    send_now = True
                 if send_now:
                     horizon, self._send_now_horizon = self._send_now_horizon, 0.0
                     self._gathering = aggregator.seal_all(
@@ -654,6 +663,8 @@ class Pipeline:
                         # nothing to send after all: idle, unless more came meanwhile (what
                         # was left gathering on purpose goes when it fills, or at its deadline)
                         self._idle()
+                if out:
+                    self.intake.idle = False  # a request is in flight now
                 for request in out:
                     self.in_flight += 1
                     self.sender_send.send_nowait(request)
@@ -682,9 +693,9 @@ class Pipeline:
                     self.in_flight -= 1
                     retrier.handle(outcome, now)
                     if not self.in_flight and self.adaptive_batching:
-                        # an aggregate that fills within a round trip, or a quarter of the
-                        # buffered time, is better full: a firehose's keeps gathering
-                        self._idle(max(outcome.end - outcome.start, self._fill_horizon))
+                        # an aggregate that fills within a quarter of the buffered time is
+                        # better full: a firehose's keeps gathering
+                        self._idle(self._fill_horizon)
                 due = retrier.take_due(now)
                 if due:
                     self.aggregator_send.send_nowait(due)

@@ -23,9 +23,9 @@ pytestmark = pytest.mark.anyio
 BUFFERED = 1.0
 
 
-async def _serve(producer: Producer, stream: str, handlers: int, puts: int) -> tuple[
-    dict[int, Sent], list[float]
-]:
+async def _serve(
+    producer: Producer, stream: str, handlers: int, puts: int
+) -> tuple[dict[int, Sent], list[float]]:
     """``handlers`` tasks, each awaiting ``puts`` put_record calls in turn: what was sent, and
     how long each call took."""
     sent: dict[int, Sent] = {}

@@ -329,7 +329,8 @@ async def test_result_sub_sequence_numbers_match_the_aggregate_read_back(
         returned = anyio.current_time()
 
     # the attempts' delays and durations (the producer's clock is anyio's) lie inside the time
-    # the test saw each record in the producer; a lone put waits out record_max_buffered_time
+    # the test saw each record in the producer; a lone put on an idle stream goes at once
+    # (adaptive batching), not after record_max_buffered_time
     for result, inside in [
         *((r, called - submitted) for r in results),
         (single, returned - called),
@@ -338,7 +339,7 @@ async def test_result_sub_sequence_numbers_match_the_aggregate_read_back(
         assert sum(a.delay + a.duration for a in result.attempts) <= inside
         assert all(a.duration > 0 for a in result.attempts)
     buffered = ProducerConfig(**producer_options).record_max_buffered_time
-    assert single.attempts[0].delay >= buffered - 0.001
+    assert single.attempts[0].delay < buffered / 2
     assert len({r.sequence_number for r in results}) == 1
     assert len({r.shard_id for r in results}) == 1
     assert [r.sub_sequence_number for r in results] == [0, 1, 2, 3, 4]

@@ -127,9 +127,14 @@ async def test_records_failed_at_close_stay_spooled_for_the_next_producer(
     sent = _sent(500)
     with Emulator(streams={stream: 2}) as url:
         options = {"region": REGION, "endpoint_url": url, "spool_dir": spool_dir, **CREDENTIALS}
-        # held in the aggregator for 60 s, and a close that does not wait: they fail at close
+        # held in the aggregator for 60 s (the KPL's batching), and a close that does not
+        # wait: they fail at close
         async with Producer(
-            record_max_buffered_time=60.0, record_ttl=120.0, close_timeout=0.0, **options
+            record_max_buffered_time=60.0,
+            record_ttl=120.0,
+            close_timeout=0.0,
+            adaptive_batching=False,
+            **options,
         ) as producer:
             handles = [
                 await producer.submit(stream, s.data, s.partition_key) for s in sent.values()
@@ -268,7 +273,8 @@ _FULL_DISK = textwrap.dedent(
         async with Producer(region="us-east-1", endpoint_url=sys.argv[1],
                             aws_access_key_id="t", aws_secret_access_key="t",
                             spool_dir=sys.argv[2], spool_max_bytes=64 << 20,
-                            record_max_buffered_time=60.0, record_ttl=120.0) as producer:
+                            record_max_buffered_time=60.0, record_ttl=120.0,
+                            adaptive_batching=False) as producer:
             try:
                 for i in range(100_000):
                     data = b"%07d|" % i + b"." * 992

@@ -150,7 +150,13 @@ def test_a_script_that_forgets_close_loses_nothing(
 
 def test_flush_of_one_stream(make_stream: Any, producer_options: dict[str, Any]) -> None:
     first, second = make_stream(1), make_stream(1)
-    options = {**producer_options, "record_max_buffered_time": 30.0, "record_ttl": 120.0}
+    # the KPL's batching: records wait for their buffered time unless flushed
+    options = {
+        **producer_options,
+        "record_max_buffered_time": 30.0,
+        "record_ttl": 120.0,
+        "adaptive_batching": False,
+    }
     with SyncProducer(**options) as producer:
         warm = [producer.submit(s, b"warm", "k") for s in (first, second)]
         producer.flush()
