@@ -561,9 +561,8 @@ class Pipeline:
             self.on_room()
         # records that waited for the map can be aggregated now
         if self.aggregator.waiting_for_shard_map:
-            self.aggregator_send.send_nowait(WAKE)
-            if self.adaptive_batching and not self.in_flight:
-                self.aggregator_send.send_nowait(SEND_NOW)  # after the WAKE has placed them
+            self.aggregator_send.send_nowait(WAKE)  # (which also sends them on if nothing is
+            # in flight then: adaptive batching, see _run_aggregator)
 
     async def _run_aggregator(self) -> None:
         aggregator = self.aggregator
