@@ -21,17 +21,20 @@ from .test_end_to_end import Sent, assert_success, check_read_back, make_sent, r
 pytestmark = pytest.mark.anyio
 
 PRODUCERS = 3
-SECONDS = 7.0
-WARM_UP = 2.0
+SECONDS = 9.0
+SETTLE = 1.5
+STATIC_WARM_UP = 4.0
 SIZE = 1000
 
 
 async def _share_one_shard(
     url: str, control: EmulatorClient, stream: str, *, adaptive: bool
 ) -> dict[str, Any]:
-    """Run the producers for SECONDS; return what each delivered and what they saw. The
-    emulator's counters are reset after WARM_UP seconds (three producers starting at a whole
-    shard each throttle a lot until the first cuts)."""
+    """Run the producers for SECONDS; return what each delivered and what they saw. Three
+    producers starting at a whole shard each throttle a lot until their rates are cut, and the
+    emulator's burst puts that off by a second or two: with adaptive control, the emulator's
+    counters are reset SETTLE seconds after every producer's first cut (static producers never
+    cut: theirs are reset after STATIC_WARM_UP seconds, about when the adaptive run's are)."""
     sent: dict[int, Sent] = {}
     delivered = [0] * PRODUCERS
     cuts = [0] * PRODUCERS
@@ -53,15 +56,22 @@ async def _share_one_shard(
                 uid = next(next_uid)
                 record = sent[uid] = make_sent(uid, f"p{index}-{rng.random()}", size=SIZE)
                 handles.append(await producer.submit(stream, record.data, record.partition_key))
-            stats = producer.statistics().streams[stream]
-            cuts[index] = sum(shard.cuts for shard in stats.shards.values())
+                if not cuts[index] and len(handles) % 100 == 0:
+                    cuts[index] = _cuts(producer, stream)
+            cuts[index] = _cuts(producer, stream)
             await producer.flush()
             for handle in handles:
                 assert_success(await handle)
             delivered[index] = len(handles)
 
     async def reset_after_warm_up() -> None:
-        await anyio.sleep(WARM_UP)
+        started = anyio.current_time()
+        if adaptive:
+            while not all(cuts) and anyio.current_time() < started + SECONDS / 2:
+                await anyio.sleep(0.05)
+            await anyio.sleep(SETTLE)
+        else:
+            await anyio.sleep(STATIC_WARM_UP)
         await anyio.to_thread.run_sync(control.reset_stats)
 
     async with anyio.create_task_group() as tg:
@@ -69,6 +79,11 @@ async def _share_one_shard(
         for index in range(PRODUCERS):
             tg.start_soon(producer_task, index)
     return {"sent": sent, "delivered": delivered, "cuts": cuts}
+
+
+def _cuts(producer: Producer, stream: str) -> int:
+    stats = producer.statistics().streams.get(stream)
+    return 0 if stats is None else sum(shard.cuts for shard in stats.shards.values())
 
 
 def _throttled_share(control: EmulatorClient, stream: str) -> float:
