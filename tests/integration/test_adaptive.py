@@ -39,6 +39,7 @@ async def _share_one_shard(
     delivered = [0] * PRODUCERS
     cuts = [0] * PRODUCERS
     next_uid = iter(range(10**9))
+    all_cut = anyio.Event()
     rng = random.Random(3)
 
     async def producer_task(index: int) -> None:
@@ -58,6 +59,8 @@ async def _share_one_shard(
                 handles.append(await producer.submit(stream, record.data, record.partition_key))
                 if not cuts[index] and len(handles) % 100 == 0:
                     cuts[index] = _cuts(producer, stream)
+                    if all(cuts):
+                        all_cut.set()
             cuts[index] = _cuts(producer, stream)
             await producer.flush()
             for handle in handles:
@@ -65,10 +68,9 @@ async def _share_one_shard(
             delivered[index] = len(handles)
 
     async def reset_after_warm_up() -> None:
-        started = anyio.current_time()
         if adaptive:
-            while not all(cuts) and anyio.current_time() < started + SECONDS / 2:
-                await anyio.sleep(0.05)
+            with anyio.move_on_after(SECONDS / 2):
+                await all_cut.wait()
             await anyio.sleep(SETTLE)
         else:
             await anyio.sleep(STATIC_WARM_UP)
