@@ -10,6 +10,7 @@ result, and reports user records/s (wall clock, submit to last result) and CPU s
     python benchmarks/throughput.py --records 300000
     python benchmarks/throughput.py --backend trio --profile   # pyinstrument of the hot path
     python benchmarks/throughput.py --batch 500                # submit_many, 500 at a time
+    python benchmarks/throughput.py --await-each               # submit each, then await each
     python benchmarks/throughput.py --endpoint moto            # against moto's own server
     python benchmarks/throughput.py --spool off                # with a spool (spool_fsync=off)
     python benchmarks/throughput.py --spool none,off,interval,commit   # each, interleaved
@@ -30,6 +31,7 @@ import anyio
 import boto3
 
 from anykpl import PendingBatch, PendingRecord, Producer, ProducerConfig
+from anykpl.errors import RecordFailedError
 from endpoints import ENDPOINT_HELP, check_endpoint, start_endpoint
 
 CREDENTIALS = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench"}
@@ -47,6 +49,7 @@ async def run_once(
     batch: int = 0,
     spool: str = "none",
     adaptive_batching: bool = True,
+    await_each: bool = False,
 ) -> dict[str, Any]:
     spool_options: dict[str, Any] = {}
     scratch = None
@@ -72,7 +75,22 @@ async def run_once(
             gc.freeze()
         cpu0, wall0 = time.process_time(), time.perf_counter()
         failed = 0
-        if batch:
+        awaiting = None
+        if await_each:
+            # the idiomatic loop: a submit per record, then an await on every handle
+            pending = [
+                await producer.submit(stream, data, partition_key=key_names[i % keys])
+                for i in range(records)
+            ]
+            awaited_at = time.perf_counter()
+            for handle in pending:
+                try:
+                    await handle
+                except RecordFailedError:
+                    failed += 1
+            wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+            awaiting = round(time.perf_counter() - awaited_at, 3)
+        elif batch:
             # a firehose that has its records in batches: submit_many, each batch's handle
             # checked as the oldest completes
             batches: deque[PendingBatch] = deque()
@@ -121,6 +139,7 @@ async def run_once(
         "records": records,
         "failed": failed,
         "seconds": round(wall, 3),
+        **({} if awaiting is None else {"await_seconds": awaiting}),
         "records_per_second": round(records / wall),
         "cpu_seconds_per_100k": round(cpu / records * 100_000, 3),
         # the warm-up's record included
@@ -145,6 +164,12 @@ def main() -> None:
         "--retain",
         action="store_true",
         help="keep every PendingRecord until the end instead of checking each as it completes",
+    )
+    parser.add_argument(
+        "--await-each",
+        action="store_true",
+        help="submit every record, then await every handle (the idiomatic loop); reports the "
+        "await phase as await_seconds",
     )
     parser.add_argument(
         "--features-off",
@@ -203,6 +228,7 @@ def main() -> None:
                 args.batch,
                 spool,
                 args.adaptive_batching,
+                args.await_each,
                 backend=backend,
             )
             if args.profile:

@@ -107,3 +107,79 @@ async def test_a_terminal_record_holds_nothing_that_leads_back_to_it(success: bo
         assert outcomes[1:] == [False, False]
     # nothing but this frame (and getrefcount's argument) refers to the record any more
     assert sys.getrefcount(record) == 2
+
+
+def resolved_record() -> PendingRecord:
+    record = make_record()
+    record._add_attempt(AttemptRecord(0.0, 0.1, True, None, ""))
+    record._resolve(True)
+    return record
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_loop_over_done_records_ends(anyio_backend_name: str) -> None:
+    # awaiting a done record checks for cancellation under trio (as trio's cheap operations
+    # do) and not at all under asyncio (as a done future); the full checkpoint that one await
+    # in RESOLVED_YIELD_EVERY makes delivers it there
+    record = resolved_record()
+    awaited = 0
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        while awaited <= records_module.RESOLVED_YIELD_EVERY:
+            await record
+            awaited += 1
+    assert scope.cancelled_caught
+    if anyio_backend_name == "trio":
+        assert awaited == 0
+    else:
+        assert awaited < records_module.RESOLVED_YIELD_EVERY
+    assert (await record).success  # outside the cancelled scope it returns at once
+
+
+@pytest.mark.anyio
+async def test_a_loop_over_done_records_lets_other_tasks_run() -> None:
+    # a done record's await checks for cancellation only, but one in RESOLVED_YIELD_EVERY
+    # yields, so a long loop over done handles cannot starve the other tasks
+    records = [resolved_record() for _ in range(10 * records_module.RESOLVED_YIELD_EVERY)]
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.lowlevel.checkpoint()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        await anyio.lowlevel.checkpoint()
+        before = ticks
+        for record in records:
+            await record
+        ran = ticks - before
+        tg.cancel_scope.cancel()
+    assert 5 <= ran <= 15, ran
+
+
+def test_a_batch_hook_runs_once_where_its_last_record_resolves(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    counter = records_module.BatchCounter()
+    counter.remaining = 2
+    calls: list[int] = []
+    counter.on_done = lambda: calls.append(counter.failed)
+    counter.record_done(False)
+    assert calls == []
+    counter.record_done(True)
+    assert calls == [1]
+    assert counter.on_done is None
+
+    failing = records_module.BatchCounter()
+    failing.remaining = 1
+
+    def boom() -> None:
+        raise ValueError("boom")
+
+    failing.on_done = boom
+    with caplog.at_level(logging.ERROR, logger="anykpl"):
+        failing.record_done(True)  # logged, not raised: the stage resolving it goes on
+    assert "completion hook of a batch failed" in caplog.text

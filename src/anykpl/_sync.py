@@ -30,6 +30,10 @@ open, then closes it) and the *admitter*.
   task, no polling: a record that finishes while an older one is still retrying completes its
   future at once, and every future of a flushed record is done when ``Producer.flush`` returns.
 - ``put_record`` is ``submit`` followed by ``future.result(timeout)``.
+- ``submit_many`` goes through ``BlockingPortal.call`` (a task per batch, not per record) into
+  ``Producer.submit_many``; its batch future is completed by the batch's completion hook
+  (``BatchCounter.on_done``), where its last record is resolved. A close waits for the batches
+  being admitted, as it does for the admission queue.
 - ``flush``, ``statistics`` and ``metrics`` go through ``BlockingPortal.call``: rare calls, a
   task each.
 
@@ -77,7 +81,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import CancelledError as FutureCancelledError
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -93,9 +97,10 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from . import errors
 from ._aws import running_trio
+from ._batch import BatchResult, PendingBatch
 from ._intake import CHECKPOINT_EVERY
 from ._metrics import MetricValue
-from ._producer import Producer
+from ._producer import BatchRecord, Producer
 from ._records import PendingRecord, RecordResult
 from ._sender import Transport
 from ._statistics import ProducerStatistics
@@ -224,6 +229,11 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         self._admitter_wakeup: anyio.Event | None = None
         # admitted records whose future is not done yet; only the loop thread changes it
         self._futures: dict[PendingRecord, Future[RecordResult]] = {}
+        # likewise for submit_many's batches; how many are being admitted (loop thread only),
+        # and the event a closing loop waits on until none is
+        self._batch_futures: dict[PendingBatch, Future[BatchResult]] = {}
+        self._batches_admitting = 0
+        self._batches_admitted: anyio.Event | None = None
         self._close_requested: anyio.Event | None = None
         self._close_bound = self.config.close_timeout
         self._closer: threading.Thread | None = None
@@ -369,6 +379,63 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
             finally:
                 item.error = None  # no reference cycle through the traceback
         return item.future
+
+    def submit_many(
+        self, stream: str, records: Iterable[BatchRecord], *, tenant: str | None = None
+    ) -> Future[BatchResult]:
+        """Admit many records of one stream in one call; return a
+        :class:`concurrent.futures.Future` of the batch's :class:`~anykpl.BatchResult`.
+
+        Items and admission as for :meth:`Producer.submit_many
+        <anykpl.Producer.submit_many>`: every item is validated before any is admitted (bad
+        input raises, naming the item, and nothing is enqueued), then the records are admitted
+        in order, blocking while there is no room (backpressure) for at most
+        ``admission_timeout``; if it runs out part-way,
+        :class:`~anykpl.errors.BackpressureTimeout` is raised and its ``admitted`` holds the
+        handles of the records admitted before it (they go on: ``done()`` and ``result()``
+        tell their outcome once :meth:`flush` returns). The future is done when every record
+        of the batch is terminal; it never raises for a failed record (the failures are in the
+        result) and cannot be cancelled. For a firehose: one call into the event loop per
+        batch, not per record.
+
+        :raises: as :meth:`submit`.
+        """
+        self._check_thread()
+        items = list(records)  # read in the caller's thread: the iterable is the caller's
+        with self._lock:
+            if self._state != "open":
+                raise self._closed_error()
+        try:
+            return self._portal.call(self._submit_batch, stream, items, tenant)
+        except RuntimeError as exc:
+            if self._state == "open":  # pragma: no cover - not the portal stopping
+                raise
+            raise self._closed_error() from exc
+
+    async def _submit_batch(
+        self, stream: str, items: list[BatchRecord], tenant: str | None
+    ) -> Future[BatchResult]:
+        """In the loop: ``Producer.submit_many``; the future completes when the batch is. A
+        close waits for the batches being admitted, as for single records."""
+        self._batches_admitting += 1
+        try:
+            batch = await self._producer.submit_many(stream, items, tenant=tenant)
+        finally:
+            self._batches_admitting -= 1
+            if not self._batches_admitting and self._batches_admitted is not None:
+                self._batches_admitted.set()
+        future: Future[BatchResult] = Future()
+        future.set_running_or_notify_cancel()  # running: cannot be cancelled
+        if batch.done():
+            future.set_result(batch.result())
+        else:
+            self._batch_futures[batch] = future
+            batch._counter.on_done = partial(self._batch_done, batch)
+        return future
+
+    def _batch_done(self, batch: PendingBatch) -> None:
+        """The completion hook of a batch (runs where its last record is resolved)."""
+        self._batch_futures.pop(batch).set_result(batch.result())
 
     # -- flushing, closing, statistics ----------------------------------------------------
 
@@ -573,6 +640,9 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
                         deadline = anyio.current_time() + self._close_bound
                         with anyio.move_on_after(self._close_bound):
                             await admitted_all.wait()
+                            while self._batches_admitting:
+                                self._batches_admitted = anyio.Event()
+                                await self._batches_admitted.wait()
                             await producer.flush()
                             flushed = True
                         tg.cancel_scope.cancel()
@@ -722,6 +792,16 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
             logger.exception("SyncProducer: could not take the final statistics")
         # The Producer resolved every record as it closed, and each hook completed its future;
         # this is the safety net.
+        batch_futures = self._batch_futures
+        while batch_futures:  # pragma: no cover
+            batch, batch_future = batch_futures.popitem()
+            batch._counter.on_done = None
+            if batch.done():
+                batch_future.set_result(batch.result())
+            else:
+                batch_future.set_exception(
+                    errors.ProducerClosedError("the producer closed without resolving the batch")
+                )
         futures = self._futures
         while futures:  # pragma: no cover
             pending, future = futures.popitem()

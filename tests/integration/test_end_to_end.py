@@ -28,6 +28,7 @@ from aws_kinesis_agg import deaggregator
 
 from anykpl import PendingBatch, PendingRecord, Producer, ProducerConfig, RecordResult, errors
 from anykpl._limits import MAX_HASH_KEY
+from anykpl._records import RESOLVED_YIELD_EVERY
 from anykpl._wire import MAGIC, DecodedRecord, deaggregate
 
 pytestmark = pytest.mark.anyio
@@ -674,6 +675,54 @@ async def test_submit_many_delivers_every_record_with_its_own_key(
         assert_success(result)
     contents = await read_stream_async(kinesis_client, stream)
     # check_read_back compares each user record's own partition key with what was sent
+    assert check_read_back(contents, sent) == Counter(set(sent))
+
+
+async def test_awaiting_done_handles_lets_others_run_and_ends_when_cancelled(
+    make_stream: Any, kinesis_client: Any, producer_options: dict[str, Any]
+) -> None:
+    # awaiting a handle whose result is there is a cancellation check (trio) or nothing
+    # (asyncio), not a trip through the event loop; one await in RESOLVED_YIELD_EVERY is a
+    # full checkpoint (docs/architecture.md, admission)
+    stream = make_stream(2)
+    sent = {uid: make_sent(uid, f"key-{uid}") for uid in range(641)}
+    last = sent[640]
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.lowlevel.checkpoint()
+
+    async with Producer(**producer_options) as producer:
+        handles = [
+            await producer.submit(stream, s.data, s.partition_key)
+            for s in sent.values()
+            if s != last
+        ]
+        batch = await producer.submit_many(stream, [(last.data, last.partition_key)])
+        await producer.flush()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            await anyio.lowlevel.checkpoint()
+            before = ticks
+            results = [await handle for handle in handles]
+            assert 640 // RESOLVED_YIELD_EVERY - 1 <= ticks - before <= 640 // 8
+            tg.cancel_scope.cancel()
+        awaited = 0
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            for handle in handles:
+                await handle
+                await batch
+                awaited += 1
+        assert scope.cancelled_caught
+        assert awaited < RESOLVED_YIELD_EVERY
+        assert (await batch).succeeded == 1
+    for result in results:
+        assert_success(result)
+    contents = await read_stream_async(kinesis_client, stream)
     assert check_read_back(contents, sent) == Counter(set(sent))
 
 

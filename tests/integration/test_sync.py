@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 
-from anykpl import RecordResult
+from anykpl import BatchResult, RecordResult
 from anykpl._sync import SyncProducer
+from anykpl.errors import InvalidRecordError, ProducerClosedError
 
 from .test_end_to_end import (
     MAX_HASH_KEY,
@@ -103,6 +104,55 @@ def test_many_threads_every_record_arrives_once(
     duplicated = {uid: n for uid, n in arrived.items() if n > 1}
     assert not missing, f"{len(missing)} records lost, e.g. {sorted(missing)[:10]}"
     assert not duplicated, f"{len(duplicated)} records duplicated, e.g. {duplicated}"
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@pytest.mark.timeout(60)
+def test_submit_many_from_threads_delivers_every_batch(
+    backend: str, make_stream: Any, kinesis_client: Any, producer_options: dict[str, Any]
+) -> None:
+    stream = make_stream(4)
+    sent = {uid: make_sent(uid, f"device-{uid % 97}") for uid in range(4 * 6 * 250 + 1)}
+    final = sent[4 * 6 * 250]
+    uids = list(sent)[:-1]
+    batches = [uids[start : start + 250] for start in range(0, len(uids), 250)]
+    futures: list[Future[BatchResult]] = []
+    failures: list[BaseException] = []
+    lock = threading.Lock()
+
+    # a backlog of 300 records: most batches wait for room part of the way (backpressure)
+    with SyncProducer(
+        backend=backend, max_outstanding_records=300, close_timeout=10.0, **producer_options
+    ) as producer:
+        with pytest.raises(InvalidRecordError, match=r"records\[1\]"):
+            producer.submit_many(stream, [b"fine", (b"no key", "")])
+
+        def worker(mine: list[list[int]]) -> None:
+            try:
+                for batch in mine:
+                    items = [(sent[uid].data, sent[uid].partition_key) for uid in batch]
+                    future = producer.submit_many(stream, items)
+                    with lock:
+                        futures.append(future)
+            except BaseException as exc:  # pragma: no cover - reported below
+                failures.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(batches[t::4],)) for t in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not failures, failures
+        # the last batch is left to the close: its future completes as the producer flushes
+        last = producer.submit_many(stream, [(final.data, final.partition_key)])
+    assert last.result(timeout=0) == BatchResult(1, 0, ())
+    assert [future.result(timeout=30) for future in futures] == [BatchResult(250, 0, ())] * 24
+    with pytest.raises(ProducerClosedError):
+        producer.submit_many(stream, [b"late"])
+
+    arrived = check_read_back(read_stream(kinesis_client, stream), sent)
+    assert set(arrived) == set(sent)
+    assert set(arrived.values()) == {1}
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
