@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
-__all__ = ("mypyc_attr",)
+__all__ = ("build_kind", "mypyc_attr")
 
 _T = TypeVar("_T")
 
@@ -24,3 +24,11 @@ else:
 
         def mypyc_attr(*attrs: object, **kwattrs: object) -> Callable[[_T], _T]:
             return lambda cls: cls
+
+
+def build_kind() -> str:
+    """``"compiled"`` if the hot path runs compiled (a wheel built with a C compiler, see
+    hatch_build.py), ``"pure Python"`` otherwise."""
+    from . import _records
+
+    return "pure Python" if _records.__file__.endswith(".py") else "compiled"

@@ -15,6 +15,7 @@ import importlib
 import sys
 
 from . import __version__
+from ._compat import build_kind
 
 #: command -> (module, one line of help, examples for its --help; None: the module sets its own)
 _COMMANDS = {
@@ -77,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="anykpl: a Kinesis producer for asyncio and trio, and its tools.",
         epilog="Run 'anykpl COMMAND --help' for a command's options and examples.",
     )
-    parser.add_argument("--version", action="version", version=f"anykpl {__version__}")
+    parser.add_argument(
+        "--version", action="version", version=f"anykpl {__version__} ({build_kind()})"
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text, examples) in _COMMANDS.items():
         module = importlib.import_module(module_name)
