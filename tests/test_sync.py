@@ -710,3 +710,59 @@ def test_a_thread_waiting_on_a_hot_shard_holds_up_no_other_thread(
         thread.join(timeout=10)
         assert not thread.is_alive()
         assert all(future.result(timeout=5).success for future in hot)
+
+
+# -- submit_many and an abandoned loop ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_an_abandoned_loop_counts_a_pending_batch_as_lost(
+    backend: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(_sync, "_CLOSE_GRACE", 0.2)
+    fake = FakeKinesis()
+    first = fake.shards[0].shard_id
+    fake.entry_error = lambda shard, index: (errors.THROTTLED, "slow") if shard == first else None
+    producer = SyncProducer(transport=fake, backend=backend, adaptive_batching=False, **FAST)
+    release = threading.Event()
+    try:
+        batch = producer.submit_many(STREAM, [(b"retrying", "k", 0)])  # retried on and on
+        _wedge_the_loop_with_a_callback(producer, release)
+        with caplog.at_level(logging.WARNING, logger="anykpl.sync"):
+            producer.close(timeout=0.1)
+        [record] = [r for r in caplog.records if r.name == "anykpl.sync"]
+        assert not batch.done()
+        assert "1 record(s) not yet terminal: they are lost" in record.getMessage()
+    finally:
+        _clean_up_abandoned(producer, release)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_batch_waiting_for_a_wedged_loop_is_refused_when_it_is_abandoned(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_sync, "_CLOSE_GRACE", 0.2)
+    producer = SyncProducer(
+        transport=FakeKinesis(), backend=backend, adaptive_batching=False, **FAST
+    )
+    release = threading.Event()
+    outcome: list[object] = []
+    try:
+        _wedge_the_loop_with_a_callback(producer, release)
+
+        def call() -> None:
+            try:
+                outcome.append(producer.submit_many(STREAM, [(b"x", "k")]))
+            except BaseException as exc:
+                outcome.append(exc)
+
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        time.sleep(0.05)
+        producer.close(timeout=0.1)
+        caller.join(2)
+        assert not caller.is_alive()
+        [refused] = outcome
+        assert isinstance(refused, errors.ProducerClosedError)
+    finally:
+        _clean_up_abandoned(producer, release)

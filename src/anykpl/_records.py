@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import math
 import sys
-from asyncio import _get_running_loop
 from collections.abc import Awaitable, Callable, Generator
 from hashlib import md5
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
@@ -171,7 +170,7 @@ class BatchCounter:
 #: in ``RESOLVED_YIELD_EVERY`` is a full checkpoint, so a loop over done handles lets other
 #: tasks run and, under asyncio, is cancelled within that many awaits.
 RESOLVED_YIELD_EVERY: Final = 64
-_resolved_awaits = [0]
+_resolved_awaits: Final = [0]
 
 
 def resolved_checkpoint() -> Awaitable[None] | None:
@@ -183,8 +182,9 @@ def resolved_checkpoint() -> Awaitable[None] | None:
         _resolved_awaits[0] = 0
         return anyio.lowlevel.checkpoint()
     _resolved_awaits[0] = count
-    if "trio" in sys.modules and _get_running_loop() is None:
-        return sys.modules["trio"].lowlevel.checkpoint_if_cancelled()  # type: ignore[no-any-return]
+    trio = sys.modules.get("trio")
+    if trio is not None and trio.lowlevel.in_trio_task():  # a guest run on asyncio too
+        return trio.lowlevel.checkpoint_if_cancelled()  # type: ignore[no-any-return]
     return None
 
 

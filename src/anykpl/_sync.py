@@ -30,10 +30,10 @@ open, then closes it) and the *admitter*.
   task, no polling: a record that finishes while an older one is still retrying completes its
   future at once, and every future of a flushed record is done when ``Producer.flush`` returns.
 - ``put_record`` is ``submit`` followed by ``future.result(timeout)``.
-- ``submit_many`` goes through ``BlockingPortal.call`` (a task per batch, not per record) into
-  ``Producer.submit_many``; its batch future is completed by the batch's completion hook
-  (``BatchCounter.on_done``), where its last record is resolved. A close waits for the batches
-  being admitted, as it does for the admission queue.
+- ``submit_many`` queues the whole batch as one admission: the admitter hands it to a task of
+  its own (a task per batch, not per record) that calls ``Producer.submit_many``, and its future
+  is completed by the batch's completion hook (``BatchCounter.on_done``), where its last record
+  is resolved. Order, close and abandonment treat it as one record of the queue.
 - ``flush``, ``statistics`` and ``metrics`` go through ``BlockingPortal.call``: rare calls, a
   task each.
 
@@ -125,22 +125,24 @@ _QUEUED, _TAKEN, _CANCELLED = 0, 1, 2
 class _Admission:
     """One record on its way from a caller's thread into ``Producer.submit``."""
 
-    __slots__ = ("args", "deadline", "error", "future", "signal", "state", "tenant")
+    __slots__ = ("args", "deadline", "error", "future", "items", "signal", "state", "tenant")
 
     def __init__(
         self,
         args: tuple[str, bytes | bytearray | memoryview, str | None, str | int | None],
         tenant: str | None,
         deadline: float | None,
+        items: list[BatchRecord] | None = None,
     ) -> None:
         self.args = args
+        self.items = items  # a submit_many batch (args then holds only its stream)
         self.tenant = tenant
         self.deadline = deadline  # time.monotonic() value, or None
         self.state = _QUEUED
         self.error: BaseException | None = None
         # Running at once, so that Future.cancel() is refused: like cancelling an ``await``
         # of a PendingRecord, it could not withdraw a record that was admitted.
-        self.future: Future[RecordResult] = Future()
+        self.future: Future[Any] = Future()  # of a RecordResult, or a batch's BatchResult
         self.future.set_running_or_notify_cancel()
         # held until the admitter is done with the record: the caller blocks on it
         self.signal = threading.Lock()
@@ -229,11 +231,8 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         self._admitter_wakeup: anyio.Event | None = None
         # admitted records whose future is not done yet; only the loop thread changes it
         self._futures: dict[PendingRecord, Future[RecordResult]] = {}
-        # likewise for submit_many's batches; how many are being admitted (loop thread only),
-        # and the event a closing loop waits on until none is
+        # likewise for submit_many's batches
         self._batch_futures: dict[PendingBatch, Future[BatchResult]] = {}
-        self._batches_admitting = 0
-        self._batches_admitted: anyio.Event | None = None
         self._close_requested: anyio.Event | None = None
         self._close_bound = self.config.close_timeout
         self._closer: threading.Thread | None = None
@@ -350,8 +349,18 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         tenant: str | None,
         deadline: float | None,
     ) -> Future[RecordResult]:
+        return self._enqueue((stream, data, partition_key, explicit_hash_key), tenant, deadline)
+
+    def _enqueue(
+        self,
+        args: tuple[str, bytes | bytearray | memoryview, str | None, str | int | None],
+        tenant: str | None,
+        deadline: float | None,
+        items: list[BatchRecord] | None = None,
+    ) -> Future[Any]:
+        """Queue one record (or ``items``, a batch) for the admitter; block until admitted."""
         self._check_thread()
-        item = _Admission((stream, data, partition_key, explicit_hash_key), tenant, deadline)
+        item = _Admission(args, tenant, deadline, items)
         with self._lock:
             if self._state != "open":
                 raise self._closed_error()
@@ -400,38 +409,8 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
 
         :raises: as :meth:`submit`.
         """
-        self._check_thread()
         items = list(records)  # read in the caller's thread: the iterable is the caller's
-        with self._lock:
-            if self._state != "open":
-                raise self._closed_error()
-        try:
-            return self._portal.call(self._submit_batch, stream, items, tenant)
-        except RuntimeError as exc:
-            if self._state == "open":  # pragma: no cover - not the portal stopping
-                raise
-            raise self._closed_error() from exc
-
-    async def _submit_batch(
-        self, stream: str, items: list[BatchRecord], tenant: str | None
-    ) -> Future[BatchResult]:
-        """In the loop: ``Producer.submit_many``; the future completes when the batch is. A
-        close waits for the batches being admitted, as for single records."""
-        self._batches_admitting += 1
-        try:
-            batch = await self._producer.submit_many(stream, items, tenant=tenant)
-        finally:
-            self._batches_admitting -= 1
-            if not self._batches_admitting and self._batches_admitted is not None:
-                self._batches_admitted.set()
-        future: Future[BatchResult] = Future()
-        future.set_running_or_notify_cancel()  # running: cannot be cancelled
-        if batch.done():
-            future.set_result(batch.result())
-        else:
-            self._batch_futures[batch] = future
-            batch._counter.on_done = partial(self._batch_done, batch)
-        return future
+        return self._enqueue((stream, b"", None, None), tenant, None, items)
 
     def _batch_done(self, batch: PendingBatch) -> None:
         """The completion hook of a batch (runs where its last record is resolved)."""
@@ -562,7 +541,9 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
             queued = self._take_queued()
         self._refuse(queued)
         # read from this thread while the loop thread may still change it: a count for the log
-        outstanding = len(self._futures)
+        outstanding = len(self._futures) + sum(
+            batch._counter.remaining for batch in list(self._batch_futures)
+        )
         if outstanding:
             logger.error(
                 "SyncProducer: the event loop did not close within %.1f s; abandoning its "
@@ -640,9 +621,6 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
                         deadline = anyio.current_time() + self._close_bound
                         with anyio.move_on_after(self._close_bound):
                             await admitted_all.wait()
-                            while self._batches_admitting:
-                                self._batches_admitted = anyio.Event()
-                                await self._batches_admitted.wait()
                             await producer.flush()
                             flushed = True
                         tg.cancel_scope.cancel()
@@ -699,7 +677,11 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
                 if item is None:
                     since_checkpoint = 0
                     await wakeup.wait()
-                elif item.tenant is not None or not self._admit_now(producer, item):
+                elif (
+                    item.tenant is not None
+                    or item.items is not None
+                    or not self._admit_now(producer, item)
+                ):
                     waiting.start_soon(self._admit_one, producer, item)
                 else:
                     since_checkpoint += 1
@@ -723,8 +705,13 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         return True
 
     async def _admit_one(self, producer: Producer, item: _Admission) -> None:
-        """``Producer.submit`` one record, within its caller's deadline; release its caller."""
+        """``Producer.submit`` one record, within its caller's deadline, or
+        ``Producer.submit_many`` a batch; release its caller."""
         try:
+            if item.items is not None:
+                batch = await producer.submit_many(item.args[0], item.items, tenant=item.tenant)
+                self._hand_over_batch(batch, item.future)
+                return
             if item.deadline is None:
                 pending = await producer.submit(*item.args, tenant=item.tenant)
             else:
@@ -756,6 +743,14 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         else:
             self._futures[pending] = item.future
             pending._on_done = self._record_done
+
+    def _hand_over_batch(self, batch: PendingBatch, future: Future[BatchResult]) -> None:
+        """The admitted batch completes its caller's future when its last record is terminal."""
+        if batch.done():
+            future.set_result(batch.result())
+        else:
+            self._batch_futures[batch] = future
+            batch._counter.on_done = partial(self._batch_done, batch)
 
     def _record_done(self, pending: PendingRecord) -> None:
         """The completion hook of every admitted record (runs where the record is resolved)."""
