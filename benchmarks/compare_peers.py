@@ -7,10 +7,14 @@ stream per contender. The emulator (``anykpl.emulator.spawn``) runs in its own p
 the whole run; each contender runs in a fresh interpreter of its own (a subprocess of this
 script), so no contender inherits another's garbage, connection pools or warmed caches.
 
-Each contender puts one warm-up record and waits for it (connections open, shard map loaded),
-then the clock runs from the first put of the workload until everything is acknowledged:
+Each contender's clock runs from opening its producer until everything is acknowledged, as a
+user's program would see it (``--timing warm``: from after one warm-up record, acknowledged,
+and 0.5 s, with connections open and the shard map loaded):
 
+- anykpl ``-await`` (asyncio and trio, the idiomatic loop): a ``submit`` per record, then an
+  ``await`` on every handle;
 - anykpl (asyncio and trio): until ``flush()`` returns, then every ``PendingRecord`` checked;
+- anykpl ``-batch``: ``submit_many`` of 500 records at a time, each batch's handle checked;
 - aiokpl (asyncio only): ``flush()`` then ``await outcome.wait()`` on every record, because its
   ``flush()`` does not wait for outcomes;
 - async-kinesis (asyncio only): until ``flush()`` returns; it has no per-record results, so
@@ -40,6 +44,7 @@ boto3, trio, httpx2, aws-kinesis-agg, six), the peers; neither changes anykpl's 
 Run::
 
     python benchmarks/compare_peers.py                  # 200k records (aiokpl: 30k), one round
+    python benchmarks/compare_peers.py --timing warm    # clocks from after a warm-up record
     python benchmarks/compare_peers.py --rounds 3 --with-plain --json compare.json
     python benchmarks/compare_peers.py --endpoint moto     # moto's own server instead
     python benchmarks/compare_peers.py --endpoint http://127.0.0.1:4567   # kinesalite, ...
@@ -79,6 +84,8 @@ RESULT_TAG = "COMPARE-RESULT "
 
 # contender -> (library, backend, mode shown in the table)
 CONTENDERS: dict[str, tuple[str, str, str]] = {
+    "anykpl-asyncio-await": ("anykpl", "asyncio", "KPL aggregation, user keys, submit, await each"),
+    "anykpl-trio-await": ("anykpl", "trio", "KPL aggregation, user keys, submit, await each"),
     "anykpl-asyncio": ("anykpl", "asyncio", "KPL aggregation, user keys"),
     "anykpl-trio": ("anykpl", "trio", "KPL aggregation, user keys"),
     "anykpl-asyncio-batch": ("anykpl", "asyncio", "KPL aggregation, user keys, submit_many"),
@@ -112,23 +119,43 @@ def key_names(records: int, keys: int) -> list[str]:
 
 
 async def run_anykpl(
-    endpoint: str, stream: str, records: int, keys: int, batch: int = 0
+    endpoint: str,
+    stream: str,
+    records: int,
+    keys: int,
+    from_open: bool,
+    batch: int = 0,
+    await_each: bool = False,
 ) -> dict[str, Any]:
     import anyio
 
     from anykpl import PendingBatch, PendingRecord, Producer, ProducerConfig
+    from anykpl.errors import RecordFailedError
 
     datas = [payload(i) for i in range(records)]
     pks = key_names(records, keys)
     items = list(zip(datas, pks, strict=True))  # submit_many's (data, partition_key) items
     # rate_limit is a percentage of the shard limits: 1e9 % is limits off
     config = ProducerConfig(region=REGION, endpoint_url=endpoint, rate_limit=1e9, **CREDENTIALS)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     async with Producer(config) as producer:
-        await producer.put_record(stream, WARM_UP, partition_key="warm-up")
-        await anyio.sleep(0.5)
-        cpu0, wall0 = time.process_time(), time.perf_counter()
+        if not from_open:
+            await producer.put_record(stream, WARM_UP, partition_key="warm-up")
+            await anyio.sleep(0.5)
+            cpu0, wall0 = time.process_time(), time.perf_counter()
         failed = 0
-        if batch:
+        if await_each:
+            # the idiomatic loop: a submit per record, then an await on every handle
+            handles = [
+                await producer.submit(stream, data, partition_key=pk)
+                for data, pk in zip(datas, pks, strict=True)
+            ]
+            for handle in handles:
+                try:
+                    await handle
+                except RecordFailedError:
+                    failed += 1
+        elif batch:
             # a firehose that has its records in batches: submit_many, each batch's handle
             # checked as the oldest completes (its failed records counted, none overlooked)
             batches: deque[PendingBatch] = deque()
@@ -150,7 +177,9 @@ async def run_anykpl(
     return {"acknowledged": records - failed, "seconds": wall, "cpu_seconds": cpu}
 
 
-async def run_aiokpl(endpoint: str, stream: str, records: int, keys: int) -> dict[str, Any]:
+async def run_aiokpl(
+    endpoint: str, stream: str, records: int, keys: int, from_open: bool
+) -> dict[str, Any]:
     import asyncio
 
     from aiokpl import Config, Producer
@@ -164,12 +193,14 @@ async def run_aiokpl(endpoint: str, stream: str, records: int, keys: int) -> dic
         rate_limit_bytes_per_sec_per_shard=1e12,
         **CREDENTIALS,
     )
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     async with Producer(config) as producer:
-        warm = await producer.put_record(stream=stream, partition_key="warm-up", data=WARM_UP)
-        await producer.flush()
-        await warm.wait()
-        await asyncio.sleep(0.5)
-        cpu0, wall0 = time.process_time(), time.perf_counter()
+        if not from_open:
+            warm = await producer.put_record(stream=stream, partition_key="warm-up", data=WARM_UP)
+            await producer.flush()
+            await warm.wait()
+            await asyncio.sleep(0.5)
+            cpu0, wall0 = time.process_time(), time.perf_counter()
         outcomes = [
             await producer.put_record(stream=stream, partition_key=pk, data=data)
             for data, pk in zip(datas, pks, strict=True)
@@ -183,7 +214,7 @@ async def run_aiokpl(endpoint: str, stream: str, records: int, keys: int) -> dic
 
 
 async def run_async_kinesis(
-    endpoint: str, stream: str, records: int, keys: int, aggregate: bool = True
+    endpoint: str, stream: str, records: int, keys: int, from_open: bool, aggregate: bool = True
 ) -> dict[str, Any]:
     import asyncio
 
@@ -199,6 +230,7 @@ async def run_async_kinesis(
         # called for every PutRecords batch with FailedRecordCount == 0; .n = user records
         acked[0] += sum(item.n for item in items)
 
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     async with Producer(
         stream,
         endpoint_url=endpoint,
@@ -208,11 +240,12 @@ async def run_async_kinesis(
         put_bandwidth_limit_per_shard=10**9,
         after_flush_fun=after_flush,  # type: ignore[arg-type]  # annotated () -> ..., called (items)
     ) as producer:
-        await producer.put(WARM_UP.decode("ascii"), partition_key=None if aggregate else "w")
-        await producer.flush()
-        await asyncio.sleep(0.5)
-        acked[0] = 0
-        cpu0, wall0 = time.process_time(), time.perf_counter()
+        if not from_open:
+            await producer.put(WARM_UP.decode("ascii"), partition_key=None if aggregate else "w")
+            await producer.flush()
+            await asyncio.sleep(0.5)
+            acked[0] = 0
+            cpu0, wall0 = time.process_time(), time.perf_counter()
         for data, pk in zip(datas, pks, strict=True):
             await producer.put(data, partition_key=pk)
         await producer.flush()
@@ -229,11 +262,13 @@ def worker(spec: dict[str, Any]) -> None:
     logging.basicConfig(level=logging.ERROR)  # async-kinesis warns about limits above 1 MiB/s
     library, backend, _ = CONTENDERS[spec["contender"]]
     args = (spec["endpoint"], spec["stream"], spec["records"], spec["keys"])
+    args += (spec.get("timing", "open") == "open",)
     if library == "anykpl":
         import anyio
 
         batch = BATCH if spec["contender"].endswith("-batch") else 0
-        result = anyio.run(run_anykpl, *args, batch, backend=backend)
+        await_each = spec["contender"].endswith("-await")
+        result = anyio.run(run_anykpl, *args, batch, await_each, backend=backend)
     else:
         import asyncio
 
@@ -324,10 +359,16 @@ def throttled_records(endpoint: str) -> int | None:
 
 
 def run_contender(
-    name: str, endpoint: str, stream: str, records: int, keys: int, timeout: float
+    name: str,
+    endpoint: str,
+    stream: str,
+    records: int,
+    keys: int,
+    timeout: float,
+    timing: str = "open",
 ) -> dict[str, Any]:
     spec = {"contender": name, "endpoint": endpoint, "stream": stream}
-    spec.update(records=records, keys=keys)
+    spec.update(records=records, keys=keys, timing=timing)
     env = {
         **os.environ,
         "AWS_ACCESS_KEY_ID": CREDENTIALS["aws_access_key_id"],
@@ -349,7 +390,14 @@ def run_contender(
     return {"error": f"exit {done.returncode}: {tail}"}
 
 
-REFERENCES = ("anykpl-asyncio", "anykpl-trio", "anykpl-asyncio-batch", "anykpl-trio-batch")
+REFERENCES = (
+    "anykpl-asyncio-await",
+    "anykpl-trio-await",
+    "anykpl-asyncio",
+    "anykpl-trio",
+    "anykpl-asyncio-batch",
+    "anykpl-trio-batch",
+)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -442,7 +490,8 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument(
         "--contenders",
-        default="anykpl-asyncio,anykpl-trio,async-kinesis,aiokpl",
+        default="anykpl-asyncio-await,anykpl-trio-await,anykpl-asyncio-batch,"
+        "anykpl-trio-batch,async-kinesis,aiokpl",
         help=f"comma-separated, in run order, from: {', '.join(CONTENDERS)}",
     )
     parser.add_argument(
@@ -459,6 +508,13 @@ def main() -> None:
         default="emulator",
         type=check_endpoint,
         help=ENDPOINT_HELP,
+    )
+    parser.add_argument(
+        "--timing",
+        choices=["open", "warm"],
+        default="open",
+        help="open (the default): each contender's clock runs from opening its producer to its "
+        "last result, as a user's program would; warm: from after a warm-up record and 0.5 s",
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per contender")
     parser.add_argument("--json", help="write the results to this file")
@@ -500,7 +556,11 @@ def main() -> None:
                 print(f"round {round_} {name}: {records:,} records ...", end=" ", flush=True)
                 row: dict[str, Any] = {"round": round_, "contender": name, "stream": stream}
                 row["records"] = records
-                row.update(run_contender(name, endpoint, stream, records, args.keys, args.timeout))
+                row.update(
+                    run_contender(
+                        name, endpoint, stream, records, args.keys, args.timeout, args.timing
+                    )
+                )
                 if "error" not in row:
                     row["rps"] = row["acknowledged"] / row["seconds"]
                     row["check"] = read_back(client, stream, records, args.keys)
