@@ -221,25 +221,34 @@ async def test_a_hot_key_makes_only_its_own_callers_wait(limit: dict[str, float]
         uids = iter(range(1 << 30))
         async with Producer(region=REGION, endpoint_url=url, **limit, **CREDENTIALS) as producer:
 
-            async def offer(key: str, per_second: float) -> None:
+            async def put(key: str) -> None:
+                uid = next(uids)
+                record = sent[uid] = make_sent(uid, key, size=size)
+                before = anyio.current_time()
+                handles.append(await producer.submit(stream, record.data, record.partition_key))
+                waits[key].append(anyio.current_time() - before)
+
+            async def offer(key: str, per_second: float, catch_up: bool = False) -> None:
                 start = anyio.current_time()
                 while (elapsed := anyio.current_time() - start) < duration:
                     due = int(elapsed * per_second)
                     while len(waits[key]) < due and anyio.current_time() - start < duration:
-                        uid = next(uids)
-                        record = sent[uid] = make_sent(uid, key, size=size)
-                        before = anyio.current_time()
-                        handles.append(
-                            await producer.submit(stream, record.data, record.partition_key)
-                        )
-                        waits[key].append(anyio.current_time() - before)
+                        await put(key)
                     await anyio.sleep(0.01)
                 offered[key] = int(duration * per_second)
+                if catch_up:
+                    # A cold key puts the rest of its offer too: on a busy 2-core machine its
+                    # loop can fall a few per cent behind its schedule (the event loop is busy,
+                    # not the shard). How late its last record was admitted is what counts.
+                    while len(waits[key]) < offered[key]:
+                        await put(key)
+                    late[key] = anyio.current_time() - start - duration
 
+            late: dict[str, float] = {}
             async with anyio.create_task_group() as tg:
                 tg.start_soon(offer, hot_key, 3 * 1024 * 1024 / size)
                 for key in cold_keys:
-                    tg.start_soon(offer, key, 1024 * 1024 / 4 / size)
+                    tg.start_soon(offer, key, 1024 * 1024 / 4 / size, True)
             shards = producer.statistics().streams[stream].shards
             await producer.flush()
             for handle in handles:
@@ -257,6 +266,8 @@ async def test_a_hot_key_makes_only_its_own_callers_wait(limit: dict[str, float]
         assert len(waits[hot_key]) < 0.8 * offered[hot_key]
         assert sum(waits[hot_key]) > 1.0
         for key in cold_keys:
-            assert len(waits[key]) >= 0.97 * offered[key], (key, len(waits[key]), offered[key])
+            # the whole offer admitted, the last of it at most half a second after its time
+            assert len(waits[key]) == offered[key], (key, len(waits[key]), offered[key])
+            assert late[key] < 0.5, (key, late[key])
             assert max(waits[key]) < 0.5, (key, max(waits[key]))
         await _read_back_everything(url, stream, sent)
