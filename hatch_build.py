@@ -16,7 +16,6 @@ shadow the sources of a work tree the wheel was built from.
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any
 
 from hatch_mypyc.plugin import MypycBuildHook
@@ -47,10 +46,6 @@ class CompiledWhereItCanBe(MypycBuildHook):  # type: ignore[misc]
             self.app.display_warning(
                 "anykpl: the compiled hot path could not be built; installing the pure "
                 f"package (same behaviour, slower). The compiler said:\n{tail}"
-            )
-            print(
-                "anykpl: building the pure package: the compiled hot path failed to build",
-                file=sys.stderr,
             )
             return
         self._compiled = True

@@ -561,8 +561,9 @@ class Pipeline:
             self.on_room()
         # records that waited for the map can be aggregated now
         if self.aggregator.waiting_for_shard_map:
-            self.aggregator_send.send_nowait(WAKE)  # (which also sends them on if nothing is
-            # in flight then: adaptive batching, see _run_aggregator)
+            # (the Aggregator's task also sends them on if nothing is in flight then:
+            # adaptive batching, see _run_aggregator)
+            self.aggregator_send.send_nowait(WAKE)
 
     async def _run_aggregator(self) -> None:
         aggregator = self.aggregator

@@ -412,10 +412,6 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         items = list(records)  # read in the caller's thread: the iterable is the caller's
         return self._enqueue((stream, b"", None, None), tenant, None, items)
 
-    def _batch_done(self, batch: PendingBatch) -> None:
-        """The completion hook of a batch (runs where its last record is resolved)."""
-        self._batch_futures.pop(batch).set_result(batch.result())
-
     # -- flushing, closing, statistics ----------------------------------------------------
 
     def flush(self, timeout: float | None = None, *, stream: str | None = None) -> None:
@@ -751,6 +747,10 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         else:
             self._batch_futures[batch] = future
             batch._counter.on_done = partial(self._batch_done, batch)
+
+    def _batch_done(self, batch: PendingBatch) -> None:
+        """The completion hook of a batch (runs where its last record is resolved)."""
+        self._batch_futures.pop(batch).set_result(batch.result())
 
     def _record_done(self, pending: PendingRecord) -> None:
         """The completion hook of every admitted record (runs where the record is resolved)."""
