@@ -474,3 +474,95 @@ def test_aggregates_leave_in_pieces_while_the_controller_weighs_the_evidence() -
     assert all(kr.size <= SAMPLE_SIZE + 1 for kr in out)
     assert sum(len(kr.records) for kr in out) == 40
     assert limiter.statistics(2.0).shards[SHARD].records_sent == 1 + len(out)
+
+
+# -- pacing at capacity ----------------------------------------------------------------------
+
+
+def _user(arrival: float, deadline: float = 5.0) -> PendingRecord:
+    return PendingRecord("stream", "k", b"x" * 9, 1, None, arrival, deadline, 1000.0)
+
+
+def test_a_paced_record_leaves_once_it_has_waited_the_pace() -> None:
+    """With a pace, a record is released no sooner than its arrival plus the pace (an
+    aggregate: its records' mean arrival); without one, at once."""
+    limiter = Limiter(rate_limit_percent=100)
+    limiter.pace = 0.05
+    single = KinesisRecord([_user(1.0)], b"x" * 9, "k", "1", SHARD, 5.0, 1000.0)
+    limiter.put([single], 1.0, [])
+    out, _, wake = _drain(limiter, 1.01)
+    assert out == []
+    assert wake == pytest.approx(1.05)
+    out, _, _ = _drain(limiter, wake)
+    assert out == [single]
+
+    both = KinesisRecord([_user(2.0), _user(2.04)], b"x" * 9, "k", "1", SHARD, 5.0, 1000.0)
+    limiter.put([both], 2.04, [])
+    out, _, wake = _drain(limiter, 2.04)
+    assert out == []
+    assert wake == pytest.approx(2.07)  # (2.0 + 2.04) / 2 + 0.05
+    assert _drain(limiter, wake)[0] == [both]
+
+    # an old record (a retry) is not held; nor anything once the pace is 0
+    old = KinesisRecord([_user(0.0)], b"x" * 9, "k", "1", SHARD, 5.0, 1000.0)
+    limiter.put([old], 3.0, [])
+    assert _drain(limiter, 3.0)[0] == [old]
+    limiter.pace = 0.0
+    fresh = KinesisRecord([_user(4.0)], b"x" * 9, "k", "1", SHARD, 5.0, 1000.0)
+    limiter.put([fresh], 4.0, [])
+    assert _drain(limiter, 4.0)[0] == [fresh]
+
+
+def _offer(
+    limiter: Limiter, shards: tuple[str, ...], per_tick: int, outstanding: int, seconds: float
+) -> list[float]:
+    """Every 10 ms: ``per_tick`` records of 10 bytes for each shard, a drain, and the pace
+    planned for ``outstanding`` records; the paces planned after the first second."""
+    paces = []
+    now = 0.0
+    while now < seconds:
+        for shard in shards:
+            records = [
+                KinesisRecord([_user(now, now + 0.1)], b"x" * 9, "k", "1", shard, now + 0.1, 1e9)
+                for _ in range(per_tick)
+            ]
+            limiter.put(records, now, [])
+        _drain(limiter, now)
+        limiter.plan_pace(now, outstanding, 0.1)
+        if now >= 1.0:
+            paces.append(limiter.pace)
+        now = round(now + 0.01, 6)
+    return paces
+
+
+def test_a_stream_at_its_capacity_is_paced_by_its_mean_latency() -> None:
+    """Two shards offered more records than their 1,000 records/s: at capacity, so the pace
+    is PACE_SHARE of what Little's law gives for the outstanding records (500 over 2,000 user
+    records/s: 0.25 s, so the pace is record_max_buffered_time, 0.1 s; 100: 0.04 s)."""
+    from anykpl._limiter import PACE_SHARE
+
+    paces = _offer(Limiter(rate_limit_percent=100), (SHARD, OTHER), 15, 500, 3.0)
+    assert min(paces[5:]) == pytest.approx(0.1)
+    paces = _offer(Limiter(rate_limit_percent=100), (SHARD, OTHER), 15, 100, 3.0)
+    assert min(paces[5:]) == pytest.approx(PACE_SHARE * 100 / 2000, rel=0.05)
+    assert max(paces[5:]) == pytest.approx(PACE_SHARE * 100 / 2000, rel=0.05)
+
+
+def test_no_pace_below_capacity_on_one_shard_or_for_a_short_latency() -> None:
+    """Half the capacity, a stream with one shard, and a mean latency under PACE_FROM of
+    record_max_buffered_time (20 records over 2,000/s: 10 ms) are not paced."""
+    assert set(_offer(Limiter(rate_limit_percent=100), (SHARD, OTHER), 5, 500, 3.0)) == {0.0}
+    assert set(_offer(Limiter(rate_limit_percent=100), (SHARD,), 15, 500, 3.0)) == {0.0}
+    assert set(_offer(Limiter(rate_limit_percent=100), (SHARD, OTHER), 15, 20, 3.0)) == {0.0}
+
+
+def test_a_flush_lifts_the_pace_until_the_next_plan() -> None:
+    """unpace (a flush): what the pace held drains at once."""
+    limiter = Limiter(rate_limit_percent=100)
+    limiter.pace = 0.05
+    held = KinesisRecord([_user(1.0)], b"x" * 9, "k", "1", SHARD, 5.0, 1000.0)
+    limiter.put([held], 1.0, [])
+    assert _drain(limiter, 1.0)[0] == []
+    limiter.unpace(1.01)
+    assert limiter.pace == 0.0
+    assert _drain(limiter, 1.01)[0] == [held]

@@ -59,6 +59,18 @@ EXPIRY_SCAN_INTERVAL = 0.25
 #: The shortest wait for tokens of a saturated shard (the KPL's ``kDrainDelayMillis``).
 MIN_REFILL_WAIT = 0.025
 
+#: Pacing at capacity (``Limiter.plan_pace``, docs/batching.md): a record is released no
+#: sooner than ``PACE_SHARE`` of the stream's least mean latency after it was admitted (its
+#: records' mean arrival, for an aggregate), while the stream is at its capacity and that
+#: latency is at least ``PACE_FROM`` of ``record_max_buffered_time``.
+PACE_SHARE = 0.8
+PACE_FROM = 0.25
+PACE_CAPACITY = 0.9
+PACE_CAPACITY_OFF = 0.8
+PACE_SMOOTHING = 0.2
+PACE_WINDOW = 0.5
+PACE_INTERVAL = 0.1
+
 #: A change of the adaptive fraction smaller than this is not applied to the bucket yet.
 _RATE_STEP = 0.005
 
@@ -105,6 +117,7 @@ class _ShardLimiter:
     """One shard's bucket and queue (the KPL's ``ShardLimiter``)."""
 
     __slots__ = (
+        "active_at",
         "blocked_until",
         "bucket",
         "controller",
@@ -115,6 +128,7 @@ class _ShardLimiter:
         "next_need_at",
         "offered_bytes",
         "offered_records",
+        "pace",
         "queue",
         "shared",
     )
@@ -138,6 +152,10 @@ class _ShardLimiter:
         self.next_need_at = -math.inf
         # a saturated shard is not drained again before this, whatever arrives meanwhile
         self.blocked_until = -math.inf
+        # pacing at capacity (see Limiter.drain): the delay applied now, and when the shard
+        # last released a record
+        self.pace = 0.0
+        self.active_at = -math.inf
 
     def admit(self, item: QueuedRecord, now: float) -> bool:
         """Take the tokens for ``item``'s record from the shard's bucket and the shared one,
@@ -149,6 +167,13 @@ class _ShardLimiter:
         turn has come. With a plain try, shards with small records would take every refill,
         and a bigger record on another shard (or stream) would never find enough tokens."""
         kr = item.record
+        pace = self.pace
+        if pace:
+            records = kr.records
+            gate = sum(r.arrival for r in records) / len(records) + pace
+            if now < gate:
+                self.blocked_until = gate
+                return False
         bucket, size, shared = self.bucket, kr.size, self.shared
         if not bucket.try_take(1, size, now):
             wait = bucket.time_until(1, size, now)
@@ -166,6 +191,7 @@ class _ShardLimiter:
             counters.bytes_sent += size
             counters.user_records_sent += users
             counters.token_wait += (now - item.queued_at) * users
+            self.active_at = now
             return True
         self.blocked_until = now + (wait if wait > MIN_REFILL_WAIT else MIN_REFILL_WAIT)
         return False
@@ -195,6 +221,15 @@ class Limiter:
         self._counter = 0
         self._turn = 0  # which waiting shard drains first while the shared bucket binds
         self.queued = 0
+        # pacing at capacity (plan_pace): the delay, when it is planned next, the counts it
+        # was planned from last (time, Kinesis records, bytes, user records released), and,
+        # smoothed, the user records/s the shards can release and the share of their rates
+        # they used
+        self.pace = 0.0
+        self._next_pace = -math.inf
+        self._paced: tuple[float, int, int, int] | None = None
+        self._capacity = math.inf
+        self._capacity_use = 0.0
         # Kinesis records (and bytes) put so far: the offered load a fleet worker reports
         self.offered_records = 0
         self.offered_bytes = 0
@@ -258,6 +293,7 @@ class Limiter:
         next_wake = math.inf
         done: list[str] = []
         released = 0
+        pace = self.pace
         waiting: list[str] | set[str] = self._waiting
         if self.shared is not None and len(waiting) > 1:
             # take turns at the shared bucket: the first shard drained could take all of it
@@ -276,6 +312,7 @@ class Limiter:
                     self._apply_fraction(limiter, fraction, now)
                     rising = limiter.fraction < 1.0
             if now >= limiter.blocked_until:
+                limiter.pace = pace
                 queue = limiter.queue
                 before = len(queue)
                 start = len(out)
@@ -306,6 +343,75 @@ class Limiter:
             self._waiting.discard(shard)
         self.queued -= released
         return next_wake
+
+    # -- pacing at capacity ---------------------------------------------------------------
+
+    def unpace(self, now: float) -> None:
+        """A flush: no pace until the next plan (``PACE_INTERVAL`` from now), and the shards
+        that a pace held drain again at once."""
+        if self.pace:
+            self.pace = 0.0
+            for limiter in self._shards.values():
+                limiter.blocked_until = -math.inf
+        self._next_pace = now + PACE_INTERVAL
+
+    def plan_pace(self, now: float, outstanding: int, longest: float) -> None:
+        """Plan :attr:`pace` again (every ``PACE_INTERVAL`` seconds): ``PACE_SHARE`` of the
+        least mean latency the stream's ``outstanding`` user records can have while it is at
+        its capacity, at most ``longest`` (``record_max_buffered_time``); none otherwise.
+
+        Little's law gives that latency: the outstanding records over the user records per
+        second the shards can release (their rates, at the user records per Kinesis record
+        and per byte they released lately). The stream is at its capacity when two or more
+        shards released records in the last ``PACE_WINDOW`` seconds and, smoothed, they used
+        ``PACE_CAPACITY`` of their rates (then down to ``PACE_CAPACITY_OFF``, so that the
+        pace's own small cost in throughput does not turn it off). A latency under
+        ``PACE_FROM`` of ``longest`` is not paced: its spread is a few milliseconds, and the
+        pace would cost the median more than it saves the tail."""
+        if now < self._next_pace:
+            return
+        self._next_pace = now + PACE_INTERVAL
+        since = now - PACE_WINDOW
+        records = size = users = 0
+        records_rate = bytes_rate = 0.0
+        active = 0
+        for limiter in self._shards.values():
+            counters = limiter.counters
+            records += counters.records_sent
+            size += counters.bytes_sent
+            users += counters.user_records_sent
+            if limiter.active_at >= since:
+                active += 1
+                records_rate += limiter.bucket.records_per_second
+                bytes_rate += limiter.bucket.bytes_per_second
+        last = self._paced
+        self._paced = (now, records, size, users)
+        if last is None:
+            return
+        elapsed = now - last[0]
+        sent, sent_bytes, sent_users = records - last[1], size - last[2], users - last[3]
+        use = 0.0
+        capacity = math.inf  # user records per second
+        if records_rate:
+            use = sent / elapsed / records_rate
+            if sent:
+                capacity = records_rate * sent_users / sent
+        if bytes_rate:
+            use = max(use, sent_bytes / elapsed / bytes_rate)
+            if sent_bytes:
+                capacity = min(capacity, bytes_rate * sent_users / sent_bytes)
+        self._capacity_use += PACE_SMOOTHING * (use - self._capacity_use)
+        if capacity != math.inf:
+            if self._capacity == math.inf:
+                self._capacity = capacity
+            self._capacity += PACE_SMOOTHING * (capacity - self._capacity)
+        pace = 0.0
+        threshold = PACE_CAPACITY_OFF if self.pace else PACE_CAPACITY
+        if active >= 2 and self._capacity_use >= threshold and self._capacity != math.inf:
+            latency = outstanding / self._capacity
+            if latency >= PACE_FROM * longest:
+                pace = min(PACE_SHARE * latency, longest)
+        self.pace = pace
 
     def _split(self, limiter: _ShardLimiter, out: list[KinesisRecord], start: int) -> None:
         """Split the aggregates just released for ``limiter``'s shard into ``SAMPLE_SIZE``

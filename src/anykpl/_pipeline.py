@@ -415,6 +415,7 @@ class Pipeline:
             user_records_received=self.received,
             shards=shards,
             retry_budget_exhausted=retrier.retry_budget_exhausted,
+            pace=self.limiter.pace,
         )
 
     def update_backlog_limit(self, now: float) -> None:
@@ -621,16 +622,24 @@ class Pipeline:
                 now = anyio.current_time()
                 out: list[KinesisRecord] = []
                 expired: list[KinesisRecord] = []
+                flush = FLUSH in messages
+                if flush:
+                    limiter.unpace(now)  # a flush sends what it finds, paced or not
                 for message in messages:
                     if isinstance(message, list):
                         limiter.put(message, now, out)
                 wake = limiter.drain(now, out, expired)
                 self.update_backlog_limit(now)
+                if self.adaptive_batching:
+                    # pacing at capacity (docs/batching.md)
+                    limiter.plan_pace(
+                        now, self.intake.outstanding_records, self.config.record_max_buffered_time
+                    )
                 if expired:
                     self.retrier.expire(expired, now)
                 if out:
                     self.collector_send.send_nowait(out)
-                if FLUSH in messages:
+                if flush:
                     # after the records that came before it (and a few after: harmless)
                     self.collector_send.send_nowait(FLUSH)
                 if SEND_NOW in messages:

@@ -134,6 +134,9 @@ class StreamStatistics:
         shards: rate control per shard: rate, ceiling, cuts, throttles, waits.
         retry_budget_exhausted: retries that found the retry budget spent (and waited
             ``retry_backoff_max``).
+        pace: seconds a record waits at least before its shard sends it, from its admission:
+            pacing at capacity (adaptive batching; see docs/batching.md). 0 while the stream
+            is not at its capacity.
     """
 
     shard_map_state: str
@@ -150,6 +153,7 @@ class StreamStatistics:
     user_records_received: int
     shards: Mapping[str, ShardStatistics]
     retry_budget_exhausted: int
+    pace: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
