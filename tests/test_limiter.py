@@ -566,3 +566,19 @@ def test_a_flush_lifts_the_pace_until_the_next_plan() -> None:
     limiter.unpace(1.01)
     assert limiter.pace == 0.0
     assert _drain(limiter, 1.01)[0] == [held]
+
+
+def test_a_shard_cut_by_adaptive_control_is_not_paced() -> None:
+    """A cut shard shares its capacity with other producers: the tokens a pace would let it
+    gather would leave in a burst, which the others' records would meet as throttles."""
+    limiter = adaptive_limiter()
+    limiter.put([make_kinesis_record()], 0.0, [])
+    _drain(limiter, 0.0)
+    _throttle_round(limiter, 0.5)
+    limiter.pace = 0.05
+    cut = KinesisRecord([_user(0.6)], b"x" * 9, "k", "1", SHARD, 5.0, 1000.0)
+    limiter.put([cut], 0.6, [])
+    assert _drain(limiter, 0.6)[0] == [cut]
+    other = KinesisRecord([_user(0.6)], b"x" * 9, "k", "1", OTHER, 5.0, 1000.0)
+    limiter.put([other], 0.6, [])
+    assert _drain(limiter, 0.6)[0] == []  # the shard beside it, not cut, is paced

@@ -312,7 +312,10 @@ class Limiter:
                     self._apply_fraction(limiter, fraction, now)
                     rising = limiter.fraction < 1.0
             if now >= limiter.blocked_until:
-                limiter.pace = pace
+                # not a shard that adaptive control has cut: it shares its capacity with other
+                # producers, and the tokens gathered while a pace held it would leave in a
+                # burst that their records would meet as throttles
+                limiter.pace = pace if limiter.fraction >= 1.0 else 0.0
                 queue = limiter.queue
                 before = len(queue)
                 start = len(out)
