@@ -582,3 +582,39 @@ def test_a_shard_cut_by_adaptive_control_is_not_paced() -> None:
     other = KinesisRecord([_user(0.6)], b"x" * 9, "k", "1", OTHER, 5.0, 1000.0)
     limiter.put([other], 0.6, [])
     assert _drain(limiter, 0.6)[0] == []  # the shard beside it, not cut, is paced
+
+
+def test_a_pace_is_gone_after_an_idle_spell_and_its_holds_with_it() -> None:
+    """Planned before each drain: after a busy stream's idle spell (no shard active) the pace
+    is 0 before a lone record is looked at; and a flush releases what an older pace held even
+    once the pace itself is 0."""
+    limiter = Limiter(rate_limit_percent=100)
+    assert _offer(limiter, (SHARD, OTHER), 15, 500, 3.0)[-1] == pytest.approx(0.1)
+    limiter.take_all()
+    lone = KinesisRecord([_user(4.5)], b"x" * 9, "k", "1", SHARD, 5.0, 1000.0)
+    limiter.put([lone], 4.5, [])
+    limiter.plan_pace(4.5, 1, 0.1)
+    assert limiter.pace == 0.0
+    assert _drain(limiter, 4.5)[0] == [lone]
+
+    limiter.pace = 0.2
+    held = KinesisRecord([_user(5.0)], b"x" * 9, "k", "1", SHARD, 6.0, 1000.0)
+    limiter.put([held], 5.0, [])
+    assert _drain(limiter, 5.0)[0] == []
+    limiter.pace = 0.0  # as a plan between the two would set it
+    limiter.unpace(5.01)
+    assert _drain(limiter, 5.01)[0] == [held]
+
+
+def test_no_pace_past_a_records_expiration_or_for_a_reserved_record() -> None:
+    """The gate gives way to a record's expiration (less DEADLINE_MARGIN), and to a record
+    that already holds a reservation of the shared (fleet) bucket."""
+    limiter = Limiter(rate_limit_percent=100)
+    limiter.pace = 0.5
+    short = KinesisRecord([_user(1.0)], b"x" * 9, "k", "1", SHARD, 1.1, 2.2)
+    limiter.put([short], 1.0, [])
+    assert _drain(limiter, 1.0)[0] == [short]
+    reserved = KinesisRecord([_user(2.0)], b"x" * 9, "k", "1", SHARD, 3.0, 1000.0)
+    reserved.shared_paid = True
+    limiter.put([reserved], 2.0, [])
+    assert _drain(limiter, 2.0)[0] == [reserved]

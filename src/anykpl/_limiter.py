@@ -168,10 +168,11 @@ class _ShardLimiter:
         and a bigger record on another shard (or stream) would never find enough tokens."""
         kr = item.record
         pace = self.pace
-        if pace:
+        if pace and not kr.shared_paid:
+            # (not a record that holds a reservation of the shared bucket: it goes at once)
             records = kr.records
             gate = sum(r.arrival for r in records) / len(records) + pace
-            if now < gate:
+            if now < gate < kr.expiration - DEADLINE_MARGIN:
                 self.blocked_until = gate
                 return False
         bucket, size, shared = self.bucket, kr.size, self.shared
@@ -352,16 +353,25 @@ class Limiter:
     def unpace(self, now: float) -> None:
         """A flush: no pace until the next plan (``PACE_INTERVAL`` from now), and the shards
         that a pace held drain again at once."""
-        if self.pace:
-            self.pace = 0.0
-            for limiter in self._shards.values():
-                limiter.blocked_until = -math.inf
+        self._set_pace(0.0)
         self._next_pace = now + PACE_INTERVAL
+
+    def _set_pace(self, pace: float) -> None:
+        """A new pace; the shards that one twice as long (or more) may be holding drain again
+        at its measure (the plan moves the pace a little every time: releasing the held shards
+        on every small step would only wake them early)."""
+        self.pace = pace
+        for limiter in self._shards.values():
+            if limiter.pace > 2.0 * pace:
+                limiter.pace = pace
+                limiter.blocked_until = -math.inf
 
     def plan_pace(self, now: float, outstanding: int, longest: float) -> None:
         """Plan :attr:`pace` again (every ``PACE_INTERVAL`` seconds): ``PACE_SHARE`` of the
         least mean latency the stream's ``outstanding`` user records can have while it is at
-        its capacity, at most ``longest`` (``record_max_buffered_time``); none otherwise.
+        its capacity, at most ``longest`` (``record_max_buffered_time``) and the buckets'
+        burst; none otherwise. Called before each drain, so after an idle spell (no shard
+        active) the pace is gone before anything is released.
 
         Little's law gives that latency: the outstanding records over the user records per
         second the shards can release (their rates, at the user records per Kinesis record
@@ -413,8 +423,9 @@ class Limiter:
         if active >= 2 and self._capacity_use >= threshold and self._capacity != math.inf:
             latency = outstanding / self._capacity
             if latency >= PACE_FROM * longest:
-                pace = min(PACE_SHARE * latency, longest)
-        self.pace = pace
+                # (no longer than the buckets hold tokens: a held shard loses none)
+                pace = min(PACE_SHARE * latency, longest, self.burst)
+        self._set_pace(pace)
 
     def _split(self, limiter: _ShardLimiter, out: list[KinesisRecord], start: int) -> None:
         """Split the aggregates just released for ``limiter``'s shard into ``SAMPLE_SIZE``

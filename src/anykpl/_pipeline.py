@@ -628,13 +628,13 @@ class Pipeline:
                 for message in messages:
                     if isinstance(message, list):
                         limiter.put(message, now, out)
-                wake = limiter.drain(now, out, expired)
-                self.update_backlog_limit(now)
                 if self.adaptive_batching:
                     # pacing at capacity (docs/batching.md)
                     limiter.plan_pace(
                         now, self.intake.outstanding_records, self.config.record_max_buffered_time
                     )
+                wake = limiter.drain(now, out, expired)
+                self.update_backlog_limit(now)
                 if expired:
                     self.retrier.expire(expired, now)
                 if out:

@@ -135,8 +135,8 @@ class StreamStatistics:
         retry_budget_exhausted: retries that found the retry budget spent (and waited
             ``retry_backoff_max``).
         pace: seconds a record waits at least before its shard sends it, from its admission:
-            pacing at capacity (adaptive batching; see docs/batching.md). 0 while the stream
-            is not at its capacity.
+            pacing at capacity (adaptive batching; see docs/batching.md), as last planned
+            (every 0.1 s while records flow). 0 when the stream was not at its capacity.
     """
 
     shard_map_state: str

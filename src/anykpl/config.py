@@ -334,12 +334,14 @@ class ProducerConfig:
             rule). A service that awaits each ``put_record`` then waits about one round trip
             instead of the whole buffering time, and under load batches still fill, because
             requests are in flight. Records waiting for a shard's tokens keep gathering until
-            their deadline. While the stream is at its capacity (two or more shards using 90 %
-            of their rates), records are paced so that every shard's records wait alike: each
-            leaves no sooner than 80 % of the stream's least mean latency after its admission
-            (its outstanding records over what its shards can send), at most
-            ``record_max_buffered_time``. Default ``True``; ``False`` is the KPL's batching
-            (every record waits for its deadline unless a batch fills). No KPL property.
+            their deadline. While the stream is at its capacity (two or more active shards
+            using, together, 90 % of their rates) and its least mean latency (its
+            outstanding records over what its shards can send) is at least a quarter of
+            ``record_max_buffered_time``, records are paced so that every shard's records
+            wait alike: each leaves no sooner than 80 % of that latency after its admission,
+            at most ``record_max_buffered_time`` (docs/batching.md). Default ``True``;
+            ``False`` is the KPL's batching (every record waits for its deadline unless a
+            batch fills). No KPL property.
         admission_timeout: Seconds ``submit`` and ``put_record`` wait for room under the
             outstanding limits, and for their tenant's quota (``tenant_quotas``), before
             raising :class:`~anykpl.errors.BackpressureTimeout`; a put whose quota wait alone

@@ -91,13 +91,14 @@ async def test_without_adaptive_batching_each_put_waits_for_its_deadline() -> No
 
 @pytest.mark.timeout(120)
 async def test_handlers_at_the_streams_capacity_wait_alike_on_every_shard() -> None:
-    """200 handlers awaiting put_record of 500 B under a fresh key each, on a 2-shard stream
-    at its capacity (about 4,100 such records/s). Without pacing, each shard's records waited
-    as long as the handlers that happened to pile up on it made them: in six runs of this
-    test, one shard's mean wait was 1.01-1.75 times the other's (1.4 or more in four). Paced,
-    1.01-1.07 times, and every record is in the stream."""
+    """200 handlers awaiting put_record of 1,000 B under a fresh key each, on a 2-shard stream
+    at its capacity (about 2,000 such records/s). Without pacing, each shard's records waited
+    as long as the handlers that happened to pile up on it made them: in four runs of this
+    test, one shard's mean wait was 3.4-6.6 times the other's. Paced (80 ms here), 1.01-1.04
+    times; and every record is in the stream. (With 500 B records the stream runs near the
+    pace's threshold of capacity in this process, and the pace came and went.)"""
     stream = f"batching-{random.randrange(1 << 32):08x}"
-    handlers, seconds, settle, size = 200, 5.0, 2.0, 500
+    handlers, seconds, settle, size = 200, 6.0, 3.0, 1000
     waits: dict[str, list[float]] = {}
     paces: list[float] = []
     sent: dict[int, Sent] = {}
@@ -123,7 +124,8 @@ async def test_handlers_at_the_streams_capacity_wait_alike_on_every_shard() -> N
 
             async def watch() -> None:
                 while anyio.current_time() < stop:
-                    paces.append(producer.statistics().streams[stream].pace)
+                    if anyio.current_time() >= opened + settle:
+                        paces.append(producer.statistics().streams[stream].pace)
                     await anyio.sleep(0.1)
 
             async with anyio.create_task_group() as tg:
@@ -132,6 +134,7 @@ async def test_handlers_at_the_streams_capacity_wait_alike_on_every_shard() -> N
                     tg.start_soon(handler, index)
         means = {shard: sum(w) / len(w) for shard, w in waits.items()}
         assert len(means) == 2
-        assert max(paces) > 0.0  # the stream was at its capacity, and paced
+        # the stream was at its capacity, and paced, for most of the time measured
+        assert sum(pace > 0.0 for pace in paces) >= 0.8 * len(paces), paces
         assert max(means.values()) < 1.3 * min(means.values()), means
         await _read_back_everything(url, stream, sent)
