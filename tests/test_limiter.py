@@ -21,9 +21,10 @@ def make_kinesis_record(
     size: int = 10,
     deadline: float = 0.0,
     expiration: float = 1000.0,
+    arrival: float = 0.0,
 ) -> KinesisRecord:
     data = bytes(size - 1)
-    user = PendingRecord("stream", "k", data, 1, None, 0.0, deadline, expiration)
+    user = PendingRecord("stream", "k", data, 1, None, arrival, deadline, expiration)
     return KinesisRecord([user], data, "k", "1", shard, deadline, expiration)
 
 
@@ -479,8 +480,8 @@ def test_aggregates_leave_in_pieces_while_the_controller_weighs_the_evidence() -
 # -- pacing at capacity ----------------------------------------------------------------------
 
 
-def _user(arrival: float, deadline: float = 5.0) -> PendingRecord:
-    return PendingRecord("stream", "k", b"x" * 9, 1, None, arrival, deadline, 1000.0)
+def _user(arrival: float) -> PendingRecord:
+    return PendingRecord("stream", "k", b"x" * 9, 1, None, arrival, 5.0, 1000.0)
 
 
 def test_a_paced_record_leaves_once_it_has_waited_the_pace() -> None:
@@ -488,7 +489,7 @@ def test_a_paced_record_leaves_once_it_has_waited_the_pace() -> None:
     aggregate: its records' mean arrival); without one, at once."""
     limiter = Limiter(rate_limit_percent=100)
     limiter.pace = 0.05
-    single = KinesisRecord([_user(1.0)], b"x" * 9, "k", "1", SHARD, 5.0, 1000.0)
+    single = make_kinesis_record(arrival=1.0, deadline=5.0)
     limiter.put([single], 1.0, [])
     out, _, wake = _drain(limiter, 1.01)
     assert out == []
@@ -504,11 +505,11 @@ def test_a_paced_record_leaves_once_it_has_waited_the_pace() -> None:
     assert _drain(limiter, wake)[0] == [both]
 
     # an old record (a retry) is not held; nor anything once the pace is 0
-    old = KinesisRecord([_user(0.0)], b"x" * 9, "k", "1", SHARD, 5.0, 1000.0)
+    old = make_kinesis_record(arrival=0.0, deadline=5.0)
     limiter.put([old], 3.0, [])
     assert _drain(limiter, 3.0)[0] == [old]
     limiter.pace = 0.0
-    fresh = KinesisRecord([_user(4.0)], b"x" * 9, "k", "1", SHARD, 5.0, 1000.0)
+    fresh = make_kinesis_record(arrival=4.0, deadline=5.0)
     limiter.put([fresh], 4.0, [])
     assert _drain(limiter, 4.0)[0] == [fresh]
 
@@ -523,7 +524,7 @@ def _offer(
     while now < seconds:
         for shard in shards:
             records = [
-                KinesisRecord([_user(now, now + 0.1)], b"x" * 9, "k", "1", shard, now + 0.1, 1e9)
+                make_kinesis_record(shard=shard, arrival=now, deadline=now + 0.1, expiration=1e9)
                 for _ in range(per_tick)
             ]
             limiter.put(records, now, [])
@@ -560,7 +561,7 @@ def test_a_flush_lifts_the_pace_until_the_next_plan() -> None:
     """unpace (a flush): what the pace held drains at once."""
     limiter = Limiter(rate_limit_percent=100)
     limiter.pace = 0.05
-    held = KinesisRecord([_user(1.0)], b"x" * 9, "k", "1", SHARD, 5.0, 1000.0)
+    held = make_kinesis_record(arrival=1.0, deadline=5.0)
     limiter.put([held], 1.0, [])
     assert _drain(limiter, 1.0)[0] == []
     limiter.unpace(1.01)
@@ -576,10 +577,10 @@ def test_a_shard_cut_by_adaptive_control_is_not_paced() -> None:
     _drain(limiter, 0.0)
     _throttle_round(limiter, 0.5)
     limiter.pace = 0.05
-    cut = KinesisRecord([_user(0.6)], b"x" * 9, "k", "1", SHARD, 5.0, 1000.0)
+    cut = make_kinesis_record(arrival=0.6, deadline=5.0)
     limiter.put([cut], 0.6, [])
     assert _drain(limiter, 0.6)[0] == [cut]
-    other = KinesisRecord([_user(0.6)], b"x" * 9, "k", "1", OTHER, 5.0, 1000.0)
+    other = make_kinesis_record(shard=OTHER, arrival=0.6, deadline=5.0)
     limiter.put([other], 0.6, [])
     assert _drain(limiter, 0.6)[0] == []  # the shard beside it, not cut, is paced
 
@@ -591,14 +592,14 @@ def test_a_pace_is_gone_after_an_idle_spell_and_its_holds_with_it() -> None:
     limiter = Limiter(rate_limit_percent=100)
     assert _offer(limiter, (SHARD, OTHER), 15, 500, 3.0)[-1] == pytest.approx(0.1)
     limiter.take_all()
-    lone = KinesisRecord([_user(4.5)], b"x" * 9, "k", "1", SHARD, 5.0, 1000.0)
+    lone = make_kinesis_record(arrival=4.5, deadline=5.0)
     limiter.put([lone], 4.5, [])
     limiter.plan_pace(4.5, 1, 0.1)
     assert limiter.pace == 0.0
     assert _drain(limiter, 4.5)[0] == [lone]
 
     limiter.pace = 0.2
-    held = KinesisRecord([_user(5.0)], b"x" * 9, "k", "1", SHARD, 6.0, 1000.0)
+    held = make_kinesis_record(arrival=5.0, deadline=6.0)
     limiter.put([held], 5.0, [])
     assert _drain(limiter, 5.0)[0] == []
     limiter.pace = 0.0  # as a plan between the two would set it
@@ -611,10 +612,10 @@ def test_no_pace_past_a_records_expiration_or_for_a_reserved_record() -> None:
     that already holds a reservation of the shared (fleet) bucket."""
     limiter = Limiter(rate_limit_percent=100)
     limiter.pace = 0.5
-    short = KinesisRecord([_user(1.0)], b"x" * 9, "k", "1", SHARD, 1.1, 2.2)
+    short = make_kinesis_record(arrival=1.0, deadline=1.1, expiration=2.2)
     limiter.put([short], 1.0, [])
     assert _drain(limiter, 1.0)[0] == [short]
-    reserved = KinesisRecord([_user(2.0)], b"x" * 9, "k", "1", SHARD, 3.0, 1000.0)
+    reserved = make_kinesis_record(arrival=2.0, deadline=3.0)
     reserved.shared_paid = True
     limiter.put([reserved], 2.0, [])
     assert _drain(limiter, 2.0)[0] == [reserved]

@@ -152,8 +152,8 @@ class _ShardLimiter:
         self.next_need_at = -math.inf
         # a saturated shard is not drained again before this, whatever arrives meanwhile
         self.blocked_until = -math.inf
-        # pacing at capacity (see Limiter.drain): the delay applied now, and when the shard
-        # last released a record
+        # pacing at capacity (see Limiter.plan_pace): the delay applied now, and when the
+        # shard last released a record
         self.pace = 0.0
         self.active_at = -math.inf
 
