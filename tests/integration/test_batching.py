@@ -91,16 +91,18 @@ async def test_without_adaptive_batching_each_put_waits_for_its_deadline() -> No
 
 @pytest.mark.timeout(120)
 async def test_handlers_at_the_streams_capacity_wait_alike_on_every_shard() -> None:
-    """200 handlers awaiting put_record of 1,000 B under a fresh key each, on a 2-shard stream
-    at its capacity (about 2,000 such records/s). Without pacing, each shard's records waited
-    as long as the handlers that happened to pile up on it made them: in four runs of this
-    test, one shard's mean wait was 3.4-6.6 times the other's. Paced (80 ms here), 1.01-1.04
-    times; and every record is in the stream. (With 500 B records the stream runs near the
-    pace's threshold of capacity in this process, and the pace came and went.)"""
+    """100 handlers awaiting put_record of 2,000 B under a fresh key each, on a 2-shard stream
+    at its capacity (about 1,050 such records/s). Without pacing, each shard's records waited
+    as long as the handlers that happened to pile up on it made them: in three runs, one
+    shard's mean wait was 1.35-1.52 times the other's (3.4-6.6 times in four runs of 200
+    handlers and 1,000 B). Paced (77 ms here), 1.01-1.05 times; and every record is in the
+    stream. (The scenario takes half the CPU of 200 handlers and 1,000 B for the same bytes: on
+    a busy machine the producer still keeps the stream at its capacity, and so paced.)"""
     stream = f"batching-{random.randrange(1 << 32):08x}"
-    handlers, seconds, settle, size = 200, 6.0, 3.0, 1000
+    handlers, seconds, settle, size = 100, 6.0, 3.0, 2000
     waits: dict[str, list[float]] = {}
     paces: list[float] = []
+    samples: list[str] = []  # for the message of a failure: when, the pace, records sent
     sent: dict[int, Sent] = {}
     with spawn(streams={stream: 2}) as url:
         async with Producer(region=REGION, endpoint_url=url, **CREDENTIALS) as producer:
@@ -124,8 +126,16 @@ async def test_handlers_at_the_streams_capacity_wait_alike_on_every_shard() -> N
 
             async def watch() -> None:
                 while anyio.current_time() < stop:
-                    if anyio.current_time() >= opened + settle:
-                        paces.append(producer.statistics().streams[stream].pace)
+                    if (now := anyio.current_time()) >= opened + settle:
+                        statistics = producer.statistics().streams[stream]
+                        paces.append(statistics.pace)
+                        shards = statistics.shards.values()
+                        sent_so_far = sum(shard.records_sent for shard in shards)
+                        throttled = sum(shard.throttled_records for shard in shards)
+                        samples.append(
+                            f"{now - opened:.2f}s {statistics.pace * 1000:.0f}ms "
+                            f"{sent_so_far}/{throttled}"
+                        )
                     await anyio.sleep(0.1)
 
             async with anyio.create_task_group() as tg:
@@ -135,6 +145,6 @@ async def test_handlers_at_the_streams_capacity_wait_alike_on_every_shard() -> N
         means = {shard: sum(w) / len(w) for shard, w in waits.items()}
         assert len(means) == 2
         # the stream was at its capacity, and paced, for most of the time measured
-        assert sum(pace > 0.0 for pace in paces) >= 0.8 * len(paces), paces
-        assert max(means.values()) < 1.3 * min(means.values()), means
+        assert sum(pace > 0.0 for pace in paces) >= 0.75 * len(paces), samples
+        assert max(means.values()) < 1.25 * min(means.values()), means
         await _read_back_everything(url, stream, sent)
