@@ -145,6 +145,28 @@ def test_a_shard_backlog_counts_its_records_out_when_they_finish() -> None:
     assert len(intake.outstanding) == 0
 
 
+def test_the_oldest_outstanding_record_is_the_first_admitted_of_those_left() -> None:
+    now = [10.0]
+    intake = Intake(
+        100_000, 128 * 1024 * 1024, _limits.DEFAULT_MAX_RECORD_SIZE, lambda: now[0], lambda: None
+    )
+    stream = _stream(intake, shard_bytes=1_000_000)
+    assert intake.oldest_arrival() is None
+    records: list[PendingRecord] = []
+    for arrival, shard in ((10.0, 0), (11.0, 1), (12.0, 0)):
+        now[0] = arrival
+        record = _offer(intake, stream, _key_on(shard))
+        assert record is not None
+        records.append(record)
+    assert intake.oldest_arrival() == 10.0
+    intake.finish([records[1]], True)  # a younger one ends first: the oldest stays
+    assert intake.oldest_arrival() == 10.0
+    intake.finish([records[0]], False)
+    assert intake.oldest_arrival() == 12.0
+    intake.finish([records[2]], True)
+    assert intake.oldest_arrival() is None
+
+
 def test_an_empty_shard_always_takes_one_record_of_any_size() -> None:
     intake = _intake()
     stream = _stream(intake, shard_bytes=100)

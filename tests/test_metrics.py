@@ -178,6 +178,28 @@ def test_take_unsent_hands_out_each_sample_once() -> None:
     assert m.snapshot()[MetricKey("UserRecordsPut")] == 5
 
 
+def test_gauges_are_sampled_once_as_each_second_closes() -> None:
+    """UserRecordsPending is a gauge: one sample per stream as each one-second bucket closes
+    (the KPL takes five a second), never one per read."""
+    clock = Clock()
+    m = Metrics(clock)
+    pending = {"a": 3, "b": 0}
+    m.gauge = lambda: [m.sample_to_bucket("UserRecordsPending", n, s) for s, n in pending.items()]
+    m.add("UserRecordsPut", 1, "a", S0, None)  # the first bucket opens: nothing to sample yet
+    assert m.query("UserRecordsPending") == []
+    clock.now += 1.0
+    m.add("UserRecordsPut", 1, "a", S0, None)  # the first second closes: a sample each
+    pending["a"] = 7
+    clock.now += 1.0
+    for _ in range(3):  # reads in the same second add no sample
+        values = {v.stream: v for v in m.query("UserRecordsPending") if v.stream is not None}
+    assert {s: (v.count, v.min, v.max) for s, v in values.items()} == {
+        "a": (2, 3, 7),
+        "b": (2, 0, 0),
+    }
+    assert METRICS["UserRecordsPending"] == ("Count", "detailed")
+
+
 def test_every_kpl_metric_has_a_unit_and_level() -> None:
     assert METRICS["BufferingTime"] == ("Milliseconds", "summary")
     assert METRICS["UserRecordsDataPut"] == ("Bytes", "detailed")

@@ -90,7 +90,9 @@ class Intake:
         self.on_finish = on_finish
         # Every admitted record until it is terminal: the producer's safety net (whatever
         # happens to a stage, what is left here can be failed, so no awaiter ever hangs).
-        self.outstanding: set[PendingRecord] = set()
+        # A dict for its order: records are added as they are admitted, so the first is the
+        # oldest outstanding one (``oldest_arrival``).
+        self.outstanding: dict[PendingRecord, None] = {}
         self.outstanding_bytes = 0
         # partition key -> (hash key, UTF-8 length): IoT-style workloads reuse keys, and an
         # MD5 costs more than the dictionary lookup
@@ -279,6 +281,13 @@ class Intake:
             or (not self.recovering and (not outstanding or spool.has_room(size)))
         )
 
+    def oldest_arrival(self) -> float | None:
+        """When the oldest outstanding record was admitted (the producer's clock), ``None``
+        when none is: the first in ``outstanding``, which keeps the order of admission."""
+        for record in self.outstanding:
+            return record.arrival
+        return None
+
     def no_room_reason(self, record: PendingRecord, stream: StreamIntake) -> str:
         """What keeps ``record`` out now, in words (for
         :class:`~anykpl.errors.BackpressureTimeout`)."""
@@ -349,7 +358,7 @@ class Intake:
         record.deadline = deadline if deadline < expiration else expiration
         record.expiration = expiration
         size = record.size
-        self.outstanding.add(record)
+        self.outstanding[record] = None
         self.outstanding_bytes += size
         if not backlog.outstanding_records:
             self.active_backlogs += 1
@@ -368,7 +377,7 @@ class Intake:
         released = count = 0
         for record in records:
             if not record._state:  # still pending: resolve exactly once
-                outstanding.discard(record)
+                outstanding.pop(record, None)
                 size = record.size
                 released += size
                 count += 1

@@ -162,7 +162,8 @@ _IGNORED_PROPERTIES: Final[Mapping[str, tuple[str, str, str]]] = {
     "EnableOldestFutureTracker": (
         "bool",
         "true",
-        "it is Java-wrapper bookkeeping for getOldestRecordTimeInMillis",
+        "it is Java-wrapper bookkeeping for getOldestRecordTimeInMillis; "
+        "Producer.oldest_record_age is always kept",
     ),
     "ReturnUserRecordOnFailure": (
         "bool",

@@ -37,7 +37,9 @@ Where we differ, and why (every difference we know of):
   ``UserRecordsFailed`` at the stream level: no shard is known for them.
 - ``ErrorsByCode`` and ``AllErrors`` of a failed request (no response) are at the stream level,
   as in the KPL; the per-record ones at the predicted shard.
-- ``UserRecordsPending`` is not recorded (``Producer.statistics()`` has the queue depths).
+- ``UserRecordsPending`` (user records admitted and not yet terminal, per stream) is sampled
+  once a second, as each one-second bucket closes; the KPL samples it every 200 ms. Its
+  ``Average`` and ``Maximum`` are what the KPL's are; its ``SampleCount`` is a fifth.
 - **Uploads are exact intervals.** The KPL uploads ``[last checkpoint, now - 1 s]`` from its
   buckets; we close the current bucket at each upload, so every sample is uploaded exactly once
   and nothing waits a second longer.
@@ -72,6 +74,7 @@ MetricsLevel = Literal["summary", "detailed"]
 #: name -> (unit, level): the KPL's table (metrics_constants.cc; kpl.md §5).
 METRICS: Final[Mapping[str, tuple[Unit, MetricsLevel]]] = {
     "UserRecordsReceived": ("Count", "detailed"),
+    "UserRecordsPending": ("Count", "detailed"),
     "UserRecordsPut": ("Count", "summary"),
     "UserRecordsDataPut": ("Bytes", "detailed"),
     "KinesisRecordsPut": ("Count", "summary"),
@@ -247,6 +250,9 @@ class Metrics:
         #: called when a bucket closes and before the metrics are read, to fold counters kept
         #: elsewhere into the current bucket (with :meth:`add_to_bucket`)
         self.collect: Callable[[], None] | None = None
+        #: called when a bucket closes, to sample gauges into it (with
+        #: :meth:`sample_to_bucket`): once per second, not at every read
+        self.gauge: Callable[[], None] | None = None
         self._bucket: dict[_Key, _Stats] = {}
         self._bucket_start = -math.inf
         self._bucket_end = -math.inf
@@ -315,13 +321,37 @@ class Metrics:
             stats[0] += value
             stats[1] += value
 
+    def start(self) -> None:
+        """Open the first one-second bucket now (the producer opens), if nothing has yet:
+        from then on every second that ends has its gauges sampled as its bucket closes."""
+        if self._started is None:
+            self._roll(self.clock())
+
+    def sample_to_bucket(self, name: str, value: float, stream: str | None) -> None:
+        """Like :meth:`sample`, into the current bucket without reading the clock (for
+        :attr:`gauge`)."""
+        key = (name, stream, None, None)
+        stats = self._bucket.get(key)
+        if stats is None:
+            self._bucket[key] = [1.0, value, value, value]
+        else:
+            stats[0] += 1.0
+            stats[1] += value
+            if value < stats[2]:
+                stats[2] = value
+            if value > stats[3]:
+                stats[3] = value
+
     def _roll(self, now: float) -> None:
         """Close the current bucket and start the one ``now`` falls in."""
         if self._started is None:
             self._started = now
             self._unsent_since = now
-        elif self.collect is not None:
-            self.collect()  # what was counted elsewhere during the bucket's second
+        else:
+            if self.collect is not None:
+                self.collect()  # what was counted elsewhere during the bucket's second
+            if self.gauge is not None:
+                self.gauge()  # the gauges, as the bucket's second ends
         bucket = self._bucket
         if bucket:
             _merge_into(self._total, bucket)

@@ -130,6 +130,7 @@ class Producer(anyio.AsyncContextManagerMixin):
         self._state = "new"  # new → open → closing → closed
         self._metrics = Metrics()
         self._metrics.collect = self._count_received
+        self._metrics.gauge = self._sample_pending
         self._failure: BaseException | None = None
         self._clock: Callable[[], float] = anyio.current_time
         # the per-record part of admission, and the outstanding records (the safety net)
@@ -179,6 +180,7 @@ class Producer(anyio.AsyncContextManagerMixin):
                 # cancelling the caller's code in it
                 self._task_group = await tg.start(self._host_stages)
                 self._clock = self._intake.clock = self._metrics.clock = _backend_clock()
+                self._metrics.start()  # its first second, and the gauges' (UserRecordsPending)
                 if self._spool is not None:
                     await self._open_spool(self._spool, self._task_group)
                 if self._metrics_sinks and self.config.metrics_level != "none":
@@ -781,8 +783,19 @@ class Producer(anyio.AsyncContextManagerMixin):
 
     @property
     def outstanding_records(self) -> int:
-        """Admitted records that are not yet terminal."""
+        """Admitted records that are not yet terminal (the KPL's
+        ``getOutstandingRecordsCount``)."""
         return len(self._intake.outstanding)
+
+    @property
+    def oldest_record_age(self) -> float:
+        """Seconds since the oldest record that is not yet terminal was admitted; 0.0 when
+        none is (the KPL's ``getOldestRecordTimeInMillis``, in seconds). A steady climb says
+        the producer falls behind what it is given."""
+        oldest = self._intake.oldest_arrival()
+        if oldest is None or self._state not in ("open", "closing"):
+            return 0.0
+        return max(0.0, self._clock() - oldest)
 
     def statistics(self) -> ProducerStatistics:
         """A frozen snapshot of the producer's state and counters."""
@@ -797,6 +810,7 @@ class Producer(anyio.AsyncContextManagerMixin):
             tenants=self._tenants.statistics(now),
             fleet=None if self._fleet_worker is None else self._fleet_worker.statistics(),
             spool=None if self._spool is None else self._spool.statistics(),
+            oldest_record_age=self.oldest_record_age,
         )
 
     def _fleet_demand(self) -> FleetDemand:
@@ -854,6 +868,12 @@ class Producer(anyio.AsyncContextManagerMixin):
             received = p.take_received()
             if received:
                 self._metrics.add_to_bucket("UserRecordsReceived", received, name, None, None)
+
+    def _sample_pending(self) -> None:
+        """``Metrics.gauge``: one sample of ``UserRecordsPending`` per stream (its user records
+        admitted and not yet terminal) as each one-second bucket closes."""
+        for name, p in self._pipelines.items():
+            self._metrics.sample_to_bucket("UserRecordsPending", p.outstanding_records, name)
 
 
 def _check_stream_name(stream: object) -> None:

@@ -163,6 +163,9 @@ class ProducerStatistics:
     Attributes:
         outstanding_records: admitted records not yet terminal.
         outstanding_bytes: their data + partition key bytes.
+        oldest_record_age: seconds since the oldest of them was admitted (0.0 when none is):
+            the KPL's ``getOldestRecordTimeInMillis``, in seconds. Growing steadily, it says the
+            producer falls behind what it is given.
         streams: per-stream pipeline statistics.
         errors_by_code: Kinesis-record errors seen, by error code.
         metrics: the KPL metric counters (``MetricKey`` → sum) at global, stream and shard level.
@@ -185,3 +188,4 @@ class ProducerStatistics:
     tenants: Mapping[str, TenantStatistics] = field(default_factory=dict)
     fleet: FleetStatistics | None = None
     spool: SpoolStatistics | None = None
+    oldest_record_age: float = 0.0

@@ -478,6 +478,29 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
             raise self._closed_error("its statistics are out of reach")
         return self._producer.statistics()
 
+    @property
+    def outstanding_records(self) -> int:
+        """Admitted records that are not yet terminal (see :attr:`Producer.outstanding_records
+        <anykpl.Producer.outstanding_records>`); once closed, as many as close left."""
+        return int(self._read("outstanding_records"))
+
+    @property
+    def oldest_record_age(self) -> float:
+        """Seconds since the oldest record that is not yet terminal was admitted, 0.0 when
+        none is (see :attr:`Producer.oldest_record_age <anykpl.Producer.oldest_record_age>`);
+        once closed, as close left it."""
+        return float(self._read("oldest_record_age"))
+
+    def _read(self, name: str) -> float:
+        """The producer's ``name`` read in the event-loop thread, which owns its state; once
+        closed, from the statistics taken as it closed."""
+        self._check_thread()
+        if self._state != "closed":
+            with suppress(RuntimeError):  # the portal stopped meanwhile
+                return float(self._portal.call(getattr, self._producer, name))
+        final = self._final_statistics
+        return 0.0 if final is None else float(getattr(final, name))
+
     def metrics(self, name: str | None = None, window: float | None = None) -> list[MetricValue]:
         """The KPL metrics kept in process (see :meth:`Producer.metrics
         <anykpl.Producer.metrics>`): every metric at every level, cumulative since the producer

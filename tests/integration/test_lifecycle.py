@@ -36,6 +36,40 @@ async def test_aclose_inside_the_block_closes_and_the_code_after_it_runs(
     assert producer.outstanding_records == 0
 
 
+async def test_the_oldest_records_age_and_the_records_pending_while_records_wait(
+    make_stream: Any, producer_options: dict[str, Any]
+) -> None:
+    """Records that wait for their buffered time (the KPL's batching) age in
+    ``oldest_record_age`` (the KPL's getOldestRecordTimeInMillis), count in
+    ``outstanding_records`` and in the ``UserRecordsPending`` metric, until a flush."""
+    stream = make_stream(1)
+    options = {
+        **producer_options,
+        "record_max_buffered_time": 30.0,
+        "record_ttl": 120.0,
+        "adaptive_batching": False,
+    }
+    async with Producer(**options) as producer:
+        assert producer.oldest_record_age == 0.0
+        first = await producer.submit(stream, b"first", "k")
+        await anyio.sleep(0.5)
+        later = [await producer.submit(stream, b"x", f"k{i}") for i in range(9)]
+        await anyio.sleep(1.0)  # a one-second bucket closes meanwhile: a sample of 10 pending
+        age = producer.oldest_record_age
+        assert 1.4 <= age < 10.0, age  # the first record's age, not the later ones'
+        statistics = producer.statistics()
+        assert statistics.outstanding_records == 10
+        assert statistics.oldest_record_age >= age
+        pending = [v for v in producer.metrics("UserRecordsPending") if v.stream == stream]
+        assert len(pending) == 1
+        assert pending[0].max == 10
+        await producer.flush()
+        assert all(p.result().success for p in (first, *later))
+        assert producer.oldest_record_age == 0.0
+        assert producer.statistics().oldest_record_age == 0.0
+        assert producer.outstanding_records == 0
+
+
 async def test_aclose_from_another_task(make_stream: Any, producer_options: dict[str, Any]) -> None:
     stream = make_stream(1)
     async with Producer(**producer_options) as producer, anyio.create_task_group() as tg:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -218,3 +219,29 @@ def test_flush_of_one_stream(make_stream: Any, producer_options: dict[str, Any])
         assert not any(f.done() for f in twos)
         producer.flush(timeout=10)
         assert all(f.done() and f.result().success for f in twos)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_outstanding_records_and_the_oldest_records_age(
+    backend: str, make_stream: Any, producer_options: dict[str, Any]
+) -> None:
+    """SyncProducer has the KPL's getOutstandingRecordsCount and getOldestRecordTimeInMillis
+    too (read in the producer's thread), and keeps them as close left them."""
+    stream = make_stream(1)
+    options = {
+        **producer_options,
+        "record_max_buffered_time": 30.0,
+        "record_ttl": 120.0,
+        "adaptive_batching": False,
+    }
+    producer = SyncProducer(backend=backend, **options)
+    with producer:
+        assert (producer.outstanding_records, producer.oldest_record_age) == (0, 0.0)
+        futures = [producer.submit(stream, b"x", f"k{i}") for i in range(5)]
+        time.sleep(0.5)
+        assert producer.outstanding_records == 5
+        assert 0.4 <= producer.oldest_record_age < 10.0
+        producer.flush(timeout=10)
+        assert all(f.result().success for f in futures)
+        assert (producer.outstanding_records, producer.oldest_record_age) == (0, 0.0)
+    assert (producer.outstanding_records, producer.oldest_record_age) == (0, 0.0)
