@@ -248,6 +248,22 @@ def test_the_public_names_stay_where_users_import_them() -> None:
     assert pickle.loads(pickle.dumps(CloudWatchSink(namespace="App"))).namespace == "App"
 
 
+def test_a_cloudwatch_sinks_own_credentials_are_checked_and_kept_out_of_repr() -> None:
+    with pytest.raises(ValueError, match="together"):
+        CloudWatchSink(aws_access_key_id="AKID")
+    with pytest.raises(ValueError, match="together"):
+        CloudWatchSink(aws_secret_access_key="secret")
+    with pytest.raises(ValueError, match="needs its keys"):
+        CloudWatchSink(aws_session_token="token")
+    with pytest.raises(ValueError, match="profile must be a non-empty string"):
+        CloudWatchSink(profile="")
+    sink = CloudWatchSink(
+        aws_access_key_id="AKID", aws_secret_access_key="s3cret", aws_session_token="t0ken"
+    )
+    assert "s3cret" not in repr(sink)
+    assert "t0ken" not in repr(sink)
+
+
 def test_no_metrics_module_imports_another_modules_private_name() -> None:
     package = Path(anykpl.metrics.__file__).parent
     for path in sorted(package.glob("*.py")):

@@ -203,7 +203,7 @@ _IGNORED_PROPERTIES: Final[Mapping[str, tuple[str, str, str]]] = {
         "str",
         "",
         "its KPL setter takes a Java object, so the KPL ignores it in a properties file too; "
-        "a CloudWatchSink takes its credentials from botocore's chain",
+        "a CloudWatchSink uses the producer's credentials, or its own profile or keys",
     ),
 }
 

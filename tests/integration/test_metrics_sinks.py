@@ -7,6 +7,7 @@ from __future__ import annotations
 import urllib.request
 import uuid
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -77,6 +78,61 @@ async def test_cloudwatch_statistic_sets_read_back(
     assert all(p["Minimum"] == 1 and p["Maximum"] == 1 for p in points)
     request_time = cloudwatch.list_metrics(Namespace=namespace, MetricName="RequestTime")
     assert request_time["Metrics"]
+
+
+@pytest.mark.parametrize("given", ["keys", "profile"])
+async def test_cloudwatch_with_its_own_credentials_writes_to_their_account(
+    given: str,
+    moto_endpoint: str,
+    make_stream: Any,
+    producer_options: dict[str, Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The KPL's MetricsCredentialsProvider: a sink with its own credentials (keys, or a
+    profile) signs with those, not the producer's. moto's server keeps an account per access
+    key: the metrics land in the account of the role the sink's credentials come from, and
+    the producer's account has none of them."""
+    import boto3
+
+    def client(service: str, **credentials: Any) -> Any:
+        return boto3.client(
+            service, region_name=REGION, endpoint_url=moto_endpoint, **(credentials or CREDENTIALS)
+        )
+
+    other_account = "222222222222"
+    assumed = client("sts").assume_role(
+        RoleArn=f"arn:aws:iam::{other_account}:role/metrics-writer", RoleSessionName="metrics"
+    )["Credentials"]
+    keys = {
+        "aws_access_key_id": assumed["AccessKeyId"],
+        "aws_secret_access_key": assumed["SecretAccessKey"],
+        "aws_session_token": assumed["SessionToken"],
+    }
+    namespace = f"anykpl-test-{uuid.uuid4().hex[:8]}"
+    if given == "keys":
+        sink = CloudWatchSink(namespace=namespace, endpoint_url=moto_endpoint, **keys)
+    else:
+        credentials_file = tmp_path / "credentials"
+        credentials_file.write_text(
+            "[metrics]\n" + "".join(f"{name} = {value}\n" for name, value in keys.items())
+        )
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials_file))
+        monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))  # none: no surprises
+        sink = CloudWatchSink(namespace=namespace, endpoint_url=moto_endpoint, profile="metrics")
+    assert assumed["SecretAccessKey"] not in repr(sink)
+    stream = make_stream(1)
+    async with Producer(metrics_sinks=[sink], **producer_options, **FAST) as producer:
+        await _put(producer, stream, 3)
+    assert sink.failures == 0
+    assert sink.calls >= 1
+
+    def names(**credentials: Any) -> set[str]:
+        listed = client("cloudwatch", **credentials).list_metrics(Namespace=namespace)
+        return {metric["MetricName"] for metric in listed["Metrics"]}
+
+    assert "UserRecordsPut" in names(**keys)
+    assert names() == set()  # the producer's own account
 
 
 async def test_cloudwatch_failures_are_counted_not_raised(

@@ -8,6 +8,7 @@ the sink opens, so ``import anykpl`` never loads the SDK for it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -129,7 +130,11 @@ class CloudWatchSink:
     call, in ``namespace`` (default: the config's ``metrics_namespace``).
 
     The aiobotocore client takes the producer's region, profile, credentials, TLS verification,
-    timeouts and HTTP backend. ``endpoint_url`` is CloudWatch's own endpoint (the KPL's
+    timeouts and HTTP backend, unless the sink has its own: ``region``, and ``profile`` or keys
+    (``aws_access_key_id`` with ``aws_secret_access_key``, and ``aws_session_token`` for
+    temporary ones) — the KPL's ``MetricsCredentialsProvider``, for metrics that go to another
+    account or role. Given a profile or keys, the sink uses those alone (none of the producer's
+    credentials). ``endpoint_url`` is CloudWatch's own endpoint (the KPL's
     ``CloudwatchEndpoint``/``CloudwatchPort``); default ``None``: botocore's chain
     (``AWS_ENDPOINT_URL_CLOUDWATCH``, then the region's endpoint) — never the Kinesis
     ``endpoint_url``. Failed calls are logged on ``anykpl.metrics`` and counted in
@@ -151,11 +156,34 @@ class CloudWatchSink:
         namespace: str | None = None,
         endpoint_url: str | None = None,
         region: str | None = None,
+        profile: str | None = None,
+        aws_access_key_id: str | None = None,
+        aws_secret_access_key: str | None = None,
+        aws_session_token: str | None = None,
         max_datums: int = CLOUDWATCH_MAX_DATUMS,
         max_payload: int = CLOUDWATCH_MAX_PAYLOAD,
     ) -> None:
         if not 1 <= max_datums <= 1000:
             raise ValueError(f"max_datums must be in 1..1000, got {max_datums}")
+        if (aws_access_key_id is None) != (aws_secret_access_key is None):
+            raise ValueError(
+                "CloudWatchSink needs aws_access_key_id and aws_secret_access_key together"
+            )
+        if aws_session_token is not None and aws_access_key_id is None:
+            raise ValueError("CloudWatchSink's aws_session_token needs its keys as well")
+        for name, value in (
+            ("profile", profile),
+            ("aws_access_key_id", aws_access_key_id),
+            ("aws_secret_access_key", aws_secret_access_key),
+            ("aws_session_token", aws_session_token),
+        ):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"CloudWatchSink's {name} must be a non-empty string or None")
+        self.profile = profile
+        self.aws_access_key_id = aws_access_key_id
+        # the secrets stay out of repr and vars() listings of public attributes
+        self._secret_access_key = aws_secret_access_key
+        self._session_token = aws_session_token
         if namespace is not None and (not 1 <= len(namespace) <= 255 or namespace[:4] == "AWS/"):
             raise ValueError(f"invalid CloudWatch namespace {namespace!r}")
         self.namespace = namespace
@@ -178,6 +206,15 @@ class CloudWatchSink:
         from .._aws import create_client
 
         self._namespace = self.namespace or config.metrics_namespace
+        if self.profile is not None or self.aws_access_key_id is not None:
+            # its own credentials (MetricsCredentialsProvider), none of the producer's
+            config = dataclasses.replace(
+                config,
+                profile=self.profile,
+                aws_access_key_id=self.aws_access_key_id,
+                aws_secret_access_key=self._secret_access_key,
+                aws_session_token=self._session_token,
+            )
         async with create_client(
             config,
             "cloudwatch",
