@@ -129,6 +129,11 @@ OUT_OF_RANGE = [
     ("endpoint_url", "http://localhost:99999", "http:// or https://"),
     ("profile", "", "non-empty"),
     ("http_backend", "curl", "'auto', 'aiohttp', 'httpx'"),
+    ("proxy_url", "proxy.internal:3128", "http:// or https://"),
+    ("proxy_url", "socks5://proxy.internal:1080", "http:// or https://"),
+    ("proxy_url", "http://", "with a host"),
+    ("proxy_url", "http://proxy.internal:3128/path", "with a host"),
+    ("proxy_url", "http://proxy.internal:99999", "with a host"),
     ("metrics_level", "all", "'none', 'summary', 'detailed'"),
     ("metrics_granularity", "host", "'global', 'stream', 'shard'"),
 ]
@@ -196,6 +201,8 @@ AT_THE_BOUNDS = [
     ("endpoint_url", "http://localhost:4567"),
     ("endpoint_url", "https://kinesis.us-east-1.amazonaws.com"),
     ("http_backend", "httpx"),
+    ("proxy_url", "http://proxy.internal:3128"),
+    ("proxy_url", "https://user:pass@proxy.internal"),
     ("metrics_level", "none"),
     ("metrics_granularity", "global"),
 ]
@@ -257,6 +264,7 @@ STR_FIELDS = [
     "profile",
     "ca_bundle",
     "http_backend",
+    "proxy_url",
     "metrics_level",
     "metrics_granularity",
     "metrics_namespace",
@@ -265,6 +273,16 @@ STR_FIELDS = [
     "spool_dir",
     "spool_fsync",
 ]
+
+
+def test_a_proxy_urls_password_is_never_shown() -> None:
+    config = ProducerConfig(proxy_url="http://ops:hunter2@proxy.internal:3128")
+    assert "hunter2" not in repr(config)
+    assert "proxy_url='http://ops:***@proxy.internal:3128'" in repr(config)
+    with pytest.raises(ConfigError) as caught:
+        ProducerConfig(proxy_url="http://ops:hunter2@proxy.internal:3128/path")
+    assert "hunter2" not in str(caught.value)
+    assert "ops:***@proxy.internal" in str(caught.value)
 
 
 def test_type_lists_cover_every_field() -> None:

@@ -571,10 +571,6 @@ IGNORED_AT_DEFAULT = [
     "LogLevel = info",
     "CredentialsRefreshDelay = 5000",
     "EnableCoreDumps = false",
-    "ProxyHost =",
-    "ProxyPort = 443",
-    "ProxyUserName =",
-    "ProxyPassword =",
     "NativeExecutable =",
     "TempDirectory =",
     "CaCertPath =",
@@ -612,7 +608,6 @@ def test_ignored_property_at_its_kpl_default_does_not_warn(tmp_path: Path, line:
         "ThreadingModel = POOLED",
         "ThreadPoolSize = 128",
         "CloudwatchEndpoint = monitoring.local",
-        "ProxyHost = proxy.example.com",
         "CaCertPath = /etc/ssl/certs",
         "EnableDaemonHealthCheck = true",
         "UserRecordTimeoutInMillis = 5000",
@@ -637,9 +632,41 @@ def test_each_ignored_key_warns_once(tmp_path: Path) -> None:
 
 
 def test_proxy_password_is_not_repeated_in_the_warning(tmp_path: Path) -> None:
-    with pytest.warns(UserWarning, match="ProxyPassword") as record:
-        load(tmp_path, "ProxyPassword = hunter2")
+    with pytest.warns(UserWarning, match="ProxyPassword .*no effect without ProxyHost") as record:
+        assert load(tmp_path, "ProxyPassword = hunter2") == ProducerConfig()
     assert all("hunter2" not in str(w.message) for w in record)
+
+
+@pytest.mark.parametrize(
+    ("lines", "expected"),
+    [
+        ("ProxyHost = proxy.internal", "http://proxy.internal:443"),
+        ("ProxyHost = proxy.internal\nProxyPort = 3128", "http://proxy.internal:3128"),
+        (
+            "ProxyHost = 10.0.0.1\nProxyPort = 3128\nProxyUserName = ops\nProxyPassword = p@ss:w",
+            "http://ops:p%40ss%3Aw@10.0.0.1:3128",
+        ),
+        ("ProxyHost = proxy.internal\nProxyUserName = ops", "http://ops@proxy.internal:443"),
+    ],
+)
+def test_the_kpl_proxy_properties_become_proxy_url(
+    tmp_path: Path, lines: str, expected: str
+) -> None:
+    """The KPL's proxy is an HTTP proxy at ProxyHost:ProxyPort (the AWS SDK's default scheme),
+    with ProxyUserName and ProxyPassword as its credentials."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load(tmp_path, lines).proxy_url == expected
+    assert KPL_PROPERTY_NAMES["ProxyHost"] == "proxy_url"
+
+
+def test_a_bad_proxy_property_names_itself(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="ProxyPort"):
+        load(tmp_path, "ProxyHost = proxy.internal\nProxyPort = 0")
+    with pytest.raises(ConfigError, match="ProxyHost"):
+        load(tmp_path, "ProxyHost = http://proxy.internal")
+    with pytest.warns(UserWarning, match="ProxyPort .*no effect without ProxyHost"):
+        assert load(tmp_path, "ProxyPort = 3128") == ProducerConfig()
 
 
 def test_warnings_point_at_the_caller(tmp_path: Path) -> None:
@@ -817,7 +844,7 @@ def test_kpl_property_names_is_read_only() -> None:
 
 def test_every_kpl_name_is_snake_case_of_its_field() -> None:
     for key, name in KPL_PROPERTY_NAMES.items():
-        if name is None or key.startswith("Kinesis"):
+        if name is None or key.startswith(("Kinesis", "Proxy")):  # one URL from several
             continue
         if key == "CaCertFile":  # botocore's name for it, as in AWS_CA_BUNDLE
             assert name == "ca_bundle"

@@ -48,7 +48,7 @@ def create_client(
     endpoint_url: str | None = None,
 ) -> AbstractAsyncContextManager[Any]:
     """An aiobotocore client for ``service`` with the producer's settings: credentials,
-    profile, region, certificate check, timeouts and HTTP backend (aiohttp under asyncio,
+    profile, region, certificate check, proxy, timeouts and HTTP backend (aiohttp under asyncio,
     httpx under trio, unless ``http_backend`` says otherwise). The SDK makes exactly one
     attempt per call (see the module's docstring): whoever calls it owns retrying. The Kinesis
     transport, the fleet coordinator's S3 client and the CloudWatch metrics sink all use it."""
@@ -63,6 +63,9 @@ def create_client(
         # total_max_attempts counts the first attempt; max_attempts would count retries
         "retries": {"total_max_attempts": 1, "mode": "standard"},
     }
+    if config.proxy_url is not None:
+        # every scheme: an endpoint over http (the emulator) or https goes through the proxy
+        options["proxies"] = {"http": config.proxy_url, "https": config.proxy_url}
     if backend == "httpx":
         from aiobotocore.httpxsession import HttpxSession
 

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from .errors import ConfigError
 
@@ -73,6 +73,9 @@ _MAPPED_PROPERTIES: Final[Mapping[str, tuple[str, str]]] = {
 
 #: The two properties that together make endpoint_url.
 _ENDPOINT_PROPERTIES: Final = ("KinesisEndpoint", "KinesisPort")
+#: ProxyHost, ProxyPort, ProxyUserName and ProxyPassword become ``proxy_url``: the KPL's proxy
+#: is an HTTP proxy (the AWS SDK's default proxy scheme), reached at ProxyPort (default 443)
+_PROXY_PROPERTIES: Final = ("ProxyHost", "ProxyPort", "ProxyUserName", "ProxyPassword")
 
 _NO_DAEMON: Final = "anykpl runs in your process; there is no native daemon"
 
@@ -114,26 +117,6 @@ _IGNORED_PROPERTIES: Final[Mapping[str, tuple[str, str, str]]] = {
         "botocore refreshes expiring credentials itself, and there is no daemon to push them to",
     ),
     "EnableCoreDumps": ("bool", "false", _NO_DAEMON),
-    "ProxyHost": (
-        "str",
-        "",
-        "configure a proxy through the environment (HTTPS_PROXY) or botocore's configuration",
-    ),
-    "ProxyPort": (
-        "int",
-        "443",
-        "configure a proxy through the environment (HTTPS_PROXY) or botocore's configuration",
-    ),
-    "ProxyUserName": (
-        "str",
-        "",
-        "configure a proxy through the environment (HTTPS_PROXY) or botocore's configuration",
-    ),
-    "ProxyPassword": (
-        "str",
-        "",
-        "configure a proxy through the environment (HTTPS_PROXY) or botocore's configuration",
-    ),
     "NativeExecutable": ("str", "", _NO_DAEMON),
     "TempDirectory": ("str", "", _NO_DAEMON + " to extract"),
     # The KPL hands CaCertPath to libcurl as a directory of hashed certificates (CURLOPT_CAPATH);
@@ -214,6 +197,7 @@ KPL_PROPERTY_NAMES: Final[Mapping[str, str | None]] = MappingProxyType(
     {
         **{key: name for key, (name, _) in _MAPPED_PROPERTIES.items()},
         **dict.fromkeys(_ENDPOINT_PROPERTIES, "endpoint_url"),
+        **dict.fromkeys(_PROXY_PROPERTIES, "proxy_url"),
         **dict.fromkeys(_IGNORED_PROPERTIES),
     }
 )
@@ -438,6 +422,56 @@ def _endpoint_from_properties(properties: Mapping[str, str]) -> str | None:
     return host
 
 
+def _proxy_from_properties(properties: Mapping[str, str]) -> str | None:
+    """ProxyHost + ProxyPort + ProxyUserName + ProxyPassword -> proxy_url
+    (``http://[user[:password]@]host:port``); None when ProxyHost is unset."""
+    port = 443
+    if "ProxyPort" in properties:
+        raw_port = properties["ProxyPort"]
+        parsed = _parse_java_long(_clean_value(raw_port))
+        if parsed is None or not 1 <= parsed <= 65535:
+            raise _property_error(
+                "proxy_url",
+                _clean_value(raw_port),
+                f"a port in 1..65535 (from {_source('ProxyPort', raw_port)})",
+            )
+        port = parsed
+    host = _clean_value(properties.get("ProxyHost", ""))
+    user = _clean_value(properties.get("ProxyUserName", ""))
+    password = _clean_value(properties.get("ProxyPassword", ""))
+    if not host:
+        given = [
+            key
+            for key in ("ProxyUserName", "ProxyPassword")
+            if _clean_value(properties.get(key, ""))
+        ]
+        if port != 443:
+            given.insert(0, "ProxyPort")
+        for key in given:
+            warnings.warn(
+                f"KPL property {key} is accepted and ignored: it has no effect without ProxyHost",
+                UserWarning,
+                stacklevel=4,
+            )
+        return None
+    if not _ENDPOINT_HOST_PATTERN.fullmatch(host):
+        raise _property_error(
+            "proxy_url", host, f"a host name (from {_source('ProxyHost', properties['ProxyHost'])})"
+        )
+    credentials = ""
+    if user:
+        credentials = quote(user, safe="") + (f":{quote(password, safe='')}" if password else "")
+        credentials += "@"
+    elif password:
+        warnings.warn(
+            "KPL property ProxyPassword is accepted and ignored: it has no effect without "
+            "ProxyUserName",
+            UserWarning,
+            stacklevel=4,
+        )
+    return f"http://{credentials}{host}:{port}"
+
+
 def read_kpl_properties(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
     """Read a KPL ``.properties`` file into ``ProducerConfig`` field values.
 
@@ -464,12 +498,16 @@ def read_kpl_properties(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
                     UserWarning,
                     stacklevel=3,
                 )
-        elif key not in _ENDPOINT_PROPERTIES:
+        elif key not in _ENDPOINT_PROPERTIES and key not in _PROXY_PROPERTIES:
             warnings.warn(f"unknown KPL property {key!r} ignored", UserWarning, stacklevel=3)
 
     endpoint_url = _endpoint_from_properties(properties)
     if endpoint_url is not None:
         values["endpoint_url"] = endpoint_url
         sources["endpoint_url"] = _source("KinesisEndpoint", properties["KinesisEndpoint"])
+    proxy_url = _proxy_from_properties(properties)
+    if proxy_url is not None:
+        values["proxy_url"] = proxy_url
+        sources["proxy_url"] = _source("ProxyHost", properties["ProxyHost"])
 
     return values, sources

@@ -252,6 +252,14 @@ class ProducerConfig:
         http_backend: HTTP client under aiobotocore: ``"aiohttp"``, ``"httpx"``, or ``"auto"``
             (the default: aiohttp under asyncio, httpx under trio, where aiohttp cannot run).
             No KPL property.
+        proxy_url: HTTP proxy for every AWS call the producer makes (Kinesis, the fleet's S3,
+            a ``CloudWatchSink``), such as ``"http://proxy.internal:3128"`` or
+            ``"http://user:password@proxy.internal:3128"``: ``http://`` or ``https://`` (the
+            scheme of the hop to the proxy; HTTPS endpoints are reached through it with
+            ``CONNECT``). Default ``None``: botocore's environment (``HTTPS_PROXY``,
+            ``HTTP_PROXY``, ``NO_PROXY``). Its password is never shown in ``repr`` or in
+            error messages. KPL: ``ProxyHost``, ``ProxyPort``, ``ProxyUserName`` and
+            ``ProxyPassword``.
         max_connections: Maximum parallel HTTP connections to Kinesis, the size of the
             connection pool. Default 24, 1..256. KPL: ``MaxConnections``.
         connect_timeout: Seconds allowed to open a connection, TLS included. Default 6.0,
@@ -429,6 +437,7 @@ class ProducerConfig:
     verify_certificate: bool = True
     ca_bundle: str | None = None
     http_backend: HttpBackend = "auto"
+    proxy_url: str | None = None
     max_connections: int = 24
     connect_timeout: float = 6.0
     request_timeout: float = 6.0
@@ -494,6 +503,7 @@ class ProducerConfig:
         _check_bool(self, "verify_certificate")
         _check_ca_bundle(self)
         _check_choice(self, "http_backend", get_args(HttpBackend))
+        _check_proxy_url(self)
         _check_int(self, "max_connections", 1, 256)
         _check_number(self, "connect_timeout", 0.1, 300.0)
         _check_number(self, "request_timeout", 0.1, 600.0)
@@ -573,6 +583,8 @@ class ProducerConfig:
         # (max_outstanding_records and max_outstanding_bytes have no upper bound).
         shown = ", ".join(
             f"{f.name}={_shown(getattr(self, f.name))!r}"
+            if f.name != "proxy_url" or self.proxy_url is None
+            else f"proxy_url={masked_url(self.proxy_url)!r}"
             for f in dataclasses.fields(self)
             if f.repr
         )
@@ -790,6 +802,36 @@ def _check_endpoint_url(config: Any) -> None:
         _fail("endpoint_url", url, allowed)
     if not parts.hostname:
         _fail("endpoint_url", url, allowed)
+
+
+def _check_proxy_url(config: ProducerConfig) -> None:
+    url = config.proxy_url
+    if url is None:
+        return
+    allowed = "None or an http:// or https:// URL with a host (and a port, if not the default)"
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        _fail("proxy_url", masked_url(url) if isinstance(url, str) else url, allowed)
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (raises ValueError for a malformed port)
+    except ValueError:
+        _fail("proxy_url", masked_url(url), allowed)
+    if not parts.hostname or parts.path not in ("", "/") or parts.query or parts.fragment:
+        _fail("proxy_url", masked_url(url), allowed)
+
+
+def masked_url(url: str) -> str:
+    """``url`` with the password of its user info, if any, replaced by ``***``."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return "<a malformed URL>"
+    if password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=f"{user}:***@{host}").geturl()
 
 
 def _check_ca_bundle(config: ProducerConfig) -> None:
