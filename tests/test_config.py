@@ -4,6 +4,7 @@ against the KPL's, bounds, types, secrets, ``replace`` and the docs. Reading the
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
 import math
@@ -529,6 +530,35 @@ def test_docstring_documents_every_field() -> None:
     attributes = doc.split("Attributes:")[1]
     for f in dataclasses.fields(ProducerConfig):
         assert re.search(rf"^    {f.name}: ", attributes, re.MULTILINE), f.name
+
+
+def test_every_fields_docstring_states_its_default_as_the_code_has_it() -> None:
+    """The ``Attributes:`` entry of each field says its default ("Default ``None``",
+    "Default 1048576", "``"wait"`` ... (the default", "Default: none" for an empty mapping),
+    and it is the dataclass's default: the docstrings, and the configuration reference made from
+    them, stay in step with the code."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    try:
+        from gen_config_reference import _docstring_fields
+    finally:
+        sys.path.pop(0)
+    entries = _docstring_fields(ProducerConfig)
+    stated = re.compile(
+        r"\bDefault:? (?:``(?P<literal>[^`]+)``|(?P<number>-?[0-9][0-9,]*(?:\.[0-9]+)?)\b"
+        r"|(?P<none>none)\b)"
+        r"|``(?P<choice>[^`]+)``[^`]*?\(the default\b"
+    )
+    for f in dataclasses.fields(ProducerConfig):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        match = stated.search(entries[f.name])
+        assert match is not None, f"{f.name}: its docstring does not say its default"
+        if match["none"] is not None:
+            assert default in ({}, ()), f.name
+            continue
+        raw = match["literal"] or match["choice"] or match["number"].replace(",", "")
+        assert ast.literal_eval(raw) == default, (f.name, raw, default)
 
 
 def test_docs_page_documents_every_field() -> None:

@@ -302,9 +302,11 @@ class ProducerConfig:
             (``math.inf`` included) are stored as ten years, so huge values mean "retry
             forever" without overflowing, unlike the KPL, which expired every record at once
             above about 9.2e12 ms. KPL: ``RecordTtl`` (milliseconds).
-        max_user_record_size: Largest data size, in bytes, accepted for one user record; raise
-            it only for streams configured with a larger maximum record size. Default 1048576,
-            64..10485760. KPL: ``MaxUserRecordSize``.
+        max_user_record_size: Largest user record accepted, in bytes: its data plus its
+            partition key (UTF-8), as the service counts a record against its limit (the KPL's
+            Java check counts the data alone). Raise it only for streams configured with a
+            larger maximum record size. Default 1048576, 64..10485760. KPL:
+            ``MaxUserRecordSize``.
         metrics_level: Which metrics are uploaded to the metrics sinks: ``"none"``,
             ``"summary"`` or ``"detailed"``. Default ``"detailed"``. ``producer.metrics()`` and
             ``statistics()`` always see every metric. KPL: ``MetricsLevel``.
