@@ -285,6 +285,22 @@ def test_a_proxy_urls_password_is_never_shown() -> None:
     assert "hunter2" not in str(caught.value)
     assert "ops:***@proxy.internal" in str(caught.value)
 
+    class Url:  # a URL object, as yarl's or pydantic's: its str() holds the password
+        def __str__(self) -> str:
+            return "http://ops:hunter2@proxy.internal:3128"
+
+        __repr__ = __str__
+
+    with pytest.raises(ConfigError, match="proxy_url=a Url is invalid") as caught:
+        ProducerConfig(proxy_url=Url())  # type: ignore[arg-type]
+    assert "hunter2" not in str(caught.value)
+    for bad in ("http://ops:hunter2@proxy internal:1", "http://ops:hunter2@proxy:0"):
+        with pytest.raises(ConfigError) as caught:
+            ProducerConfig(proxy_url=bad)
+        assert "hunter2" not in str(caught.value)
+        assert caught.value.__cause__ is None
+        assert caught.value.__context__ is None
+
 
 def test_type_lists_cover_every_field() -> None:
     names = {f.name for f in dataclasses.fields(ProducerConfig)}

@@ -647,6 +647,11 @@ def test_proxy_password_is_not_repeated_in_the_warning(tmp_path: Path) -> None:
             "http://ops:p%40ss%3Aw@10.0.0.1:3128",
         ),
         ("ProxyHost = proxy.internal\nProxyUserName = ops", "http://ops@proxy.internal:443"),
+        # as Java's Properties reads them: a password's ';' and trailing space are its own
+        (
+            "ProxyHost = proxy.internal\nProxyUserName = ops\nProxyPassword = se cret; ",
+            "http://ops:se%20cret%3B%20@proxy.internal:443",
+        ),
     ],
 )
 def test_the_kpl_proxy_properties_become_proxy_url(

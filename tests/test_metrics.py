@@ -197,6 +197,18 @@ def test_gauges_are_sampled_once_as_each_second_closes() -> None:
         "a": (2, 3, 7),
         "b": (2, 0, 0),
     }
+    # uploads close buckets more often than once a second: still one sample a second
+    m.enable_uploads()
+    for _ in range(4):
+        clock.now += 0.1
+        m.take_unsent()
+        m.add("UserRecordsPut", 1, "a", S0, None)
+    counts = {v.stream: v.count for v in m.query("UserRecordsPending") if v.stream is not None}
+    assert counts == {"a": 2, "b": 2}
+    clock.now += 1.0
+    m.take_unsent()
+    counts = {v.stream: v.count for v in m.query("UserRecordsPending") if v.stream is not None}
+    assert counts == {"a": 3, "b": 3}
     assert METRICS["UserRecordsPending"] == ("Count", "detailed")
 
 

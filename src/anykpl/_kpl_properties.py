@@ -437,14 +437,11 @@ def _proxy_from_properties(properties: Mapping[str, str]) -> str | None:
             )
         port = parsed
     host = _clean_value(properties.get("ProxyHost", ""))
-    user = _clean_value(properties.get("ProxyUserName", ""))
-    password = _clean_value(properties.get("ProxyPassword", ""))
+    # as Java's Properties gives them: a trailing space or ';' may be part of a password
+    user = properties.get("ProxyUserName", "")
+    password = properties.get("ProxyPassword", "")
     if not host:
-        given = [
-            key
-            for key in ("ProxyUserName", "ProxyPassword")
-            if _clean_value(properties.get(key, ""))
-        ]
+        given = [key for key in ("ProxyUserName", "ProxyPassword") if properties.get(key, "")]
         if port != 443:
             given.insert(0, "ProxyPort")
         for key in given:

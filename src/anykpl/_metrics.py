@@ -38,8 +38,8 @@ Where we differ, and why (every difference we know of):
 - ``ErrorsByCode`` and ``AllErrors`` of a failed request (no response) are at the stream level,
   as in the KPL; the per-record ones at the predicted shard.
 - ``UserRecordsPending`` (user records admitted and not yet terminal, per stream) is sampled
-  once a second, as each one-second bucket closes; the KPL samples it every 200 ms. Its
-  ``Average`` and ``Maximum`` are what the KPL's are; its ``SampleCount`` is a fifth.
+  once a second, as the first bucket after each second closes; the KPL samples it every
+  200 ms, so its ``SampleCount`` is a fifth, and a peak shorter than a second can be missed.
 - **Uploads are exact intervals.** The KPL uploads ``[last checkpoint, now - 1 s]`` from its
   buckets; we close the current bucket at each upload, so every sample is uploaded exactly once
   and nothing waits a second longer.
@@ -253,6 +253,7 @@ class Metrics:
         #: called when a bucket closes, to sample gauges into it (with
         #: :meth:`sample_to_bucket`): once per second, not at every read
         self.gauge: Callable[[], None] | None = None
+        self._gauge_due = math.inf  # the gauges are sampled at the first roll from then on
         self._bucket: dict[_Key, _Stats] = {}
         self._bucket_start = -math.inf
         self._bucket_end = -math.inf
@@ -347,11 +348,15 @@ class Metrics:
         if self._started is None:
             self._started = now
             self._unsent_since = now
+            self._gauge_due = math.floor(now) + 1.0
         else:
             if self.collect is not None:
                 self.collect()  # what was counted elsewhere during the bucket's second
-            if self.gauge is not None:
-                self.gauge()  # the gauges, as the bucket's second ends
+            if self.gauge is not None and now >= self._gauge_due:
+                # the gauges, as a second ends: once a second, also when uploads close
+                # buckets more often (take_unsent)
+                self.gauge()
+                self._gauge_due = math.floor(now) + 1.0
         bucket = self._bucket
         if bucket:
             _merge_into(self._total, bucket)

@@ -493,13 +493,21 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
 
     def _read(self, name: str) -> float:
         """The producer's ``name`` read in the event-loop thread, which owns its state; once
-        closed, from the statistics taken as it closed."""
+        closed, from the statistics taken as it closed.
+
+        :raises ~anykpl.errors.ProducerClosedError: close gave up on a wedged event loop, so
+            what it left is not known (as :meth:`statistics`)."""
         self._check_thread()
         if self._state != "closed":
             with suppress(RuntimeError):  # the portal stopped meanwhile
                 return float(self._portal.call(getattr, self._producer, name))
         final = self._final_statistics
-        return 0.0 if final is None else float(getattr(final, name))
+        if final is not None:
+            return float(getattr(final, name))
+        if self._abandoned:
+            # close gave up on a wedged event loop: what it left is not known
+            raise self._closed_error(f"its {name} is out of reach")
+        return float(getattr(self._producer, name))
 
     def metrics(self, name: str | None = None, window: float | None = None) -> list[MetricValue]:
         """The KPL metrics kept in process (see :meth:`Producer.metrics

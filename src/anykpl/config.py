@@ -807,19 +807,35 @@ def _check_endpoint_url(config: Any) -> None:
 
 
 def _check_proxy_url(config: ProducerConfig) -> None:
-    url = config.proxy_url
+    url: object = config.proxy_url
     if url is None:
         return
-    allowed = "None or an http:// or https:// URL with a host (and a port, if not the default)"
-    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        _fail("proxy_url", masked_url(url) if isinstance(url, str) else url, allowed)
+    allowed = "None or an http:// or https:// URL with a host (and a port in 1..65535)"
+    if not isinstance(url, str):
+        # a URL object (yarl's, pydantic's) would show its password: name its type instead
+        shown = url if isinstance(url, (int, float)) else _Described(f"a {type(url).__name__}")
+        _fail("proxy_url", shown, allowed)
+    if _proxy_url_problem(url):
+        _fail("proxy_url", masked_url(url), allowed)
+
+
+def _proxy_url_problem(url: str) -> bool:
+    """Whether ``url`` is not a proxy URL anykpl takes (see ``proxy_url``)."""
+    if not url.startswith(("http://", "https://")) or any(
+        character.isspace() or not character.isprintable() for character in url
+    ):
+        return True
     try:
         parts = urlsplit(url)
-        parts.port  # noqa: B018  (raises ValueError for a malformed port)
+        port = parts.port
     except ValueError:
-        _fail("proxy_url", masked_url(url), allowed)
-    if not parts.hostname or parts.path not in ("", "/") or parts.query or parts.fragment:
-        _fail("proxy_url", masked_url(url), allowed)
+        return True
+    return (
+        not parts.hostname
+        or port == 0
+        or parts.path not in ("", "/")
+        or bool(parts.query or parts.fragment)
+    )
 
 
 def masked_url(url: str) -> str:
