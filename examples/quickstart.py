@@ -19,7 +19,7 @@ import anyio
 import boto3
 
 from anykpl import Producer, ProducerConfig
-from anykpl._wire import deaggregate
+from anykpl.aggregation import deaggregate
 from anykpl.emulator import spawn
 
 CREDENTIALS = {"aws_access_key_id": "demo", "aws_secret_access_key": "demo"}

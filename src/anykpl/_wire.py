@@ -67,6 +67,7 @@ __all__ = (
     "decode_aggregate",
     "encode_aggregate",
     "is_aggregated",
+    "unpack",
 )
 
 #: The four bytes every aggregated record starts with (``KinesisRecord::kMagic``).
@@ -559,6 +560,13 @@ def deaggregate(
     either. Unlike the KCL, a corrupt protobuf behind a matching MD5 raises
     :class:`~anykpl.errors.AggregationFormatError` instead of passing the bytes on as data.
     """
+    return unpack(data, partition_key, explicit_hash_key)[0]
+
+
+def unpack(
+    data: bytes | bytearray | memoryview, partition_key: str, explicit_hash_key: str | None = None
+) -> tuple[list[DecodedRecord], bool]:
+    """:func:`deaggregate`, and whether ``data`` was an aggregate."""
     buf = _as_bytes(data)
     end = len(buf) - _DIGEST_SIZE
     if (
@@ -566,5 +574,5 @@ def deaggregate(
         and buf[:4] == MAGIC
         and hashlib.md5(memoryview(buf)[4:end]).digest() == buf[end:]
     ):
-        return _decode_protobuf(buf, 4, end)
-    return [DecodedRecord(partition_key, explicit_hash_key, buf)]
+        return _decode_protobuf(buf, 4, end), True
+    return [DecodedRecord(partition_key, explicit_hash_key, buf)], False

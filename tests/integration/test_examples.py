@@ -28,6 +28,7 @@ CASES: dict[str, list[str]] = {
     "iot_ingestion.py": ["--devices", "300", "--interval", "0.5", "--duration", "2"],
     "flask_sync.py": ["--requests", "200", "--threads", "8"],
     "prometheus_metrics.py": ["--seconds", "2"],
+    "lambda_consumer.py": ["--readings", "2000", "--batch", "3"],
 }
 
 #: examples not run here yet, and why (each should take --endpoint and check its own results)
