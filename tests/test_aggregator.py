@@ -102,6 +102,27 @@ def test_first_records_explicit_hash_key_is_the_aggregates() -> None:
     assert out[0].explicit_hash_key == "42"
 
 
+def test_an_aggregate_can_take_its_first_records_partition_key() -> None:
+    """container_key_from_records: each aggregate under its first user record's key (Lambda's
+    ParallelizationFactor can spread them); by default the constant container key."""
+    for from_records, expected in ((False, "a"), (True, "device-7")):
+        agg = Aggregator(
+            enabled=True,
+            max_size=51200,
+            max_count=4294967295,
+            container_partition_key="a",
+            predict=lambda _: SHARD,
+            container_key_from_records=from_records,
+        )
+        out: list[KinesisRecord] = []
+        for key in ("device-7", "device-8", "device-7"):
+            agg.put(make_record(key, b"x"), out)
+        agg.flush_all(out)
+        (kr,) = out
+        assert kr.partition_key == expected
+        assert [key for key, _ in _decoded(kr)] == ["device-7", "device-8", "device-7"]
+
+
 def test_count_limit() -> None:
     agg = make_aggregator(max_count=3)
     records = [make_record(f"k{i}", b"x") for i in range(10)]

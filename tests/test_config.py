@@ -223,6 +223,7 @@ BOOL_FIELDS = [
     "fail_if_throttled",
     "adaptive",
     "adaptive_batching",
+    "container_key_from_records",
 ]
 INT_FIELDS = [
     "max_connections",

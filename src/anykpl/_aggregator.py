@@ -72,11 +72,14 @@ class Aggregator:
         max_count: int,
         container_partition_key: str,
         predict: Callable[[int], str | None],
+        container_key_from_records: bool = False,
     ) -> None:
         self.enabled = enabled
         self.max_size = max_size
         self.max_count = max_count
         self.container_partition_key = container_partition_key
+        # each aggregate under its first user record's key (Lambda's ParallelizationFactor)
+        self.container_key_from_records = container_key_from_records
         self.predict = predict
         self._open: dict[str | tuple[str, str], _OpenAggregate] = {}
         self._deadlines: list[tuple[float, int, _OpenAggregate]] = []
@@ -192,7 +195,9 @@ class Aggregator:
         return KinesisRecord.aggregate(
             records,
             agg.builder,
-            self.container_partition_key,
+            first.partition_key
+            if self.container_key_from_records
+            else self.container_partition_key,
             first.explicit_hash_key or str(first.hash_key),
             agg.shard,
             agg.deadline,

@@ -159,6 +159,7 @@ class Pipeline:
             max_count=config.aggregation_max_count,
             container_partition_key=config.container_partition_key,
             predict=self.shard_map.shard_id,
+            container_key_from_records=config.container_key_from_records,
         )
         adaptive = None
         if config.adaptive:

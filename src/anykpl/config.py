@@ -372,6 +372,14 @@ class ProducerConfig:
         container_partition_key: Partition key of aggregated Kinesis records; the shard is
             chosen by the explicit hash key, so the key only matters to consumers that read it.
             Default ``"a"``, 1..256 characters. No KPL property (the KPL hard-codes ``"a"``).
+        container_key_from_records: Give each aggregated Kinesis record the partition key of
+            its first user record instead of ``container_partition_key``. Default ``False``.
+            Lambda's ``ParallelizationFactor`` splits a shard's records by partition key: with
+            one constant key every aggregate of a shard goes to one batch at a time, in order;
+            with this on, aggregates spread over the concurrent batches, and the order of one
+            user key's records across aggregates is no longer kept by Lambda (within an
+            aggregate it is). The shard is still chosen by the explicit hash key. No KPL
+            property.
         adaptive: Adaptive per-shard rate control: per-record throttles
             (ProvisionedThroughputExceeded) for a shard cut that shard's rate, which recovers
             toward the ``rate_limit`` ceiling while no throttles arrive (AIMD; see
@@ -472,6 +480,7 @@ class ProducerConfig:
     retry_backoff_initial: float = 0.05
     retry_backoff_max: float = 5.0
     container_partition_key: str = "a"
+    container_key_from_records: bool = False
 
     # Rate control beyond the KPL
     adaptive: bool = True
@@ -551,6 +560,7 @@ class ProducerConfig:
                 f"a finite number of seconds >= retry_backoff_initial ({initial!r})",
             )
         _check_str(self, "container_partition_key", 1, MAX_PARTITION_KEY_LENGTH)
+        _check_bool(self, "container_key_from_records")
 
         # Rate control beyond the KPL
         _check_bool(self, "adaptive")

@@ -575,6 +575,35 @@ async def test_aggregation_off_sends_every_record_raw_to_its_shard(
     assert sum(len(r) for r in contents.kinesis_records.values()) == len(sent)
 
 
+async def test_aggregates_under_their_first_records_keys(
+    make_stream: Any, kinesis_client: Any, producer_options: dict[str, Any]
+) -> None:
+    """container_key_from_records: the stream holds aggregates whose partition keys are their
+    first user records' (many keys, which Lambda's ParallelizationFactor can spread), each in
+    the shard of its explicit hash key, and every user record once with its own key."""
+    stream = make_stream(2)
+    sent = {uid: make_sent(uid, f"device-{uid % 300}") for uid in range(3000)}
+    async with Producer(container_key_from_records=True, **producer_options) as producer:
+        handles = [await producer.submit(stream, s.data, s.partition_key) for s in sent.values()]
+        for handle in handles:
+            assert_success(await handle)
+    contents = await read_stream_async(kinesis_client, stream)
+    container_keys = set()
+    aggregates = 0
+    for records in contents.kinesis_records.values():
+        for record in records:
+            decoded = deaggregate(record["Data"], record["PartitionKey"])
+            if bytes(record["Data"][:4]) == MAGIC and len(decoded) > 1:
+                aggregates += 1
+                assert record["PartitionKey"] == decoded[0].partition_key
+                container_keys.add(record["PartitionKey"])
+    assert aggregates >= 2
+    assert len(container_keys) >= 2  # first keys of 3,000 records over 300 keys, not one
+    assert "a" not in container_keys
+    arrived = check_read_back(contents, sent)
+    assert arrived == Counter(set(sent))
+
+
 # -- a record larger than the aggregation limit, then a flush -----------------------------
 
 
