@@ -275,9 +275,14 @@ NOT_STORED = {
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("aggregation", [True, False], ids=["aggregated", "raw"])
+@pytest.mark.parametrize(
+    ("aggregation", "first_keys"),
+    [(True, False), (False, False), (True, True)],
+    # first-keys: aggregates under their first user records' keys (container_key_from_records)
+    ids=["aggregated", "raw", "first-keys"],
+)
 async def test_reshard_mid_run_loses_misplaces_and_multiplies_nothing(
-    server: interop_servers.Server, aggregation: bool, anyio_backend: str
+    server: interop_servers.Server, aggregation: bool, first_keys: bool, anyio_backend: str
 ) -> None:
     stream = f"interop-{random.randrange(1 << 32):08x}"
     client = client_for(server.url)
@@ -292,6 +297,7 @@ async def test_reshard_mid_run_loses_misplaces_and_multiplies_nothing(
         region=REGION,
         endpoint_url=server.url,
         aggregation_enabled=aggregation,
+        container_key_from_records=first_keys,
         record_max_buffered_time=0.05,
         **CREDENTIALS,
     ) as producer:
