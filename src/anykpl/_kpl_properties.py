@@ -364,18 +364,22 @@ def _is_kpl_default(kind: str, default: str, text: str) -> bool:
     return text == default
 
 
+def _port_property(properties: Mapping[str, str], key: str, field: str) -> int | None:
+    """The port property ``key`` (for the field ``field``), ``None`` when it is not set."""
+    if key not in properties:
+        return None
+    raw = properties[key]
+    port = _parse_java_long(_clean_value(raw))
+    if port is None or not 1 <= port <= 65535:
+        raise _property_error(
+            field, _clean_value(raw), f"a port in 1..65535 (from {_source(key, raw)})"
+        )
+    return port
+
+
 def _endpoint_from_properties(properties: Mapping[str, str]) -> str | None:
     """KinesisEndpoint + KinesisPort -> endpoint_url; None when KinesisEndpoint is unset."""
-    port: int | None = None
-    if "KinesisPort" in properties:
-        raw_port = properties["KinesisPort"]
-        port = _parse_java_long(_clean_value(raw_port))
-        if port is None or not 1 <= port <= 65535:
-            raise _property_error(
-                "endpoint_url",
-                _clean_value(raw_port),
-                f"a port in 1..65535 (from {_source('KinesisPort', raw_port)})",
-            )
+    port = _port_property(properties, "KinesisPort", "endpoint_url")
     host = _clean_value(properties.get("KinesisEndpoint", ""))
     if not host:
         if port is not None and port != 443:
@@ -425,17 +429,8 @@ def _endpoint_from_properties(properties: Mapping[str, str]) -> str | None:
 def _proxy_from_properties(properties: Mapping[str, str]) -> str | None:
     """ProxyHost + ProxyPort + ProxyUserName + ProxyPassword -> proxy_url
     (``http://[user[:password]@]host:port``); None when ProxyHost is unset."""
-    port = 443
-    if "ProxyPort" in properties:
-        raw_port = properties["ProxyPort"]
-        parsed = _parse_java_long(_clean_value(raw_port))
-        if parsed is None or not 1 <= parsed <= 65535:
-            raise _property_error(
-                "proxy_url",
-                _clean_value(raw_port),
-                f"a port in 1..65535 (from {_source('ProxyPort', raw_port)})",
-            )
-        port = parsed
+    given_port = _port_property(properties, "ProxyPort", "proxy_url")
+    port = 443 if given_port is None else given_port
     host = _clean_value(properties.get("ProxyHost", ""))
     # as Java's Properties gives them: a trailing space or ';' may be part of a password
     user = properties.get("ProxyUserName", "")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from contextlib import contextmanager
+from http.server import HTTPServer
+from typing import Any, TypeVar
 
 import pytest
 
@@ -12,6 +15,22 @@ from anykpl.emulator import spawn
 
 CREDENTIALS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
 REGION = "us-east-1"
+
+_Server = TypeVar("_Server", bound=HTTPServer)
+
+
+@contextmanager
+def serving(server: _Server) -> Iterator[_Server]:
+    """``server`` (a test's own HTTP server on 127.0.0.1) serving in a thread until the block
+    ends; then it is shut down and closed."""
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
 
 
 @pytest.fixture(scope="session")

@@ -10,8 +10,7 @@ import http.client
 import http.server
 import threading
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -22,7 +21,7 @@ from anykpl import FleetConfig, Producer
 from anykpl.errors import RecordFailedError
 from anykpl.metrics import CloudWatchSink
 
-from .conftest import CREDENTIALS, REGION
+from .conftest import CREDENTIALS, REGION, serving
 from .test_end_to_end import assert_success, check_read_back, make_sent, read_stream
 
 pytestmark = pytest.mark.anyio
@@ -113,17 +112,8 @@ def _service(headers: Any, path: str, body: bytes | None) -> str:
     return scope[3] if len(scope) >= 5 else f"unknown {path}"
 
 
-@contextmanager
-def _proxy(credentials: str) -> Iterator[_ForwardProxy]:
-    server = _ForwardProxy(credentials)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+def _proxy(credentials: str) -> AbstractContextManager[_ForwardProxy]:
+    return serving(_ForwardProxy(credentials))
 
 
 async def test_every_aws_call_goes_through_the_proxy(

@@ -25,7 +25,7 @@ from botocore.exceptions import ClientError
 from anykpl import Producer, ProducerConfig
 from anykpl._aws import create_client
 
-from .conftest import CREDENTIALS, REGION
+from .conftest import CREDENTIALS, REGION, serving
 
 pytestmark = pytest.mark.anyio
 
@@ -132,15 +132,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def stub() -> Iterator[_Stub]:
-    server = _Stub()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serving(_Stub()) as server:
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
 
 
 def _endpoint(server: _Stub) -> str:
