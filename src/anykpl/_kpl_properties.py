@@ -158,8 +158,8 @@ _IGNORED_PROPERTIES: Final[Mapping[str, tuple[str, str, str]]] = {
     "GlueSchemaRegistryPropertiesFilePath": (
         "str",
         "",
-        "anykpl has no AWS Glue Schema Registry serializer; encode each record with its schema "
-        "before put_record",
+        "configure anykpl.schema_registry.GlueSchemaRegistry in code (registry name, "
+        "auto-registration, compression) and encode each record with it before put_record",
     ),
     # The KPL's setters for these take Java objects, so its fromProperties accepts the names
     # and ignores their values too.
@@ -167,13 +167,13 @@ _IGNORED_PROPERTIES: Final[Mapping[str, tuple[str, str, str]]] = {
         "str",
         "",
         "its KPL setter takes a Java object, so the KPL ignores it in a properties file too; "
-        "anykpl has no AWS Glue Schema Registry serializer",
+        "anykpl.schema_registry.GlueSchemaRegistry takes its settings in code",
     ),
     "GlueSchemaRegistryCredentialsProvider": (
         "str",
         "",
         "its KPL setter takes a Java object, so the KPL ignores it in a properties file too; "
-        "anykpl has no AWS Glue Schema Registry serializer",
+        "anykpl.schema_registry.GlueSchemaRegistry uses the producer's credentials",
     ),
     "CredentialsProvider": (
         "str",
