@@ -384,6 +384,42 @@ async def test_an_httpx_transport_sends_kept_bodies_in_pieces() -> None:
     assert b"".join([piece async for piece in body]) == expected  # what httpx reads
 
 
+@pytest.mark.anyio
+async def test_an_aiohttp_transport_sends_a_large_body_without_aiohttps_warning() -> None:
+    """aiohttp warns (ResourceWarning) about a bytes body over 1 MiB; under -W error (a test
+    suite's filterwarnings = error, as here) that was an exception, so every such PutRecords
+    failed. The kept body goes as a payload aiohttp takes as it is, with the same bytes."""
+    import aiohttp
+    from aiobotocore.session import AioSession
+
+    requests: list[Any] = []
+
+    class _Sent(Exception):
+        pass
+
+    def before_send(request: Any, **kwargs: Any) -> None:
+        requests.append(request)
+        raise _Sent
+
+    records = [{"Data": bytes([i]) * 300_000, "PartitionKey": f"k{i}"} for i in range(6)]
+    async with AioSession().create_client(
+        "kinesis", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x"
+    ) as client:
+        transport = _BotocoreTransport(client, aiohttp=True)
+        client.meta.events.register("before-send.kinesis.PutRecords", before_send)
+        with pytest.raises(_Sent):
+            await transport.put_records("s", records)
+    (request,) = requests
+    expected = put_records_body({"StreamName": "s", "Records": records})
+    assert len(expected) > 1 << 20
+    body = request.body
+    assert isinstance(body, aiohttp.payload.BytesPayload)  # no warning made it (-W error)
+    assert body.size == len(expected) == int(request.headers["Content-Length"])
+    assert bytes(body._value) == expected
+    # aiohttp takes it as the payload it is
+    assert aiohttp.payload.PAYLOAD_REGISTRY.get(body) is body
+
+
 def test_body_pieces_of_an_empty_and_a_short_body() -> None:
     assert list(_BodyPieces(memoryview(b""))) == []
     assert [bytes(p) for p in _BodyPieces(memoryview(b"abc"))] == [b"abc"]

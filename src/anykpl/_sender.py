@@ -282,6 +282,47 @@ def _send_body_in_pieces(request: Any, **kwargs: Any) -> None:
         request.body = _BodyPieces(request.body)
 
 
+def _send_body_as_view(request: Any, **kwargs: Any) -> None:
+    """botocore's ``before-send`` hook on an aiohttp transport's PutRecords requests: a kept
+    body (a view) over 1 MiB goes to aiohttp as a payload of its own (:func:`_view_payload`),
+    as it is, without aiohttp's warning for such bodies."""
+    body = request.body
+    if isinstance(body, memoryview) and body.nbytes > _AIOHTTP_LARGE_BODY:
+        payload = _view_payload(body)
+        if payload is not None:
+            request.body = payload
+
+
+#: aiohttp's ``TOO_LARGE_BYTES_BODY``: a bytes body bigger than this gets a ResourceWarning
+_AIOHTTP_LARGE_BODY: Final = 1 << 20
+_view_payload_class: Any = None
+
+
+def _view_payload(body: memoryview) -> Any:
+    """``body`` as aiohttp's ``BytesPayload`` does it, without the ``ResourceWarning`` that
+    aiohttp gives a bytes body over 1 MiB ("might lock the event loop, pass an io.BytesIO").
+    The advice is for far larger uploads: aiohttp reads a BytesIO in 64 KiB chunks through a
+    thread, where a PutRecords body of a few MiB is one write to the socket. Under
+    ``-W error`` (a test suite's ``filterwarnings = error``) the warning was an exception, so
+    every request over 1 MiB failed, and its records were retried until they expired. ``None``
+    if this aiohttp's payload class is not the one this was written for (the body then goes
+    as it is)."""
+    global _view_payload_class
+    if _view_payload_class is None:
+        from aiohttp.payload import BytesPayload, Payload
+
+        class _ViewPayload(BytesPayload):
+            def __init__(self, value: memoryview) -> None:
+                Payload.__init__(self, value, content_type="application/octet-stream")
+                self._size = value.nbytes
+
+        _view_payload_class = _ViewPayload
+    try:
+        return _view_payload_class(body)
+    except (AttributeError, TypeError):  # pragma: no cover - another aiohttp's internals
+        return None
+
+
 # The body buffer of the request being serialized in this task (set around each PutRecords
 # call by the transport; the serializer runs inside the call, and joins the body itself
 # when called otherwise)
@@ -322,9 +363,10 @@ class _PutRecordsSerializer:
 
 
 class _BotocoreTransport:
-    def __init__(self, client: Any, *, body_pieces: bool = False) -> None:
+    def __init__(self, client: Any, *, body_pieces: bool = False, aiohttp: bool = False) -> None:
         """Bodies are written into kept buffers (:class:`_BodyBuffers`); ``body_pieces``:
-        and sent in pieces, as httpx needs (:class:`_BodyPieces`)."""
+        and sent in pieces, as httpx needs (:class:`_BodyPieces`); ``aiohttp``: large ones as
+        a payload that aiohttp does not warn about (:func:`_view_payload`)."""
         self._client = client
         self._bodies = _BodyBuffers()
         if body_pieces:
@@ -332,6 +374,12 @@ class _BotocoreTransport:
                 "before-send.kinesis.PutRecords",
                 _send_body_in_pieces,
                 unique_id="anykpl-body-pieces",
+            )
+        elif aiohttp:
+            client.meta.events.register(
+                "before-send.kinesis.PutRecords",
+                _send_body_as_view,
+                unique_id="anykpl-body-view",
             )
         serializer = getattr(client, "_serializer", None)
         if serializer is not None and not isinstance(serializer, _PutRecordsSerializer):
@@ -367,7 +415,10 @@ async def open_transport(config: ProducerConfig) -> AsyncIterator[Transport]:
         endpoint_url=config.endpoint_url,
     )
     async with client_context as client:
-        yield _BotocoreTransport(client, body_pieces=http_backend(config) == "httpx")
+        backend = http_backend(config)
+        yield _BotocoreTransport(
+            client, body_pieces=backend == "httpx", aiohttp=backend == "aiohttp"
+        )
 
 
 async def run_sender(

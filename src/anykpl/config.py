@@ -274,14 +274,18 @@ class ProducerConfig:
         aggregation_max_count: Maximum user records in one aggregated record. Default
             4294967295, 1..2^63-1. KPL: ``AggregationMaxCount``.
         aggregation_max_size: Maximum bytes of one aggregated Kinesis record. A user record
-            larger than this by itself is sent alone. Default 51200, 64..1048576.
-            KPL: ``AggregationMaxSize``.
+            larger than this by itself is sent alone. Default 51200, 64..10485760. Above
+            1048576 only for a stream whose maximum record size was raised (``CreateStream``'s
+            or ``UpdateMaxRecordSize``'s ``MaxRecordSizeInKiB``, up to 10 MiB; per stream with
+            ``streams``): the service refuses a larger record with ``ValidationException``,
+            and its records fail. KPL: ``AggregationMaxSize``.
         collection_max_count: Maximum Kinesis records in one PutRecords request. Default 500,
             1..500. KPL: ``CollectionMaxCount``.
         collection_max_size: Maximum bytes (partition keys plus data) in one PutRecords request;
             a larger single record is still sent, alone. Default 5242880, 52224..5242880. The
-            KPL allows up to 2^63-1, but the service rejects requests over 5 MiB.
-            KPL: ``CollectionMaxSize``.
+            KPL allows up to 2^63-1, but the service rejects requests over 5 MiB (10 MiB on a
+            stream whose maximum record size was raised, where a record above 5 MiB goes
+            alone). KPL: ``CollectionMaxSize``.
         fail_if_throttled: Fail a throttled record (ProvisionedThroughputExceededException) at
             once instead of retrying it, so the application can react, for example by sending
             it elsewhere. Default ``False``. KPL: ``FailIfThrottled``.
@@ -522,7 +526,7 @@ class ProducerConfig:
         # KPL pipeline
         _check_bool(self, "aggregation_enabled")
         _check_int(self, "aggregation_max_count", 1, _INT64_MAX)
-        _check_int(self, "aggregation_max_size", 64, DEFAULT_MAX_RECORD_SIZE)
+        _check_int(self, "aggregation_max_size", 64, LARGEST_MAX_RECORD_SIZE)
         _check_int(self, "collection_max_count", 1, PUT_RECORDS_MAX_RECORDS)
         _check_int(self, "collection_max_size", 52224, PUT_RECORDS_MAX_BYTES)
         _check_bool(self, "fail_if_throttled")

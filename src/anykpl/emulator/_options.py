@@ -123,7 +123,10 @@ class HttpLimits:
         max_body_bytes: the largest request body accepted (Content-Length, or the chunks of a
             chunked body, summed); a larger one is answered 413 and its connection closed. The
             default, 32 MiB, is four times the largest valid PutRecords request (5 MiB of data
-            is about 7.4 MiB of JSON) and holds any S3 object the project writes.
+            is about 7.4 MiB of JSON), holds the 10 MiB requests of a stream whose maximum
+            record size was raised (about 13.4 MiB) and any S3 object the project writes. The
+            least it may be is the 5 MiB request's body; below 13.4 MiB, a stream with large
+            records gets 413s.
         read_timeout: seconds a connection may wait before a request's first byte (idle
             keep-alive connections are then closed), and seconds a request's head and body may
             take to arrive after it (it is then answered 408 and its connection closed). Idle or

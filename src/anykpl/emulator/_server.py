@@ -35,6 +35,7 @@ from urllib.parse import unquote
 
 from ._list_shards import ShardLister, find_stream
 from ._options import Faults, HttpLimits, Limits, Reshard, Storm, from_json, to_json
+from ._record_size import check_size_in_kib, max_record_size, set_max_record_size
 from ._write_path import RECORD_COUNTERS, KinesisError, WritePath
 
 __all__ = ("EmulatorServer",)
@@ -87,6 +88,12 @@ class _BadRequest(Exception):
 
 
 _Response = tuple[int, list[tuple[str, str]], bytes]
+
+#: the calls that carry a stream's maximum record size (``_record_size``)
+_RECORD_SIZE_TARGETS = frozenset(
+    f"Kinesis_20131202.{operation}"
+    for operation in ("CreateStream", "UpdateMaxRecordSize", "DescribeStreamSummary")
+)
 
 
 def _json_response(status: int, body: Any, content_type: str = "application/json") -> _Response:
@@ -556,7 +563,47 @@ class EmulatorServer:
             return await self._write(request, target[len(_TARGET_PREFIX) :])
         if target == "Kinesis_20131202.ListShards":
             return self._list_shards(request)
+        if target in _RECORD_SIZE_TARGETS:
+            return self._record_size(request, target[len(_TARGET_PREFIX) :])
         return self._call_moto(request)
+
+    def _record_size(self, request: _Request, operation: str) -> _Response:
+        """CreateStream, UpdateMaxRecordSize and DescribeStreamSummary with the stream's
+        maximum record size, which moto does not keep (see ``_record_size``)."""
+        json_type = "application/x-amz-json-1.1"
+        try:
+            payload = _json_object(request.body)
+            given = payload.get("MaxRecordSizeInKiB")
+            size = None
+            if operation == "UpdateMaxRecordSize" or given is not None:
+                size = check_size_in_kib(given)
+            if size is not None and operation == "UpdateMaxRecordSize":
+                _, _, stream = find_stream(
+                    payload.get("StreamName"),
+                    payload.get("StreamARN"),
+                    *self._caller(request.headers),
+                    self._streams,
+                )
+                set_max_record_size(stream, size)
+                return _json_response(200, {}, json_type)
+        except KinesisError as exc:
+            return _json_response(exc.status, exc.body(), json_type)
+        status, headers, body = self._call_moto(request)
+        if status != 200:
+            return status, headers, body
+        _, _, stream = find_stream(
+            payload.get("StreamName"),
+            payload.get("StreamARN"),
+            *self._caller(request.headers),
+            self._streams,
+        )
+        if operation == "CreateStream":
+            if size is not None:
+                set_max_record_size(stream, size)
+            return status, headers, body
+        answer = json.loads(body)  # DescribeStreamSummary
+        answer["StreamDescriptionSummary"]["MaxRecordSizeInKiB"] = max_record_size(stream) // 1024
+        return _json_response(200, answer, json_type)
 
     @staticmethod
     def _streams(account: str, region: str) -> Mapping[str, Any]:

@@ -26,10 +26,10 @@ from .._limits import (
     DEFAULT_MAX_RECORD_SIZE,
     MAX_HASH_KEY,
     MAX_PARTITION_KEY_LENGTH,
-    PUT_RECORDS_MAX_BYTES,
     PUT_RECORDS_MAX_RECORDS,
 )
 from ._options import Faults, Limits, Storm
+from ._record_size import max_record_size, put_records_max_bytes
 
 __all__ = ("RECORD_COUNTERS", "KinesisError", "ShardStats", "WritePath")
 
@@ -87,8 +87,10 @@ class ShardStats:
 
 class _Bucket:
     """Records and bytes tokens of one shard. Capacity is one second of the rate in force (the
-    service's limits are per second); there is no debt, so a record bigger than the byte
-    capacity during a storm is throttled until the storm ends."""
+    service's limits are per second). A record of up to 1 MiB needs its size in tokens, so one
+    bigger than the byte capacity during a storm is throttled until the storm ends. A larger
+    one (a stream whose maximum record size was raised) goes through once the bucket is full
+    and leaves it in debt: the service's burst for large records (``_record_size``)."""
 
     __slots__ = ("bytes", "records", "updated")
 
@@ -107,7 +109,8 @@ class _Bucket:
             # a storm that just started cuts the capacity at once
             self.records = min(self.records, records_rate)
             self.bytes = min(self.bytes, bytes_rate)
-        if self.records >= 1.0 and self.bytes >= size:
+        need = size if size <= DEFAULT_MAX_RECORD_SIZE else min(size, bytes_rate)
+        if self.records >= 1.0 and self.bytes >= need:
             self.records -= 1.0
             self.bytes -= size
             return True
@@ -229,16 +232,23 @@ class WritePath:
                 f"1 validation error detected: Value at 'records' failed to satisfy constraint: "
                 f"Member must have length less than or equal to {PUT_RECORDS_MAX_RECORDS}",
             )
-        prepared = [self._prepare(entry, index) for index, entry in enumerate(entries)]
-        if sum(p[3] for p in prepared) > PUT_RECORDS_MAX_BYTES:
-            raise KinesisError(400, "InvalidArgumentException", "Records size exceeds 5 MB limit")
+        limit = max_record_size(stream)
+        prepared = [self._prepare(entry, index, limit) for index, entry in enumerate(entries)]
+        request_limit = put_records_max_bytes(stream)
+        if sum(p[3] for p in prepared) > request_limit:
+            raise KinesisError(
+                400,
+                "InvalidArgumentException",
+                f"Records size exceeds {request_limit // (1024 * 1024)} MB limit",
+            )
         results = self._write(stream, account_id, prepared, now)
         failed = sum(1 for r in results if "ErrorCode" in r)
         return {"FailedRecordCount": failed, "Records": results, "EncryptionType": "NONE"}
 
     def put_record(self, stream: Any, account_id: str, entry: Any, now: float) -> dict[str, Any]:
         """Handle one PutRecord request; a throttled or failed record is a request error."""
-        result = self._write(stream, account_id, [self._prepare(entry, 0)], now)[0]
+        prepared = self._prepare(entry, 0, max_record_size(stream))
+        result = self._write(stream, account_id, [prepared], now)[0]
         code = result.get("ErrorCode")
         if code == "ProvisionedThroughputExceededException":
             raise KinesisError(400, code, result["ErrorMessage"])
@@ -246,8 +256,9 @@ class WritePath:
             raise KinesisError(500, code, result["ErrorMessage"])
         return {**result, "EncryptionType": "NONE"}
 
-    def _prepare(self, entry: Any, index: int) -> tuple[str, str, int, int]:
-        """Validate one entry; returns (partition key, base64 data, hash key, size)."""
+    def _prepare(self, entry: Any, index: int, limit: int) -> tuple[str, str, int, int]:
+        """Validate one entry (``limit``: its stream's maximum record size); returns
+        (partition key, base64 data, hash key, size)."""
         if not isinstance(entry, dict):
             raise KinesisError(400, "SerializationException", f"record {index} is not an object")
         key = entry.get("PartitionKey")
@@ -263,13 +274,13 @@ class WritePath:
         if not isinstance(data, str):
             raise KinesisError(400, "SerializationException", f"record {index} has no Data")
         size = _decoded_length(data) + len(key.encode("utf-8"))
-        if size > DEFAULT_MAX_RECORD_SIZE:
+        if size > limit:
             raise KinesisError(
                 400,
                 "ValidationException",
                 f"1 validation error detected: Value at 'records.{index + 1}.member.data' failed "
                 f"to satisfy constraint: Member must have length less than or equal to "
-                f"{DEFAULT_MAX_RECORD_SIZE}",
+                f"{limit}",
             )
         explicit = entry.get("ExplicitHashKey")
         if explicit is not None:
