@@ -166,3 +166,25 @@ def test_the_same_user_records_as_aws_kinesis_agg() -> None:
     for mine, their in zip(ours, theirs, strict=True):
         assert mine.partition_key == their["kinesis"]["partitionKey"]
         assert mine.data == base64.b64decode(their["kinesis"]["data"])
+
+
+def test_malformed_input_is_a_format_error_or_a_counted_skip() -> None:
+    bad_key = encode_aggregate([("a", "1_0", b"x"), ("b", None, b"y")])
+    with pytest.raises(AggregationFormatError, match="explicit hash key"):
+        Deaggregator(hash_range=(0, MAX_HASH_KEY)).record(bad_key, "c")
+    with pytest.raises(AggregationFormatError, match="data is a str"):
+        deaggregate("aGVsbG8=", "k")  # type: ignore[arg-type]
+    with pytest.raises(AggregationFormatError, match="a NoneType"):
+        deaggregate_records([None])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="not a list"):
+        deaggregate_lambda_event({"Records": None})
+    deaggregator = Deaggregator(hash_range=(0, MAX_HASH_KEY), on_corrupt="skip")
+    assert deaggregator.record(bad_key, "c") == []
+    assert list(deaggregator.records([None, {"Data": b"ok", "PartitionKey": "k"}])) == [  # type: ignore[list-item]
+        UserRecord("k", None, b"ok")
+    ]
+    assert (deaggregator.corrupt, deaggregator.records_in, deaggregator.user_records_out) == (
+        2,
+        3,
+        1,
+    )

@@ -123,6 +123,33 @@ def test_an_aggregate_can_take_its_first_records_partition_key() -> None:
         assert [key for key, _ in _decoded(kr)] == ["device-7", "device-8", "device-7"]
 
 
+@pytest.mark.parametrize("from_records", [False, True])
+def test_an_aggregate_and_its_partition_key_stay_within_the_limit(from_records: bool) -> None:
+    """The service counts a Kinesis record's data and partition key against its maximum: an
+    aggregate's bytes plus its key stay within aggregation_max_size, with the constant key and
+    with long first keys (container_key_from_records)."""
+    limit = 20_000
+    agg = Aggregator(
+        enabled=True,
+        max_size=limit,
+        max_count=4294967295,
+        container_partition_key="container-" + "k" * 200,
+        predict=lambda _: SHARD,
+        container_key_from_records=from_records,
+    )
+    out: list[KinesisRecord] = []
+    for i in range(400):
+        agg.put(make_record(f"{i:03d}" + "p" * 250, b"x" * 977), out)
+    agg.flush_all(out)
+    aggregates = [kr for kr in out if len(kr.records) > 1]
+    assert len(aggregates) > 5
+    assert all(len(kr.data) + len(kr.partition_key.encode()) <= limit for kr in aggregates)
+    # and they are full, not cut short: the next record would not have fit
+    assert all(
+        len(kr.data) + len(kr.partition_key.encode()) > limit - 1500 for kr in aggregates[:-1]
+    )
+
+
 def test_count_limit() -> None:
     agg = make_aggregator(max_count=3)
     records = [make_record(f"k{i}", b"x") for i in range(10)]

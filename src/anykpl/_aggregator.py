@@ -48,10 +48,13 @@ SHARD_MAP_WAIT = 5.0
 
 
 class _OpenAggregate:
-    __slots__ = ("builder", "deadline", "expiration", "key", "records", "shard")
+    __slots__ = ("builder", "deadline", "expiration", "key", "limit", "records", "shard")
 
-    def __init__(self, shard: str, key: str | tuple[str, str]) -> None:
+    def __init__(self, shard: str, key: str | tuple[str, str], limit: int) -> None:
         self.shard = shard
+        # the aggregate's bytes may reach this: aggregation_max_size less its partition key's
+        # (the service counts a Kinesis record's data and partition key against its limit)
+        self.limit = limit
         # the shard, or (shard, tenant) for records put with a tenant: tenants never share an
         # aggregate, so the Limiter can queue each tenant's Kinesis records fairly
         self.key = key
@@ -80,6 +83,8 @@ class Aggregator:
         self.container_partition_key = container_partition_key
         # each aggregate under its first user record's key (Lambda's ParallelizationFactor)
         self.container_key_from_records = container_key_from_records
+        # an aggregate under the constant key may be this big (see _OpenAggregate.limit)
+        self._constant_limit = max_size - len(container_partition_key.encode())
         self.predict = predict
         self._open: dict[str | tuple[str, str], _OpenAggregate] = {}
         self._deadlines: list[tuple[float, int, _OpenAggregate]] = []
@@ -156,10 +161,15 @@ class Aggregator:
         tenant = record.tenant
         key: str | tuple[str, str] = shard if tenant is None else (shard, tenant)
         agg = self._open.get(key)
-        if agg is None or not agg.builder.add_within(pk, ehk, data, self.max_size):
+        if agg is None or not agg.builder.add_within(pk, ehk, data, agg.limit):
             # no open aggregate, or the record would push it past the limit: start the next
-            fresh = _OpenAggregate(shard, key)
-            if not fresh.builder.add_within(pk, ehk, data, self.max_size):
+            limit = (
+                self.max_size - len(pk.encode())
+                if self.container_key_from_records
+                else self._constant_limit
+            )
+            fresh = _OpenAggregate(shard, key, limit)
+            if not fresh.builder.add_within(pk, ehk, data, limit):
                 # too big to share an aggregate even alone: out on its own, raw, after the open
                 # aggregate (sealed first so that records of one key keep their order)
                 if agg is not None:

@@ -318,9 +318,13 @@ def _view_payload(body: memoryview) -> Any:
 
         _view_payload_class = _ViewPayload
     try:
-        return _view_payload_class(body)
+        payload = _view_payload_class(body)
     except (AttributeError, TypeError):  # pragma: no cover - another aiohttp's internals
         return None
+    # what BytesPayload.write sends, and what aiohttp sets Content-Length from
+    if payload.size != body.nbytes or getattr(payload, "_value", None) is not body:
+        return None  # pragma: no cover - another aiohttp's internals
+    return payload
 
 
 # The body buffer of the request being serialized in this task (set around each PutRecords

@@ -20,7 +20,8 @@ range does not hold all of its user records. Given the shard's range (``hash_ran
 range is dropped whole, and its user records are counted in
 :attr:`Deaggregator.dropped_out_of_range`. A producer that retries such a record (anykpl's
 ``Wrong Shard``, docs/errors.md) has put each user record again where it belongs, so a reader
-that drops them reads each once. Without a range nothing is dropped.
+that drops them reads it from the retry (docs/errors.md says when one can still be read
+twice: a retry anykpl could not rule out). Without a range nothing is dropped.
 
 **Corrupt input** — bytes that claim to be an aggregate (magic prefix and a matching checksum)
 but whose protobuf is broken, or a Lambda record whose data is not base64 — raises
@@ -83,8 +84,11 @@ class UserRecord:
     def hash_key(self) -> int:
         """The hash key that places it in a shard: its explicit hash key, else the MD5 of its
         partition key (as a 128-bit integer)."""
-        if self.explicit_hash_key is not None:
-            return int(self.explicit_hash_key)
+        key = self.explicit_hash_key
+        if key is not None:
+            if not (key.isascii() and key.isdigit()) or int(key) > MAX_HASH_KEY:
+                raise ValueError(f"explicit hash key {key!r} is not a hash key")
+            return int(key)
         return partition_key_hash(self.partition_key)
 
 
@@ -149,6 +153,10 @@ class Deaggregator:
                 raise
             self.corrupt += 1
             return []
+        except TypeError:  # data that is not bytes (a base64 str, None)
+            self.records_in -= 1
+            self._bad(f"a record whose data is a {type(data).__name__}, not bytes")
+            return []
         records = [
             UserRecord(
                 user.partition_key,
@@ -162,7 +170,13 @@ class Deaggregator:
         ]
         if self.hash_range is not None and aggregated:
             low, high = self.hash_range
-            if any(not low <= r.hash_key <= high for r in records):
+            try:
+                outside = any(not low <= r.hash_key <= high for r in records)
+            except ValueError:  # an explicit hash key that is not a decimal
+                self.records_in -= 1
+                self._bad("an aggregate whose explicit hash key is not a decimal number")
+                return []
+            if outside:
                 # the KCL's rule: the whole aggregate goes (AggregatorUtil.deaggregate)
                 self.dropped_out_of_range += len(records)
                 return []
@@ -180,6 +194,9 @@ class Deaggregator:
             except KeyError as exc:
                 self._bad(f"a GetRecords record without {exc.args[0]!r}")
                 continue
+            except TypeError:
+                self._bad(f"a GetRecords record that is a {type(record).__name__}")
+                continue
             yield from self.record(
                 data, partition_key, record.get("ExplicitHashKey"), record.get("SequenceNumber")
             )
@@ -193,6 +210,11 @@ class Deaggregator:
             entries = event["Records"]
         except (KeyError, TypeError):
             raise ValueError("not a Lambda event for a Kinesis trigger: no 'Records'") from None
+        if not isinstance(entries, list):
+            raise ValueError(
+                f"not a Lambda event for a Kinesis trigger: its 'Records' is a "
+                f"{type(entries).__name__}, not a list"
+            )
         for entry in entries:
             try:
                 kinesis = entry["kinesis"]

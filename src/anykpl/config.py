@@ -283,9 +283,10 @@ class ProducerConfig:
             1..500. KPL: ``CollectionMaxCount``.
         collection_max_size: Maximum bytes (partition keys plus data) in one PutRecords request;
             a larger single record is still sent, alone. Default 5242880, 52224..5242880. The
-            KPL allows up to 2^63-1, but the service rejects requests over 5 MiB (10 MiB on a
-            stream whose maximum record size was raised, where a record above 5 MiB goes
-            alone). KPL: ``CollectionMaxSize``.
+            KPL allows up to 2^63-1; the service took at most 5 MiB per request until it took
+            records up to 10 MiB, and its PutRecords reference now says 10 MiB. anykpl fills
+            requests to 5 MiB, which every stream takes, and sends a larger record alone.
+            KPL: ``CollectionMaxSize``.
         fail_if_throttled: Fail a throttled record (ProvisionedThroughputExceededException) at
             once instead of retrying it, so the application can react, for example by sending
             it elsewhere. Default ``False``. KPL: ``FailIfThrottled``.

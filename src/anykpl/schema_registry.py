@@ -28,6 +28,7 @@ they are.
 
 from __future__ import annotations
 
+import random
 import uuid
 import zlib
 from collections.abc import Callable
@@ -48,6 +49,24 @@ HEADER_VERSION_BYTE = 3
 COMPRESSION_NONE = 0
 COMPRESSION_ZLIB = 5
 HEADER_SIZE = 2 + 16
+
+#: a version the registry has not approved yet (``PENDING``) is polled this often, this many
+#: times, before it is given up on (the serde library waits 3 s, then polls 10 times)
+PENDING_POLL_INTERVAL = 1.0
+PENDING_POLLS = 10
+#: a throttled, failed (5xx) or unreached registry call is tried this many times in all
+CALL_ATTEMPTS = 4
+CALL_BACKOFF = 0.2  # seconds before the second attempt, doubling, with jitter
+_RETRIABLE = frozenset(
+    {
+        "ThrottlingException",
+        "TooManyRequestsException",
+        "InternalServiceException",
+        "InternalFailure",
+        "ServiceUnavailable",
+        "ServiceUnavailableException",
+    }
+)
 
 DataFormat = Literal["AVRO", "JSON", "PROTOBUF"]
 Compression = Literal["none", "zlib"]
@@ -182,6 +201,8 @@ class GlueSchemaRegistry:
     async def __aenter__(self) -> GlueSchemaRegistry:
         from ._aws import create_client
 
+        if self._stack is not None:
+            raise RuntimeError("the GlueSchemaRegistry is open already")
         stack = AsyncExitStack()
         self._client = await stack.enter_async_context(
             create_client(
@@ -237,7 +258,7 @@ class GlueSchemaRegistry:
                 SchemaId=schema_id,
                 SchemaDefinition=schema.definition,
             )
-            return uuid.UUID(answer["SchemaVersionId"])
+            return await self._available(schema, answer["SchemaVersionId"], answer.get("Status"))
         except _NotFound as missing:
             if not self.auto_registration:
                 raise SchemaRegistryError(
@@ -246,11 +267,7 @@ class GlueSchemaRegistry:
                     f"({missing.message})"
                 ) from None
         try:
-            answer = await self._call(
-                client.register_schema_version,
-                SchemaId=schema_id,
-                SchemaDefinition=schema.definition,
-            )
+            answer = await self._register(client, schema_id, schema)
         except _NotFound:  # no such schema yet: create it, with this definition
             try:
                 answer = await self._call(
@@ -261,33 +278,85 @@ class GlueSchemaRegistry:
                     Compatibility=self.compatibility,
                     SchemaDefinition=schema.definition,
                 )
+                answer = {**answer, "Status": answer.get("SchemaVersionStatus")}
             except _NotFound as missing:  # the registry itself (it is not created here)
                 raise SchemaRegistryError(
                     f"schema {schema.name!r} could not be created in registry "
                     f"{self.registry_name!r}: {missing.message}"
                 ) from None
-        return uuid.UUID(answer["SchemaVersionId"])
+            except _AlreadyExists:  # another producer created it meanwhile
+                answer = await self._register(client, schema_id, schema)
+        return await self._available(schema, answer["SchemaVersionId"], answer.get("Status"))
+
+    async def _register(
+        self, client: Any, schema_id: dict[str, str], schema: Schema
+    ) -> dict[str, Any]:
+        # the version of this definition, registered now or before (the registry answers the
+        # existing version for a definition it has)
+        return await self._call(
+            client.register_schema_version, SchemaId=schema_id, SchemaDefinition=schema.definition
+        )
+
+    async def _available(self, schema: Schema, version_id: str, status: object) -> uuid.UUID:
+        """``version_id`` once the registry has approved it (``AVAILABLE``): a ``PENDING``
+        version is polled (``PENDING_POLLS`` times, ``PENDING_POLL_INTERVAL`` apart), as the
+        registry's serde library does, since records must never carry a version the registry
+        turns down (its compatibility check fails).
+
+        :raises SchemaRegistryError: the version failed, is being deleted, or stays pending."""
+        polls = 0
+        while status == "PENDING" and polls < PENDING_POLLS:
+            await anyio.sleep(PENDING_POLL_INTERVAL)
+            polls += 1
+            answer = await self._call(self._client.get_schema_version, SchemaVersionId=version_id)
+            status = answer.get("Status")
+        if status not in (None, "AVAILABLE"):  # (an answer without a status: taken as it is)
+            raise SchemaRegistryError(
+                f"version {version_id} of schema {schema.name!r} in registry "
+                f"{self.registry_name!r} is {status}, not AVAILABLE"
+                + (" (its compatibility check failed)" if status == "FAILURE" else "")
+            )
+        return uuid.UUID(version_id)
 
     async def _call(self, method: Callable[..., Any], **arguments: Any) -> dict[str, Any]:
+        """One registry call, tried again after a throttle, a 5xx or a connection failure
+        (``CALL_ATTEMPTS`` in all; the client makes one attempt per call)."""
         from botocore.exceptions import BotoCoreError, ClientError
 
-        self.calls += 1
-        try:
-            answer: dict[str, Any] = await method(**arguments)
-        except ClientError as exc:
-            code = exc.response.get("Error", {}).get("Code", "")
-            message = exc.response.get("Error", {}).get("Message", str(exc))
-            if code == "EntityNotFoundException":
-                raise _NotFound(message) from None
-            raise SchemaRegistryError(
-                f"the Glue Schema Registry answered {code}: {message}"
-            ) from None
-        except BotoCoreError as exc:
-            raise SchemaRegistryError(f"the Glue Schema Registry was not reached: {exc}") from None
-        return answer
+        delay = CALL_BACKOFF
+        for attempt in range(1, CALL_ATTEMPTS + 1):
+            self.calls += 1
+            try:
+                answer: dict[str, Any] = await method(**arguments)
+                return answer
+            except ClientError as exc:
+                error = exc.response.get("Error", {})
+                code = error.get("Code", "")
+                message = error.get("Message", str(exc))
+                if code == "EntityNotFoundException":
+                    raise _NotFound(message) from None
+                if code == "AlreadyExistsException":
+                    raise _AlreadyExists(message) from None
+                status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+                if attempt == CALL_ATTEMPTS or not (code in _RETRIABLE or status >= 500):
+                    raise SchemaRegistryError(
+                        f"the Glue Schema Registry answered {code}: {message}"
+                    ) from None
+            except BotoCoreError as exc:
+                if attempt == CALL_ATTEMPTS:
+                    raise SchemaRegistryError(
+                        f"the Glue Schema Registry was not reached: {exc}"
+                    ) from None
+            await anyio.sleep(delay * (0.5 + random.random()))
+            delay *= 2
+        raise AssertionError("unreachable")  # pragma: no cover
 
 
 class _NotFound(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+
+class _AlreadyExists(Exception):
+    pass

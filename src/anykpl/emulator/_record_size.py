@@ -5,11 +5,12 @@ raised to at most 10 MiB (10,240 KiB) with ``CreateStream``'s or ``UpdateMaxReco
 ``MaxRecordSizeInKiB``, and shown by ``DescribeStreamSummary``. A record (data + partition key)
 over its stream's maximum is refused with ``ValidationException``. The API reference for
 PutRecords (botocore 1.43's model) now says "each record in the request can be as large as
-10 MiB, up to a limit of 10 MiB for the entire request"; the emulator applies that 10 MiB to
-streams whose maximum was raised and keeps the 5 MiB that every stream had before to the
-others. A shard still takes 1 MiB/s: the service lets a large record through by bursting
-("the tank is temporarily drained, then refills"), which the write path models as debt on the
-shard's byte bucket (``_Bucket``).
+10 MiB, up to a limit of 10 MiB for the entire request". The emulator applies that 10 MiB to
+streams whose maximum was raised and, by its own choice, keeps the 5 MiB that every stream had
+before for the others: the producer never needs more there, and a test that a request over
+5 MiB is refused still means what it did. A shard still takes 1 MiB/s: the service lets a
+large record through by bursting ("the tank is temporarily drained, then refills"), which the
+write path models as debt on the shard's byte bucket (``_Bucket``).
 
 moto knows none of this: the emulator keeps the size on moto's stream object and answers the
 three calls itself around moto.

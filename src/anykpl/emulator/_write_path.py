@@ -90,7 +90,8 @@ class _Bucket:
     service's limits are per second). A record of up to 1 MiB needs its size in tokens, so one
     bigger than the byte capacity during a storm is throttled until the storm ends. A larger
     one (a stream whose maximum record size was raised) goes through once the bucket is full
-    and leaves it in debt: the service's burst for large records (``_record_size``)."""
+    and leaves it in debt: the service's burst for large records (``_record_size``); during a
+    storm it waits for the storm's end, as the smaller ones do."""
 
     __slots__ = ("bytes", "records", "updated")
 
@@ -109,7 +110,14 @@ class _Bucket:
             # a storm that just started cuts the capacity at once
             self.records = min(self.records, records_rate)
             self.bytes = min(self.bytes, bytes_rate)
-        need = size if size <= DEFAULT_MAX_RECORD_SIZE else min(size, bytes_rate)
+        # a large record waits for a full bucket of a shard not cut by a storm (a storm cuts
+        # the rate below 1 MiB/s): during one it waits, as a smaller record too big for the
+        # cut bucket does
+        need = (
+            size
+            if size <= DEFAULT_MAX_RECORD_SIZE or bytes_rate < DEFAULT_MAX_RECORD_SIZE
+            else min(size, bytes_rate)
+        )
         if self.records >= 1.0 and self.bytes >= need:
             self.records -= 1.0
             self.bytes -= size
