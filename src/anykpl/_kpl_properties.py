@@ -190,9 +190,6 @@ _IGNORED_PROPERTIES: Final[Mapping[str, tuple[str, str, str]]] = {
     ),
 }
 
-#: Ignored properties whose values are never repeated in a warning.
-_SECRET_PROPERTIES: Final = frozenset({"ProxyPassword"})
-
 KPL_PROPERTY_NAMES: Final[Mapping[str, str | None]] = MappingProxyType(
     {
         **{key: name for key, (name, _) in _MAPPED_PROPERTIES.items()},
@@ -484,9 +481,9 @@ def read_kpl_properties(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
         elif key in _IGNORED_PROPERTIES:
             kind, default, reason = _IGNORED_PROPERTIES[key]
             if not _is_kpl_default(kind, default, text):
-                shown = "" if key in _SECRET_PROPERTIES else f" (set to {_Shortened(text)!r})"
                 warnings.warn(
-                    f"KPL property {key}{shown} is accepted and ignored: {reason}",
+                    f"KPL property {key} (set to {_Shortened(text)!r}) is accepted and ignored: "
+                    f"{reason}",
                     UserWarning,
                     stacklevel=3,
                 )

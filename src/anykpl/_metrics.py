@@ -295,7 +295,10 @@ class Metrics:
         now = self.clock()
         if now >= self._bucket_end:
             self._roll(now)
-        key = (name, stream, shard, code)
+        self._merge((name, stream, shard, code), count, total, low, high)
+
+    def _merge(self, key: _Key, count: float, total: float, low: float, high: float) -> None:
+        """Merge a statistic set into the current bucket."""
         stats = self._bucket.get(key)
         if stats is None:
             self._bucket[key] = [count, total, low, high]
@@ -331,17 +334,7 @@ class Metrics:
     def sample_to_bucket(self, name: str, value: float, stream: str | None) -> None:
         """Like :meth:`sample`, into the current bucket without reading the clock (for
         :attr:`gauge`)."""
-        key = (name, stream, None, None)
-        stats = self._bucket.get(key)
-        if stats is None:
-            self._bucket[key] = [1.0, value, value, value]
-        else:
-            stats[0] += 1.0
-            stats[1] += value
-            if value < stats[2]:
-                stats[2] = value
-            if value > stats[3]:
-                stats[3] = value
+        self._merge((name, stream, None, None), 1.0, value, value, value)
 
     def _roll(self, now: float) -> None:
         """Close the current bucket and start the one ``now`` falls in."""

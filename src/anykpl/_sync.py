@@ -481,33 +481,16 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
     @property
     def outstanding_records(self) -> int:
         """Admitted records that are not yet terminal (see :attr:`Producer.outstanding_records
-        <anykpl.Producer.outstanding_records>`); once closed, as many as close left."""
-        return int(self._read("outstanding_records"))
+        <anykpl.Producer.outstanding_records>`); once closed, as many as close left. Read as
+        :meth:`statistics` reads them (and raises as it does)."""
+        return self.statistics().outstanding_records
 
     @property
     def oldest_record_age(self) -> float:
         """Seconds since the oldest record that is not yet terminal was admitted, 0.0 when
         none is (see :attr:`Producer.oldest_record_age <anykpl.Producer.oldest_record_age>`);
-        once closed, as close left it."""
-        return float(self._read("oldest_record_age"))
-
-    def _read(self, name: str) -> float:
-        """The producer's ``name`` read in the event-loop thread, which owns its state; once
-        closed, from the statistics taken as it closed.
-
-        :raises ~anykpl.errors.ProducerClosedError: close gave up on a wedged event loop, so
-            what it left is not known (as :meth:`statistics`)."""
-        self._check_thread()
-        if self._state != "closed":
-            with suppress(RuntimeError):  # the portal stopped meanwhile
-                return float(self._portal.call(getattr, self._producer, name))
-        final = self._final_statistics
-        if final is not None:
-            return float(getattr(final, name))
-        if self._abandoned:
-            # close gave up on a wedged event loop: what it left is not known
-            raise self._closed_error(f"its {name} is out of reach")
-        return float(getattr(self._producer, name))
+        once closed, as close left it. Read as :meth:`statistics` reads it."""
+        return self.statistics().oldest_record_age
 
     def metrics(self, name: str | None = None, window: float | None = None) -> list[MetricValue]:
         """The KPL metrics kept in process (see :meth:`Producer.metrics

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from . import errors
+from ._intake import _parse_explicit_hash_key
+from ._limits import MAX_HASH_KEY
 from ._records import partition_key_hash
 from ._wire import unpack
 
@@ -53,9 +55,6 @@ __all__ = (
 )
 
 OnCorrupt = Literal["raise", "skip"]
-
-#: the largest hash key (2^128 - 1): a shard's range is within [0, MAX_HASH_KEY]
-MAX_HASH_KEY = (1 << 128) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,11 +83,9 @@ class UserRecord:
     def hash_key(self) -> int:
         """The hash key that places it in a shard: its explicit hash key, else the MD5 of its
         partition key (as a 128-bit integer)."""
-        key = self.explicit_hash_key
-        if key is not None:
-            if not (key.isascii() and key.isdigit()) or int(key) > MAX_HASH_KEY:
-                raise ValueError(f"explicit hash key {key!r} is not a hash key")
-            return int(key)
+        if self.explicit_hash_key is not None:
+            # the producer's rule for an explicit hash key (InvalidRecordError, a ValueError)
+            return _parse_explicit_hash_key(self.explicit_hash_key)
         return partition_key_hash(self.partition_key)
 
 
@@ -148,15 +145,10 @@ class Deaggregator:
         self.records_in += 1
         try:
             decoded, aggregated = unpack(data, partition_key, explicit_hash_key)
-        except errors.AggregationFormatError:
-            if self.on_corrupt == "raise":
-                raise
-            self.corrupt += 1
-            return []
+        except errors.AggregationFormatError as exc:
+            return self._corrupt(exc)
         except TypeError:  # data that is not bytes (a base64 str, None)
-            self.records_in -= 1
-            self._bad(f"a record whose data is a {type(data).__name__}, not bytes")
-            return []
+            return self._corrupt(f"a record whose data is a {type(data).__name__}, not bytes")
         records = [
             UserRecord(
                 user.partition_key,
@@ -173,9 +165,7 @@ class Deaggregator:
             try:
                 outside = any(not low <= r.hash_key <= high for r in records)
             except ValueError:  # an explicit hash key that is not a decimal
-                self.records_in -= 1
-                self._bad("an aggregate whose explicit hash key is not a decimal number")
-                return []
+                return self._corrupt("an aggregate whose explicit hash key is not a decimal number")
             if outside:
                 # the KCL's rule: the whole aggregate goes (AggregatorUtil.deaggregate)
                 self.dropped_out_of_range += len(records)
@@ -239,10 +229,19 @@ class Deaggregator:
         return out
 
     def _bad(self, what: str) -> None:
+        """A Kinesis record that never reached :meth:`record` (a malformed entry): read, and
+        corrupt."""
         self.records_in += 1
+        self._corrupt(what)
+
+    def _corrupt(self, problem: str | errors.AggregationFormatError) -> list[UserRecord]:
+        """A corrupt Kinesis record: raised (``on_corrupt="raise"``), or skipped and counted."""
         if self.on_corrupt == "raise":
-            raise errors.AggregationFormatError(what)
+            if isinstance(problem, errors.AggregationFormatError):
+                raise problem
+            raise errors.AggregationFormatError(problem)
         self.corrupt += 1
+        return []
 
 
 def deaggregate(

@@ -601,7 +601,7 @@ class ProducerConfig:
         shown = ", ".join(
             f"{f.name}={_shown(getattr(self, f.name))!r}"
             if f.name != "proxy_url" or self.proxy_url is None
-            else f"proxy_url={masked_url(self.proxy_url)!r}"
+            else f"proxy_url={_masked_url(self.proxy_url)!r}"
             for f in dataclasses.fields(self)
             if f.repr
         )
@@ -831,7 +831,7 @@ def _check_proxy_url(config: ProducerConfig) -> None:
         shown = url if isinstance(url, (int, float)) else _Described(f"a {type(url).__name__}")
         _fail("proxy_url", shown, allowed)
     if _proxy_url_problem(url):
-        _fail("proxy_url", masked_url(url), allowed)
+        _fail("proxy_url", _masked_url(url), allowed)
 
 
 def _proxy_url_problem(url: str) -> bool:
@@ -853,7 +853,7 @@ def _proxy_url_problem(url: str) -> bool:
     )
 
 
-def masked_url(url: str) -> str:
+def _masked_url(url: str) -> str:
     """``url`` with the password of its user info, if any, replaced by ``***``."""
     try:
         parts = urlsplit(url)

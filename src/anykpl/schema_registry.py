@@ -324,7 +324,9 @@ class GlueSchemaRegistry:
         from botocore.exceptions import BotoCoreError, ClientError
 
         delay = CALL_BACKOFF
-        for attempt in range(1, CALL_ATTEMPTS + 1):
+        attempt = 0
+        while True:
+            attempt += 1
             self.calls += 1
             try:
                 answer: dict[str, Any] = await method(**arguments)
@@ -349,7 +351,6 @@ class GlueSchemaRegistry:
                     ) from None
             await anyio.sleep(delay * (0.5 + random.random()))
             delay *= 2
-        raise AssertionError("unreachable")  # pragma: no cover
 
 
 class _NotFound(Exception):

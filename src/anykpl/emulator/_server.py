@@ -571,6 +571,15 @@ class EmulatorServer:
         """CreateStream, UpdateMaxRecordSize and DescribeStreamSummary with the stream's
         maximum record size, which moto does not keep (see ``_record_size``)."""
         json_type = "application/x-amz-json-1.1"
+
+        def named_stream() -> Any:
+            return find_stream(
+                payload.get("StreamName"),
+                payload.get("StreamARN"),
+                *self._caller(request.headers),
+                self._streams,
+            )[2]
+
         try:
             payload = _json_object(request.body)
             given = payload.get("MaxRecordSizeInKiB")
@@ -578,25 +587,14 @@ class EmulatorServer:
             if operation == "UpdateMaxRecordSize" or given is not None:
                 size = check_size_in_kib(given)
             if size is not None and operation == "UpdateMaxRecordSize":
-                _, _, stream = find_stream(
-                    payload.get("StreamName"),
-                    payload.get("StreamARN"),
-                    *self._caller(request.headers),
-                    self._streams,
-                )
-                set_max_record_size(stream, size)
+                set_max_record_size(named_stream(), size)
                 return _json_response(200, {}, json_type)
         except KinesisError as exc:
             return _json_response(exc.status, exc.body(), json_type)
         status, headers, body = self._call_moto(request)
         if status != 200:
             return status, headers, body
-        _, _, stream = find_stream(
-            payload.get("StreamName"),
-            payload.get("StreamARN"),
-            *self._caller(request.headers),
-            self._streams,
-        )
+        stream = named_stream()
         if operation == "CreateStream":
             if size is not None:
                 set_max_record_size(stream, size)
