@@ -29,6 +29,7 @@ from anykpl._fleet import (
     parse_lease,
 )
 from anykpl._fleet import _member as fleet_member
+from anykpl._producer import STOPPED
 
 from . import fakes
 from .fakes import SERVER_EPOCH, FakeKinesis
@@ -37,6 +38,8 @@ pytestmark = pytest.mark.anyio
 
 BUCKET = "fleet-bucket"
 CAP = 1000.0
+#: what the allocator grants at most: the cap less the bootstrap budget (4 % by default)
+GRANTABLE = CAP * (1 - FleetConfig(bucket="b" * 3, records_per_second=1).bootstrap_fraction)
 INTERVAL = 1.0
 LEASE = 3.0
 CONFIG = ProducerConfig(region="us-east-1", aws_access_key_id="k", aws_secret_access_key="s")
@@ -134,7 +137,7 @@ def check_every_generation(s3: FakeS3, cap: float = CAP) -> None:
 # -- on both backends, in real time -------------------------------------------------------
 
 
-async def test_the_bootstrap_rate_applies_before_any_s3_call(anyio_backend: str) -> None:
+async def test_nothing_is_sent_before_the_first_s3_calls(anyio_backend: str) -> None:
     s3 = FakeS3()
     member = Member(s3, "w1", sync_interval=0.05, lease=0.15)
     applied_at_first_call: list[Any] = []
@@ -148,15 +151,19 @@ async def test_the_bootstrap_rate_applies_before_any_s3_call(anyio_backend: str)
     s3._enter = first_call  # type: ignore[method-assign]
     async with anyio.create_task_group() as tg:
         await tg.start(member.worker.run)
-        assert member.applied == [(CAP * 0.1, None)]
+        # it cannot know its share of the bootstrap budget before it lists the reports
+        assert member.applied == [(0.0, None)]
         assert member.worker.statistics().mode == "bootstrap"
-        # alone in the fleet, it becomes the allocator and grants itself the whole cap
+        # alone in the fleet, it becomes the allocator and grants itself the cap less the
+        # bootstrap budget
         with anyio.fail_after(5):
-            while member.rate != pytest.approx(CAP):  # noqa: ASYNC110 (the worker's task)
+            while member.rate != pytest.approx(GRANTABLE):  # noqa: ASYNC110 (its task)
                 await anyio.sleep(0.01)
         assert member.worker.statistics().role == "allocator"
         await member.worker.aclose()
-    assert applied_at_first_call == [[(CAP * 0.1, None)]]
+    assert applied_at_first_call == [[(0.0, None)]]
+    # its first rate of its own: half the budget, the first of the fleet
+    assert member.applied[1] == (CAP * 0.04 / 2, None)
     assert "anykpl-fleet/workers/w1.json" not in s3.objects  # deleted on close
     assert s3.holder() is None  # released
 
@@ -173,7 +180,7 @@ class TestOnMockClock:
             await anyio.sleep(3 * INTERVAL)
             rates = [m.rate for m in members]
             stats = [m.worker.statistics() for m in members]
-        assert rates == pytest.approx([CAP / 4] * 4)
+        assert rates == pytest.approx([GRANTABLE / 4] * 4)
         assert [s.mode for s in stats] == ["granted"] * 4
         assert sum(1 for s in stats if s.role == "allocator") == 1
         assert {s.fleet_size for s in stats} == {4}
@@ -191,9 +198,10 @@ class TestOnMockClock:
             members[0].backlog = 100_000  # and busy again
             await anyio.sleep(6 * INTERVAL)
             back = [m.rate for m in members]
-        assert idle == pytest.approx(CAP * 0.1 / 3)  # its floor
-        assert busy == pytest.approx([(CAP - CAP * 0.1 / 3) / 2] * 2)
-        assert back == pytest.approx([CAP / 3] * 3)
+        floor = GRANTABLE * 0.04 / 3
+        assert idle == pytest.approx(floor)
+        assert busy == pytest.approx([(GRANTABLE - floor) / 2] * 2)
+        assert back == pytest.approx([GRANTABLE / 3] * 3)
         check_every_generation(s3)
 
     async def test_a_dead_allocator_is_replaced_within_a_lease(self) -> None:
@@ -228,7 +236,7 @@ class TestOnMockClock:
             rates = [m.rate for m in survivors]
             tg.cancel_scope.cancel()
         assert replaced_after <= LEASE + 0.1
-        assert rates == pytest.approx([CAP / 2] * 2)
+        assert rates == pytest.approx([GRANTABLE / 2] * 2)
         check_every_generation(s3)
 
     async def test_s3_errors_fall_back_to_the_safe_rate_and_are_logged_once(
@@ -239,7 +247,7 @@ class TestOnMockClock:
         caplog.set_level(logging.INFO, logger="anykpl.fleet")
         async with running(*members):
             await anyio.sleep(3 * INTERVAL)
-            assert [m.rate for m in members] == pytest.approx([CAP / 2] * 2)
+            assert [m.rate for m in members] == pytest.approx([GRANTABLE / 2] * 2)
             s3.down = True
             cut_at = anyio.current_time()
             await anyio.sleep(LEASE + 1.5 * INTERVAL)
@@ -275,10 +283,10 @@ class TestOnMockClock:
             early = member.worker.statistics()
             await anyio.sleep(0.2)
             late = member.worker.statistics()
-        assert (early.mode, early.records_per_second) == ("bootstrap", CAP * 0.1)
-        # no fleet size known: the whole cap × safe_fraction, but no more than its bootstrap
-        # rate, since it never had a grant
-        assert (late.mode, late.records_per_second) == ("safe", CAP * 0.1)
+        # it never learned its rank in the bootstrap budget: it sends nothing, since it cannot
+        # know how many share the cap
+        assert (early.mode, early.records_per_second) == ("bootstrap", 0.0)
+        assert (late.mode, late.records_per_second) == ("safe", 0.0)
         assert late.s3_errors > 0
 
     async def test_without_a_date_header_the_clock_comes_from_what_it_writes(self) -> None:
@@ -287,7 +295,7 @@ class TestOnMockClock:
         async with running(*members):
             await anyio.sleep(3 * INTERVAL)
             rates = [m.rate for m in members]
-        assert rates == pytest.approx([CAP / 2] * 2)
+        assert rates == pytest.approx([GRANTABLE / 2] * 2)
 
     async def test_the_standalone_allocator_serves_workers_that_do_not_elect(self) -> None:
         s3 = FakeS3(send_date=False)
@@ -305,7 +313,7 @@ class TestOnMockClock:
             rates = [m.rate for m in members]
             assert s3.holder() == "boss"
             assert "anykpl-fleet/allocators/boss.json" in s3.objects
-        assert rates == pytest.approx([CAP / 2] * 2)
+        assert rates == pytest.approx([GRANTABLE / 2] * 2)
         assert seen
         assert seen[-1] == s3.generations()[-1]
         assert s3.holder() is None
@@ -317,9 +325,10 @@ class TestOnMockClock:
         async with running(*members):
             await anyio.sleep(3 * LEASE)
             stats = [m.worker.statistics() for m in members]
-        # S3 answers, but nobody allocates: no grant, and no reason for the safe rate
+        # S3 answers, but nobody allocates: no grant, and no reason for the safe rate; each
+        # listed both reports (again, once a lease): the budget's shares of ranks 2 and 2
         assert [s.mode for s in stats] == ["bootstrap", "bootstrap"]
-        assert [s.records_per_second for s in stats] == [CAP * 0.1] * 2
+        assert [s.records_per_second for s in stats] == pytest.approx([CAP * 0.04 / 6] * 2)
         assert s3.holder() is None
         assert "anykpl-fleet/grants.json" not in s3.objects
 
@@ -333,11 +342,11 @@ class TestOnMockClock:
         async with running(newcomer):
             await anyio.sleep(LEASE - 0.1)
             early = newcomer.worker.statistics()
-            await anyio.sleep(0.2)
+            await anyio.sleep(INTERVAL)  # (the last grants outlive their lease a little)
             late = newcomer.worker.statistics()
         assert early.mode == "bootstrap"
-        # three it knows of; never granted, so no more than its bootstrap rate
-        assert (late.mode, late.records_per_second) == ("safe", CAP * 0.1 / 3)
+        # the others closed (their reports deleted): first in the listing, half the budget
+        assert (late.mode, late.records_per_second) == ("safe", pytest.approx(CAP * 0.04 / 2))
 
     async def test_a_lost_lease_makes_the_allocator_step_down(self) -> None:
         s3 = FakeS3()
@@ -428,7 +437,7 @@ class TestOnMockClock:
         async with Producer(config, transport=FakeKinesis()) as producer:
             bucket = producer._fleet_bucket
             assert bucket is not None
-            assert bucket.records_per_second == CAP * 0.1  # bootstrap, before any S3 call
+            assert bucket.records_per_second == STOPPED  # before any S3 call: nothing
             for i in range(50):
                 await producer.submit("stream", b"x" * 100, partition_key=str(i))
             await anyio.sleep(2 * INTERVAL)
@@ -441,8 +450,9 @@ class TestOnMockClock:
             rates = (stats.records_per_second, stats.bytes_per_second)
             assert rates == tuple(grant)
             assert (bucket.records_per_second, bucket.bytes_per_second) == rates
-            # little demand: its floor (10 % of the cap) in records; what it sends, in bytes
-            assert stats.records_per_second == pytest.approx(CAP * 0.1)
+            # little demand: its floor (4 % of what may be granted) in records; what it sends,
+            # in bytes
+            assert stats.records_per_second == pytest.approx(GRANTABLE * 0.04)
             assert stats.grant_expires_at is not None
             assert stats.grant_expires_at > anyio.current_time()
             report = s3.objects["anykpl-fleet/workers/producer.json"][0]
@@ -469,7 +479,7 @@ class TestOnMockClock:
             body = s3.objects[f"anykpl-fleet/{key}"][0]
         assert body != junk  # replaced
         assert [s.mode for s in stats] == ["granted"] * 3
-        assert [s.records_per_second for s in stats] == pytest.approx([CAP / 3] * 3)
+        assert [s.records_per_second for s in stats] == pytest.approx([GRANTABLE / 3] * 3)
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
     async def test_a_failing_cycle_is_logged_with_its_traceback_once_per_kind(
@@ -498,6 +508,34 @@ class TestOnMockClock:
         assert [r.getMessage() for r in errors] == ["fleet w0: a sync cycle failed"] * 2
         assert all(r.exc_info for r in errors)
         assert worker.s3_errors >= 8  # each still counted
+
+    async def test_a_producer_that_never_reaches_s3_sends_nothing(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # it cannot know how many share the cap: not even the one record its bucket's token
+        # would have let through (a megabyte, for all it knows)
+        s3 = FakeS3()
+        s3.down = True
+        monkeypatch.setattr(fleet_member, "create_client", lambda *a, **k: s3.factory()())
+        kinesis = FakeKinesis()
+        config = CONFIG.replace(
+            fleet=fleet("producer", elect=False), record_max_buffered_time=0.05, record_ttl=60.0
+        )
+        async with Producer(config, transport=kinesis) as producer:
+            pendings = [
+                await producer.submit("stream", b"x" * 1000, partition_key=str(i)) for i in range(5)
+            ]
+            await anyio.sleep(10 * INTERVAL)
+            assert kinesis.requests == []
+            assert not any(p.done() for p in pendings)
+            stats = producer.statistics().fleet
+            assert stats is not None
+            assert (stats.records_per_second, stats.rank) == (0.0, None)
+            # S3 answers: it lists the reports, runs its budget rate, and the records go
+            s3.down = False
+            with anyio.fail_after(10 * INTERVAL):
+                results = [await p for p in pendings]
+        assert all(r.success for r in results)
 
     async def test_a_grant_of_zero_never_reaches_the_producer(
         self, monkeypatch: pytest.MonkeyPatch
@@ -529,7 +567,8 @@ class TestOnMockClock:
             stats = producer.statistics().fleet
         assert all(p.result().success for p in pendings)
         assert stats is not None
-        assert (stats.mode, stats.records_per_second) == ("bootstrap", CAP * 0.1)
+        # alone in the bucket: the first rank, half the bootstrap budget
+        assert (stats.mode, stats.records_per_second) == ("bootstrap", CAP * 0.04 / 2)
         assert stats.last_error is not None
         assert "positive" in stats.last_error
 
@@ -551,33 +590,33 @@ class TestOnMockClock:
         assert len(offered) > 1  # its grant was offered, and refused
         assert stats.last_error is not None
         assert stats.last_error.startswith("apply the rate: ValueError")
-        # it says what it applies: the bootstrap rate, still
-        assert (stats.mode, stats.records_per_second) == ("bootstrap", CAP * 0.1)
+        # it says what it applies: the rate it started with (nothing), still
+        assert (stats.mode, stats.records_per_second) == ("bootstrap", 0.0)
 
     async def test_the_rate_applied_follows_the_state_machine_out_of_the_safe_rate(
         self,
     ) -> None:
         # The safe rate has no timer: the rate applied changed only with a new grant, so a
-        # worker back from safe to bootstrap, or learning another fleet size, kept its old
-        # rate for good while its statistics said otherwise.
+        # worker back from safe to bootstrap, or learning another rank, kept its old rate for
+        # good while its statistics said otherwise.
         s3 = FakeS3()
         s3.down = True
         member = Member(s3, "w0", elect=False, safe_fraction=0.05)
         async with running(member):
             await anyio.sleep(LEASE + INTERVAL)
             assert member.worker.statistics().mode == "safe"
-            assert member.rate == CAP * 0.05
+            assert member.rate == 0.0  # never granted, no rank: nothing
             s3.down = False  # S3 answers: no grants yet, the fleet is starting
             await anyio.sleep(1.5 * INTERVAL)
             assert member.worker.statistics().mode == "bootstrap"
-            assert member.rate == CAP * 0.1
+            assert member.rate == CAP * 0.04 / 2  # first in the listing
             # an allocator is alive, has not granted w0 yet, and counts four others
             now = SERVER_EPOCH + anyio.current_time()
             others = GrantsDocument(
                 generation=1,
                 allocator="x",
                 issued_at=now,
-                expires_at=now + LEASE,
+                expires_at=now + 3 * LEASE,
                 learning=False,
                 cap=Rates(CAP, None),
                 workers={f"o{i}": WorkerEntry(Rates(100.0, None), None) for i in range(4)},
@@ -586,13 +625,15 @@ class TestOnMockClock:
             await s3.put_object(
                 Bucket=BUCKET, Key="anykpl-fleet/grants.json", Body=others.to_json()
             )
-            await anyio.sleep(1.5 * INTERVAL)
+            for i in range(2):  # and two of them have reported
+                await s3.put_object(Bucket=BUCKET, Key=f"anykpl-fleet/workers/o{i}.json", Body=b"")
+            await anyio.sleep(LEASE + 1.5 * INTERVAL)  # it lists again a lease later
             stats = member.worker.statistics()
             report = json.loads(s3.objects["anykpl-fleet/workers/w0.json"][0])
         assert (stats.mode, stats.fleet_size) == ("bootstrap", 5)
-        assert member.rate == stats.records_per_second == pytest.approx(CAP * 0.1 / 5)
+        assert member.rate == stats.records_per_second == pytest.approx(CAP * 0.04 / 12)
         # and it reports the rate it applies
-        assert report["has"]["records_per_second"] == pytest.approx(CAP * 0.1 / 5)
+        assert report["has"]["records_per_second"] == pytest.approx(CAP * 0.04 / 12)
 
     async def test_a_starting_fleet_shares_the_bootstrap_rate_after_one_cycle(self) -> None:
         # Before any grants the fleet size is unknown: 20 members each ran at 10 % of the cap
@@ -613,7 +654,7 @@ class TestOnMockClock:
         assert first.fleet_size is not None
         assert first.fleet_size >= 1
         assert worst <= CAP * (1 + 1e-6)
-        assert final == pytest.approx([CAP / 20] * 20)
+        assert final == pytest.approx([GRANTABLE / 20] * 20)
         check_every_generation(s3)
 
     async def test_the_first_grants_see_the_demand_of_every_member(self) -> None:
@@ -633,7 +674,7 @@ class TestOnMockClock:
         first = next(d for d in s3.generations() if d.granted)
         assert first.generation == 2
         grants = [e.grant.records_per_second for e in first.workers.values() if e.grant]
-        assert grants == pytest.approx([CAP / 4] * 4)
+        assert grants == pytest.approx([GRANTABLE / 4] * 4)
 
     async def test_processes_sharing_a_worker_id_are_told(
         self, caplog: pytest.LogCaptureFixture
@@ -682,9 +723,11 @@ class TestOnMockClock:
             await anyio.sleep(4 * INTERVAL)
             stats = [m.worker.statistics() for m in members]
         assert [s.mode for s in stats] == ["granted"] * 2
-        # records: no more than its own cap; bytes, uncapped by the document: its safe share
+        # records: no more than its own cap; bytes, uncapped by the document: its budget rate
         assert stats[1].records_per_second == pytest.approx(CAP)
-        assert [s.bytes_per_second for s in stats] == pytest.approx([100_000.0 / 2] * 2)
+        shares = sorted(s.bytes_per_second or 0.0 for s in stats)
+        assert shares[0] >= 100_000.0 * 0.04 / 6
+        assert sum(shares) < 100_000.0 * 0.04
         mismatches = [r for r in caplog.records if "document_cap" in r.__dict__]
         assert len(mismatches) == 2  # once per worker
 
@@ -733,11 +776,84 @@ class TestOnMockClock:
 
             w1._read_reports = fail_once  # type: ignore[method-assign]
             await members[0].worker.aclose()
-            await anyio.sleep(3 * INTERVAL)
+            # w1 looks at the lease once the grants are an interval and a half old
+            await anyio.sleep(5 * INTERVAL)
         assert failed
         after = [d for d in s3.generations() if d.allocator == "w1"]
         assert after
         assert after[0].learning
+
+    async def test_a_leftover_written_again_since_the_listing_is_not_deleted(self) -> None:
+        s3 = FakeS3()
+        key = "anykpl-fleet/workers/back.json"
+        await s3.put_object(Bucket=BUCKET, Key=key, Body=b"old")
+        listed_etag = s3.objects[key][1]
+        await s3.put_object(Bucket=BUCKET, Key=key, Body=b"new")  # its owner is back
+        member = Member(s3, "w0")
+        async with member.worker._store() as store:
+            await member.worker._delete_leftover(store, key, listed_etag)
+        assert s3.objects[key][0] == b"new"
+
+    async def test_a_worker_whose_report_vanished_lists_again(self) -> None:
+        s3 = FakeS3()
+        member = Member(s3, "w0")  # alone: the allocator, granted, it has no need to list
+        lists: list[float] = []
+        listing = s3.list_objects_v2
+
+        async def counted(**kwargs: Any) -> Any:
+            lists.append(anyio.current_time())
+            return await listing(**kwargs)
+
+        s3.list_objects_v2 = counted  # type: ignore[method-assign]
+        async with running(member):
+            await anyio.sleep(3 * INTERVAL)
+            assert member.worker.statistics().mode == "granted"
+            assert member.worker.statistics().rank == 1
+            await s3.put_object(Bucket=BUCKET, Key="anykpl-fleet/workers/other.json", Body=b"")
+            del s3.objects["anykpl-fleet/workers/w0.json"]  # deleted behind its back
+            deleted_at = anyio.current_time()
+            await anyio.sleep(2 * INTERVAL)
+            stats = member.worker.statistics()
+        # its next write found its report gone: it listed again, after writing it again
+        assert [t for t in lists if t > deleted_at]
+        assert stats.rank == 2
+
+    async def test_junk_reports_do_not_stretch_the_interval(self) -> None:
+        s3 = FakeS3()
+        junk = b'{"kind": "anykpl-fleet-report", "version": 2}'
+        members = [Member(s3, f"w{i}") for i in range(2)]
+        async with running(*members):
+            for _ in range(10):
+                await s3.put_object(Bucket=BUCKET, Key="anykpl-fleet/workers/junk.json", Body=junk)
+                await anyio.sleep(INTERVAL)
+            stats = [m.worker.statistics() for m in members]
+        assert [s.sync_interval for s in stats] == [INTERVAL, INTERVAL]
+        assert s3.generations()[-1].sync_interval == INTERVAL
+
+    async def test_a_standby_allocator_keeps_to_the_fleets_interval(self) -> None:
+        # a slow store: the allocator asks three intervals of the fleet; a standalone standby
+        # that takes over must write a lease for that interval, not for its configured one
+        s3 = FakeS3()
+        now = SERVER_EPOCH + anyio.current_time()
+        stretched = GrantsDocument(
+            generation=5,
+            allocator="gone",
+            issued_at=now,
+            expires_at=now + 4 * 3 * INTERVAL,
+            learning=False,
+            cap=Rates(CAP, None),
+            workers={},
+            sync_interval=3 * INTERVAL,
+        )
+        await s3.put_object(Bucket=BUCKET, Key="anykpl-fleet/grants.json", Body=stretched.to_json())
+        standby = FleetAllocator(
+            fleet(), CONFIG, allocator_id="standby", client_factory=s3.factory()
+        )
+        async with running(standby):
+            await anyio.sleep(1.5 * INTERVAL)
+        lease = parse_lease(s3.versions["anykpl-fleet/allocator.json"][0])
+        assert lease.holder == "standby"
+        assert lease.lease == pytest.approx(3 * LEASE)
 
     async def test_leftover_presence_objects_of_allocators_are_deleted(self) -> None:
         s3 = FakeS3()

@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Final
 
 import anyio
 
@@ -66,6 +66,8 @@ BatchRecord = (
     | tuple[bytes | bytearray | memoryview, str | None]
     | tuple[bytes | bytearray | memoryview, str | None, str | int | None]
 )
+#: A token bucket rate that never lets a record through (a fleet member with no share).
+STOPPED: Final = 1e-9
 #: A token bucket rate that never binds (a fleet bucket before its first grant).
 UNLIMITED = 1e15
 _STREAM_NAME = re.compile(r"[a-zA-Z0-9_.-]{1,128}")
@@ -831,14 +833,20 @@ class Producer(anyio.AsyncContextManagerMixin):
     def _apply_fleet_rates(
         self, records_per_second: float | None, bytes_per_second: float | None
     ) -> None:
-        """Set the shared bucket to this producer's fleet grant (``None``: unlimited)."""
+        """Set the shared bucket to this producer's fleet grant (``None``: unlimited; 0: send
+        nothing, as a worker that does not know its share of the fleet's budget yet)."""
         bucket = self._fleet_bucket
         if bucket is None:
             return
-        records = UNLIMITED if records_per_second is None else records_per_second
-        nbytes = UNLIMITED if bytes_per_second is None else bytes_per_second
+        records = UNLIMITED if records_per_second is None else max(STOPPED, records_per_second)
+        nbytes = UNLIMITED if bytes_per_second is None else max(STOPPED, bytes_per_second)
         faster = records > bucket.records_per_second or nbytes > bucket.bytes_per_second
-        bucket.set_rates(records, nbytes, self._clock())
+        now = self._clock()
+        bucket.set_rates(records, nbytes, now)
+        if records <= STOPPED or nbytes <= STOPPED:
+            # the bucket keeps at least one token of capacity, which would let one record of
+            # any size through: a member with no share sends nothing at all
+            bucket.empty(now, records=records <= STOPPED, nbytes=nbytes <= STOPPED)
         if faster:
             # shards waiting for the shared tokens planned their wait at the old rate
             for pipeline in self._pipelines.values():

@@ -88,6 +88,15 @@ class TokenBucket:
         self._refill(now)
         return self._records, self._bytes
 
+    def empty(self, now: float, *, records: bool = True, nbytes: bool = True) -> None:
+        """Drop the tokens on hand in the dimensions named (debt stays): a bucket whose rate
+        just fell to almost nothing lets nothing more through."""
+        self._refill(now)
+        if records:
+            self._records = min(self._records, 0.0)
+        if nbytes:
+            self._bytes = min(self._bytes, 0.0)
+
     def try_take(self, records: float, nbytes: float, now: float) -> bool:
         """Take ``records`` and ``nbytes`` tokens if both are available; return whether it did.
 

@@ -170,11 +170,13 @@ class FleetConfig:
             endpoint for the producer's region.
         elect: whether this producer may take the allocator's role. Default ``True``; set
             ``False`` when ``anykpl fleet-allocator`` runs the allocator.
-        safe_fraction: with no valid grant (S3 unreachable, no allocator), a worker sends
-            at most the cap × this fraction ÷ the fleet size it last knew. Default 1.0,
-            0..1 (open at 0).
-        bootstrap_fraction: a worker that has no grant yet starts at the cap × this
-            fraction ÷ the fleet size it knows (1 when it knows none). Default 0.1, 0..1.
+        safe_fraction: a worker whose grant expired without a newer one (S3 unreachable, no
+            allocator) may keep up to the cap × this fraction ÷ the fleet size it last knew,
+            but no more than its last grant, beside its budget rate: the fleet may then exceed
+            its cap while a member is cut off. Default 0.0 (off: the cap holds), 0..1.
+        bootstrap_fraction: the fleet's bootstrap budget, as a fraction of the cap: the
+            workers outside a grant (starting, or cut off) share it by rank, and the grants
+            share the rest of the cap. Default 0.04, 0..1 (open at both ends).
     """
 
     bucket: str
@@ -186,8 +188,8 @@ class FleetConfig:
     lease: float | None = None
     endpoint_url: str | None = None
     elect: bool = True
-    safe_fraction: float = 1.0
-    bootstrap_fraction: float = 0.1
+    safe_fraction: float = 0.0
+    bootstrap_fraction: float = 0.04
 
     def __post_init__(self) -> None:
         _check_str(self, "bucket", 3, 63)
@@ -208,8 +210,10 @@ class FleetConfig:
             _check_number(self, "lease", 2 * interval, 3600.0)
         _check_endpoint_url(self)
         _check_bool(self, "elect")
-        _check_number(self, "safe_fraction", 0.0, 1.0, unit="fraction", open_low=True)
+        _check_number(self, "safe_fraction", 0.0, 1.0, unit="fraction")
         _check_number(self, "bootstrap_fraction", 0.0, 1.0, unit="fraction", open_low=True)
+        if self.bootstrap_fraction >= 1.0:  # the grants would have nothing to share
+            _fail("bootstrap_fraction", self.bootstrap_fraction, "a fraction in (0, 1)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -8,7 +8,8 @@ Pure, synchronous and clock-injected — no I/O, no clock read, tested without a
   :class:`DemandEstimator` a worker reports.
 - ``_documents.py``: the report, lease and grants documents, their JSON and its validation.
 - ``_allocation.py``: the :class:`Allocator` — fair shares bounded by Doorman's invariant.
-- ``_worker_state.py``: :class:`WorkerState`, which rate a worker applies now.
+- ``_worker_state.py``: :class:`WorkerState`, which rate a worker applies now, and
+  :func:`budget_share`, a worker's share of the bootstrap budget by its rank.
 - ``_statistics.py``: :class:`FleetStatistics`, the snapshot ``ProducerStatistics.fleet``
   carries.
 
@@ -48,10 +49,13 @@ from ._rates import Rates as Rates
 from ._standalone_allocator import FleetAllocator as FleetAllocator
 from ._statistics import FleetStatistics as FleetStatistics
 from ._worker import FleetWorker as FleetWorker
+from ._worker_state import LEFTOVER_LEASES as LEFTOVER_LEASES
 from ._worker_state import WorkerState as WorkerState
+from ._worker_state import budget_share as budget_share
 
 __all__ = (
     "HEADROOM",
+    "LEFTOVER_LEASES",
     "MAX_DOCUMENT_BYTES",
     "Allocator",
     "DemandEstimator",
@@ -70,6 +74,7 @@ __all__ = (
     "WorkerReport",
     "WorkerState",
     "allocate_dimension",
+    "budget_share",
     "in_force",
     "lease_expiry",
     "parse_grants",

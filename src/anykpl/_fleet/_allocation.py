@@ -3,20 +3,22 @@ workers' reports.
 
 Targets are max-min fair shares of the demand (Doorman's FAIR_SHARE, :func:`water_fill`), and
 Doorman's safety invariant bounds every grant (:func:`allocate_dimension`): the grants that may
-be in force never sum over the cap. Pure and clock-injected: S3's time comes in as bounds
-``(earliest, latest)``. docs/fleet.md ("Allocation") explains the invariant, learning mode and
-start-up.
+be in force never sum over the cap less the bootstrap budget, which the workers outside a grant
+share by rank (:func:`~anykpl._fleet._worker_state.budget_share`). Pure and clock-injected:
+S3's time comes in as bounds ``(earliest, latest)``. docs/fleet.md ("Allocation") explains the
+invariant, learning mode and start-up.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
 from ._clock import TIMESTAMP_RESOLUTION
 from ._documents import GrantsDocument, Outstanding, WorkerEntry, WorkerReport
 from ._rates import Rates, max_of
+from ._worker_state import LEFTOVER_LEASES
 
 __all__ = (
     "HEADROOM",
@@ -29,6 +31,11 @@ __all__ = (
 
 #: A worker is granted up to its demand times this, so it can grow before the next allocation.
 HEADROOM: Final = 1.25
+#: A worker whose report is older than this many sync intervals gets no new grant.
+CURRENT_REPORTS: Final = 1.25
+#: Grants outlive the allocator's lease by this many sync intervals: a successor takes over
+#: when the lease runs out, and the workers read its first grants within an interval.
+GRACE: Final = 1.0
 #: A relative margin kept below the cap against floating-point rounding.
 _ROUNDING: Final = 1e-9
 
@@ -55,46 +62,33 @@ def water_fill(capacity: float, demands: Mapping[str, float]) -> dict[str, float
 
 
 def allocate_dimension(
-    cap: float,
+    capacity: float,
     targets: Mapping[str, float],
     in_force: Mapping[str, float],
     in_use: Mapping[str, float],
 ) -> dict[str, float]:
     """New grants in one dimension, bounded by Doorman's invariant.
 
-    ``targets``: what each worker to be granted should get; ``in_force``: every worker's
-    largest grant that may still apply (workers not in ``targets`` included); ``in_use``: rates
-    applied outside any grant (bootstrap, safe), as the workers last reported them.
+    ``capacity``: what grants may take (the cap less the bootstrap budget, which the rates
+    applied outside grants share); ``targets``: what each worker to be granted should get;
+    ``in_force``: every worker's largest grant that may still apply (workers not in
+    ``targets`` included); ``in_use``: the rates workers last reported applying outside a
+    grant (their budget rates).
 
-    Reductions apply at once. An increase takes only capacity that is free now: the cap minus,
-    for every worker, the most it may apply while this generation is the newest — so the sum
-    of ``max(grant in force, new grant)`` never exceeds the cap, and room is kept for the
-    bootstrap and safe rates in use too.
+    Reductions apply at once. An increase takes only capacity that is free now: the capacity
+    minus, for every worker, the most it may apply while this generation is the newest — so
+    the sum of ``max(grant in force, new grant)`` never exceeds ``capacity``.
     """
-    limit = cap * (1 - _ROUNDING)
-    new = {j: min(t, max(in_force.get(j, 0.0), in_use.get(j, 0.0))) for j, t in targets.items()}
+    limit = capacity * (1 - _ROUNDING)
+    new = {j: min(t, in_force.get(j, 0.0)) for j, t in targets.items()}
     everyone = set(in_force) | set(targets)
-
-    def committed() -> float:
-        return sum(max(in_force.get(k, 0.0), new.get(k, 0.0)) for k in everyone)
-
-    # A worker keeps up to the rate it applies outside a grant, which is not in force as a
-    # grant: trim those keeps first if they would break the invariant.
-    excess = committed() - limit
-    if excess > 0:
-        above = {j: new[j] - in_force.get(j, 0.0) for j in new if new[j] > in_force.get(j, 0.0)}
-        total_above = sum(above.values())
-        if total_above > 0:
-            keep = max(0.0, 1 - excess / total_above)
-            for j, extra in above.items():
-                new[j] = in_force.get(j, 0.0) + extra * keep
-    # Grants in force already exceed the cap (the cap was lowered, or a document was lost):
-    # nothing more can be done for the instant, but the new grants alone fit.
+    # Grants in force already exceed the capacity (the cap was lowered, or a document was
+    # lost): nothing more can be done for the instant, but the new grants alone fit.
     granted = sum(new.values())
     if granted > limit:
         for j in new:
             new[j] *= limit / granted
-    used = sum(max(in_force.get(k, 0.0), in_use.get(k, 0.0), new.get(k, 0.0)) for k in everyone)
+    used = sum(max(in_force.get(k, 0.0), new.get(k, 0.0)) for k in everyone)
     free = limit - used
     if free > 0:
         deficits = {j: targets[j] - new[j] for j in new if targets[j] > new[j]}
@@ -102,7 +96,7 @@ def allocate_dimension(
             new[j] += extra
     # A worker without a grant in force that would get less than the rate it runs now only
     # because the capacity is not free yet gets no grant yet: granting it a sliver would stall
-    # it, while its bootstrap or safe rate is already counted above.
+    # it, while its budget rate goes on within the budget.
     for j, rate in list(new.items()):
         if in_force.get(j, 0.0) <= 0 and rate < min(targets[j], in_use.get(j, 0.0)) * (1 - 1e-6):
             new[j] = 0.0
@@ -145,10 +139,19 @@ class Allocator:
         cap: Rates,
         lease: float,
         bootstrap_fraction: float,
+        sync_interval: float | None = None,
     ) -> None:
         self.allocator_id = allocator_id
         self.cap = cap
+        self.configured_lease = lease
+        self.configured_interval = lease / 3 if sync_interval is None else sync_interval
+        #: the sync interval asked of the fleet now (longer while the store is slow), and
+        #: what follows from it: see :meth:`use_interval`
+        self.interval = self.configured_interval
         self.lease = lease
+        self.current_age = CURRENT_REPORTS * self.interval
+        self.grace = GRACE * self.interval
+        self.use_interval(self.configured_interval)
         self.bootstrap_fraction = bootstrap_fraction
         #: S3 time until which the allocator echoes grants instead of reallocating
         self.learning_until: float | None = None
@@ -157,6 +160,23 @@ class Allocator:
 
     def __repr__(self) -> str:
         return f"<Allocator {self.allocator_id} cap={tuple(self.cap)}>"
+
+    def use_interval(self, interval: float, previous: float | None = None) -> None:
+        """Ask ``interval`` of the fleet from the next document on (``previous``: what the
+        last document asked, which the workers may still keep to).
+
+        The lease — how long grants last, and how old a report may be and still count —
+        stretches with the interval (the configured lease × interval ÷ configured interval);
+        a report older than 1.25 intervals (of the longer of the
+        two) gets its worker no new grant: it missed its last report and may be dead, and a
+        dead worker's share comes back only once its grants expire. Grants outlive the lease
+        by an interval, so that a successor taking over an expired lease publishes new grants,
+        and the workers read them, before the old ones run out.
+        """
+        self.interval = interval
+        self.lease = self.configured_lease * max(1.0, interval / self.configured_interval)
+        self.current_age = CURRENT_REPORTS * max(interval, previous or interval)
+        self.grace = GRACE * interval
 
     def fresh(
         self, reports: Iterable[ObservedReport], now: tuple[float, float]
@@ -173,6 +193,7 @@ class Allocator:
         previous: GrantsDocument | None,
         reports: Iterable[ObservedReport],
         now: tuple[float, float],
+        unread: Collection[str] = (),
     ) -> bool:
         """Start allocating after acquiring the lease; return whether grants may be in force.
 
@@ -180,9 +201,9 @@ class Allocator:
         (Doorman): echo the grants in force and give new workers their bootstrap only, until
         they have all expired — at ``expires_at`` of the last document, which bounds every
         grant before it; or, when that document is missing or unreadable while a worker
-        reports a grant, for one lease.
+        reports a grant (or a report could not be read: it may say so), for one lease.
         """
-        granted = any(r.report.mode == "granted" for r in self.fresh(reports, now))
+        granted = bool(unread) or any(r.report.mode == "granted" for r in self.fresh(reports, now))
         if previous is not None and previous.expires_at > now[0]:
             self.learning_until = previous.expires_at
             return True
@@ -241,13 +262,16 @@ class Allocator:
             generation=self._generation(previous, fresh.values()),
             allocator=self.allocator_id,
             issued_at=issued_at,
-            expires_at=issued_at + self.lease,
+            expires_at=issued_at + self.lease + self.grace,
             learning=False,
             cap=self.cap,
             workers={
                 w: WorkerEntry(grant=None, acked=r.generation) for w, r in sorted(fresh.items())
             },
             fleet_size=len(fresh),
+            sync_interval=self.interval,
+            bootstrap_fraction=self.bootstrap_fraction,
+            leftover_after=LEFTOVER_LEASES * self.configured_lease,
         )
 
     def learning(self, now: tuple[float, float]) -> bool:
@@ -258,9 +282,29 @@ class Allocator:
         previous: GrantsDocument | None,
         reports: Sequence[ObservedReport],
         now: tuple[float, float],
+        unread: Collection[str] = (),
     ) -> GrantsDocument:
-        """The next generation of grants. ``now`` bounds S3's time (earliest, latest)."""
-        fresh = {r.report.worker_id: r.report for r in self.fresh(reports, now)}
+        """The next generation of grants. ``now`` bounds S3's time (earliest, latest).
+
+        ``unread``: workers whose fresh report was listed but could not be read in time (a
+        slow or failing store): each keeps its grant in ``previous``, within the invariant,
+        and counts in the fleet's size.
+        """
+        observed = self.fresh(reports, now)
+        fresh = {r.report.worker_id: r.report for r in observed}
+        # granted anew: the workers that reported in the last cycle or so (or could not be
+        # read); the others still count in the fleet, their grants in force still count
+        current = {
+            r.report.worker_id
+            for r in observed
+            if now[0] - (r.last_modified + TIMESTAMP_RESOLUTION) <= self.current_age
+        }
+        echoed: dict[str, Rates] = {}
+        if previous is not None and previous.expires_at > now[0]:
+            for w in unread:
+                last = previous.grant_for(w)
+                if w not in fresh and last is not None:
+                    echoed[w] = last
         learning = self.learning(now)
         acks: dict[str, int | None] = {}
         for worker_id in set(fresh) | set(previous.workers if previous else ()):
@@ -270,17 +314,26 @@ class Allocator:
             acks[worker_id] = max_of((reported, earlier))
         held = {w: in_force(previous, w, acks[w], now[0]) for w in acks}
         generation = self._generation(previous, fresh.values())
-        fleet = max(1, len(fresh))
-        grants: dict[str, list[float | None]] = {w: [None, None] for w in fresh}
+        fleet = max(1, len(fresh) + len(echoed))
+        grants: dict[str, list[float | None]] = {w: [None, None] for w in (*current, *echoed)}
         for i, cap in enumerate(self.cap):
             if cap is None:
                 continue
-            floor = cap * self.bootstrap_fraction / fleet
+            # the bootstrap budget is never granted: the workers outside a grant share it
+            capacity = cap * (1 - self.bootstrap_fraction)
+            floor = capacity * self.bootstrap_fraction / fleet
             force = {w: max((o.rates[i] or 0.0 for o in held[w]), default=0.0) for w in held}
             use = {w: (r.has[i] or 0.0) for w, r in fresh.items()}
+            if previous is None:
+                # no document says what is in force (a takeover after grants.json was lost):
+                # what the workers report applying under a grant is, current or not
+                for w, r in fresh.items():
+                    if r.mode == "granted":
+                        force[w] = max(force.get(w, 0.0), use[w])
             if learning:
                 targets = {}
-                for w, r in fresh.items():
+                for w in current:
+                    r = fresh[w]
                     echo = previous.grant_for(w) if previous is not None else None
                     if echo is not None and previous is not None and previous.expires_at > now[0]:
                         targets[w] = echo[i] or 0.0
@@ -289,9 +342,10 @@ class Allocator:
                     else:
                         targets[w] = floor
             else:
-                wants = {w: max((r.wants[i] or 0.0) * HEADROOM, floor) for w, r in fresh.items()}
-                targets = water_fill(cap, wants)
-            for w, rate in allocate_dimension(cap, targets, force, use).items():
+                wants = {w: max((fresh[w].wants[i] or 0.0) * HEADROOM, floor) for w in current}
+                targets = water_fill(capacity, wants)
+            targets.update({w: last[i] or 0.0 for w, last in echoed.items()})
+            for w, rate in allocate_dimension(capacity, targets, force, use).items():
                 grants[w][i] = rate
         workers: dict[str, WorkerEntry] = {}
         for w in sorted(acks):
@@ -301,7 +355,7 @@ class Allocator:
                 values = grants[w]
                 if all(v is None or v > 0 for v in values):
                     grant = Rates(values[0], values[1])
-            if grant is None and not outstanding and w not in fresh:
+            if grant is None and not outstanding and w not in fresh and w not in echoed:
                 continue  # gone, and nothing of it in force: forget it
             workers[w] = WorkerEntry(grant=grant, acked=acks[w], outstanding=outstanding)
         issued_at = (now[0] + now[1]) / 2
@@ -309,9 +363,12 @@ class Allocator:
             generation=generation,
             allocator=self.allocator_id,
             issued_at=issued_at,
-            expires_at=issued_at + self.lease,
+            expires_at=issued_at + self.lease + self.grace,
             learning=learning,
             cap=self.cap,
             workers=workers,
-            fleet_size=len(fresh),
+            fleet_size=len(fresh) + len(echoed),
+            sync_interval=self.interval,
+            bootstrap_fraction=self.bootstrap_fraction,
+            leftover_after=LEFTOVER_LEASES * self.configured_lease,
         )

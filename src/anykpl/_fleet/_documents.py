@@ -156,6 +156,14 @@ class GrantsDocument:
     cap: Rates
     workers: Mapping[str, WorkerEntry]
     fleet_size: int | None = None
+    #: the sync interval the allocator asks of the fleet now: the configured one, or longer
+    #: while the store is slow (``None`` in a document that does not say)
+    sync_interval: float | None = None
+    #: the share of the cap the grants leave to the workers outside a grant (``None``: the
+    #: document does not say); a worker takes the smaller of this and its own
+    bootstrap_fraction: float | None = None
+    #: seconds after which the allocator deletes a report as a crashed worker's leftover
+    leftover_after: float | None = None
 
     def grant_for(self, worker_id: str) -> Rates | None:
         entry = self.workers.get(worker_id)
@@ -211,6 +219,9 @@ class GrantsDocument:
                 "learning": self.learning,
                 "cap": _rates_json(self.cap),
                 "fleet_size": self.fleet_size,
+                "sync_interval": self.sync_interval,
+                "bootstrap_fraction": self.bootstrap_fraction,
+                "leftover_after": self.leftover_after,
                 "workers": {
                     worker_id: {
                         "grant": None if e.grant is None else _rates_json(e.grant),
@@ -314,6 +325,9 @@ def parse_grants(data: bytes) -> GrantsDocument:
         cap=cap,
         workers=workers,
         fleet_size=_integer(doc, "fleet_size", optional=True),
+        sync_interval=_optional_number(doc, "sync_interval"),
+        bootstrap_fraction=_optional_number(doc, "bootstrap_fraction"),
+        leftover_after=_optional_number(doc, "leftover_after"),
     )
 
 
@@ -404,6 +418,11 @@ def _number(doc: Mapping[str, Any], name: str, *, positive: bool = False) -> flo
         kind = "positive" if positive else "not negative"
         raise DocumentError(f"{name} must be finite and {kind}, not {_short(value)}")
     return number
+
+
+def _optional_number(doc: Mapping[str, Any], name: str) -> float | None:
+    """A positive number, or ``None`` where the document does not say."""
+    return None if doc.get(name) is None else _number(doc, name, positive=True)
 
 
 def _integer(doc: Mapping[str, Any], name: str, *, optional: bool = False) -> Any:

@@ -16,9 +16,10 @@ import logging
 import math
 import os
 import random
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -39,13 +40,18 @@ from ._documents import (
 )
 from ._rates import Rates
 from ._store import Conflict, S3Store
+from ._worker_state import LEFTOVER_LEASES
 
 __all__ = (
     "CLOCK_TARGET",
     "CLOSE_TIMEOUT",
     "LEFTOVER_LEASES",
     "READ_CONCURRENCY",
+    "MAX_STRETCH",
+    "READ_PHASE",
     "ClientFactory",
+    "GrantsRead",
+    "ReportsRead",
     "Member",
 )
 
@@ -54,10 +60,23 @@ logger = logging.getLogger("anykpl.fleet")
 #: How long the last S3 calls may take on close (delete the report, release the lease);
 #: :meth:`Member.aclose` returns within half a second more.
 CLOSE_TIMEOUT = 1.5
-#: Reports read at once by the allocator.
+#: Reports read at once by the allocator: this many, or one reader per REPORTS_PER_READER
+#: reports for a large fleet (on a 50 ms round trip, 1,000 reports in under a second), up to
+#: MAX_READ_CONCURRENCY (the S3 client's connection pool).
 READ_CONCURRENCY = 16
-#: A report stale for this many leases is a crashed worker's leftover: the allocator deletes it.
-LEFTOVER_LEASES = 10
+REPORTS_PER_READER = 16
+MAX_READ_CONCURRENCY = 64
+#: The share of a sync interval the allocator spends reading reports at most: a report not
+#: read by then (a slow store) keeps its worker's grant for one more generation.
+READ_PHASE = 0.5
+#: The longest sync interval a slow store stretches the fleet's to, in configured intervals.
+MAX_STRETCH = 12.0
+#: A read phase longer than this share of the interval (or any failed call in it, or a report
+#: left unread) stretches the interval by STRETCH_STEP; one shorter than CALM_READS shrinks it
+#: back by the same step.
+STRAINED_READS = 0.25
+CALM_READS = 0.1
+STRETCH_STEP = 1.5
 #: S3's clock is known well enough once a member's uncertainty about it is below this.
 CLOCK_TARGET = 0.1
 #: After the holder's lease would expire, a contender looks again this much later.
@@ -66,8 +85,19 @@ _LEASE_MARGIN = 0.01
 ClientFactory = Callable[[], AbstractAsyncContextManager[Any]]
 
 
+@dataclass(slots=True)
+class ReportsRead:
+    """What the allocator read of the reports in one cycle."""
+
+    reports: list[ObservedReport] = field(default_factory=list)
+    #: workers whose fresh report was listed but not read (failed, or not read in time)
+    unread: set[str] = field(default_factory=set)
+    #: reads that failed (the store's errors and timeouts, not junk documents)
+    failed: int = 0
+
+
 @dataclass(frozen=True, slots=True)
-class _Read:
+class GrantsRead:
     """``grants.json`` as read at the start of a cycle."""
 
     document: GrantsDocument | None  # None: missing or junk
@@ -102,6 +132,7 @@ class Member(abc.ABC):
             cap=Rates(fleet.records_per_second, fleet.bytes_per_second),
             lease=self._lease,
             bootstrap_fraction=fleet.bootstrap_fraction,
+            sync_interval=fleet.sync_interval,
         )
         # every S3 call is bounded: a hung call must not hold a cycle much beyond an interval
         self._call_timeout = min(
@@ -125,6 +156,12 @@ class Member(abc.ABC):
         self._done: anyio.Event | None = None
         #: the last grants document this member wrote
         self.last_document: GrantsDocument | None = None
+        #: the sync interval this member keeps to now: the configured one, or the longer one
+        #: the allocator asks of the fleet while the store is slow (see :meth:`_adapt`)
+        self.period = fleet.sync_interval
+        #: the store requests made, by kind (see FleetStatistics.requests)
+        self.requests: Counter[str] = Counter()
+        self._started_at: float | None = None  # local time of the first cycle
 
     def __repr__(self) -> str:
         role = "allocator" if self.holds_lease else self._role_name
@@ -138,7 +175,7 @@ class Member(abc.ABC):
         return create_client(
             self.config,
             "s3",
-            max_pool_connections=READ_CONCURRENCY,
+            max_pool_connections=MAX_READ_CONCURRENCY,
             endpoint_url=self.fleet.endpoint_url,
         )
 
@@ -192,17 +229,33 @@ class Member(abc.ABC):
     def _server_now(self) -> tuple[float, float] | None:
         return self._clock.bounds(anyio.current_time())
 
+    def _follow(self, document: GrantsDocument) -> None:
+        """Keep to the interval an unexpired grants document of another allocator asks of
+        the fleet (its lease and grants stretch with it: a member taking over must too)."""
+        if self.holds_lease:
+            return
+        now = anyio.current_time()
+        ends = self._clock.earliest_local(document.expires_at, now)
+        if ends is not None and ends > now:
+            self.period = document.sync_interval or self.fleet.sync_interval
+
+    @property
+    def stretch(self) -> float:
+        """How many configured sync intervals the interval kept to now lasts (at least 1)."""
+        return max(1.0, self.period / self.fleet.sync_interval)
+
     def _lease_document(self, now: tuple[float, float]) -> bytes:
         middle = (now[0] + now[1]) / 2
         if self._lease_acquired_at is None:
             self._lease_acquired_at = middle
+        lease = self._lease * self.stretch  # renewed once an interval, however long
         return LeaseDocument(
             holder=self.worker_id,
             incarnation=self._incarnation,
             acquired_at=self._lease_acquired_at,
             renewed_at=middle,
-            expires_at=middle + self._lease,
-            lease=self._lease,
+            expires_at=middle + lease,
+            lease=lease,
         ).to_json()
 
     def _lost_lease(self, why: str) -> None:
@@ -292,20 +345,28 @@ class Member(abc.ABC):
 
     # -- allocating -----------------------------------------------------------------------
 
-    async def _read_grants(self, store: S3Store) -> _Read | None:
+    async def _read_grants(self, store: S3Store) -> GrantsRead | None:
         ok, found = await self._attempt("read grants", store.get(store.key("grants.json")))
         if not ok:
             return None
         if found is None:
-            return _Read(None, None, False)
+            return GrantsRead(None, None, False)
         data, etag, _ = found
         try:
-            return _Read(parse_grants(data), etag, True)
+            return GrantsRead(parse_grants(data), etag, True)
         except DocumentError as exc:
             self._record_error("read grants", exc)
-            return _Read(None, etag, True)
+            return GrantsRead(None, etag, True)
 
-    async def _read_reports(self, store: S3Store) -> list[ObservedReport] | None:
+    async def _read_reports(self, store: S3Store) -> ReportsRead | None:
+        """The fresh reports, and the workers whose fresh report was listed but not read.
+
+        Every read is bounded, and the reads together take at most :data:`READ_PHASE` of a
+        sync interval, so a slow store delays an allocation but never stops it (an unread
+        worker keeps its grant for one more generation). They go in a random order, so the
+        same workers are not the ones left unread cycle after cycle, and :data:`READ_CONCURRENCY`
+        at a time, or one per :data:`REPORTS_PER_READER` reports for a large fleet. ``None``
+        when the listing fails."""
         prefix = store.key("workers/")
         ok, listing = await self._attempt("list reports", store.list(prefix))
         if not ok:
@@ -313,17 +374,31 @@ class Member(abc.ABC):
         now = self._server_now()
         if now is None:
             return None
-        reports: list[ObservedReport] = []
-        failed = False
-        limiter = anyio.CapacityLimiter(READ_CONCURRENCY)
+        read = ReportsRead()
+        leftover = LEFTOVER_LEASES * self._lease
+        due: list[str] = []
+        stale: list[tuple[str, str]] = []
+        for key, last_modified, etag in listing:
+            if not key.endswith(".json"):
+                continue
+            if now[0] - last_modified > leftover:
+                stale.append((key, etag))
+            elif not self._allocator.is_stale(last_modified, now):
+                due.append(key)
+        self._random.shuffle(due)
+        limiter = anyio.CapacityLimiter(
+            min(MAX_READ_CONCURRENCY, max(READ_CONCURRENCY, len(due) // REPORTS_PER_READER))
+        )
 
-        async def read(key: str) -> None:
-            nonlocal failed
+        async def read_one(key: str) -> None:
+            worker_id = key[len(prefix) : -len(".json")]
+            read.unread.add(worker_id)
             async with limiter:
                 ok, found = await self._attempt("read a report", store.get(key))
             if not ok:
-                failed = True
+                read.failed += 1
                 return
+            read.unread.discard(worker_id)
             if found is None:
                 return  # deleted since the listing
             data, _, last_modified = found
@@ -338,22 +413,26 @@ class Member(abc.ABC):
                     DocumentError(f"{key} holds the report of {report.worker_id}"),
                 )
                 return
-            reports.append(ObservedReport(report, last_modified))
+            read.reports.append(ObservedReport(report, last_modified))
 
-        leftover = LEFTOVER_LEASES * self._lease
-        async with anyio.create_task_group() as tg:
-            for key, last_modified, _ in listing:
-                if not key.endswith(".json"):
-                    continue
-                if now[0] - last_modified > leftover:
-                    tg.start_soon(self._delete_leftover, store, key)
-                elif not self._allocator.is_stale(last_modified, now):
-                    tg.start_soon(read, key)
-        return None if failed else reports
+        with anyio.move_on_after(READ_PHASE * self.period) as phase:
+            async with anyio.create_task_group() as tg:
+                for key, etag in stale:
+                    tg.start_soon(self._delete_leftover, store, key, etag)
+                for key in due:
+                    tg.start_soon(read_one, key)
+        if phase.cancelled_caught:
+            self._record_error(
+                "read reports",
+                TimeoutError(f"{len(read.unread)} report(s) not read within the read phase"),
+            )
+        return read
 
-    async def _delete_leftover(self, store: S3Store, key: str) -> None:
+    async def _delete_leftover(self, store: S3Store, key: str, etag: str) -> None:
+        """Delete a long-stale object — only as it was listed (``If-Match``): one its owner
+        wrote again meanwhile is not a leftover."""
         try:
-            await store.delete(key)
+            await store.delete(key, if_match=etag or None)
             logger.info("fleet %s: deleted the leftover object %s", self.worker_id, key)
         except anyio.get_cancelled_exc_class():
             raise
@@ -371,9 +450,9 @@ class Member(abc.ABC):
         now = self._server_now()
         if not ok or now is None:
             return
-        for key, last_modified, _ in listing:
+        for key, last_modified, etag in listing:
             if now[0] - last_modified > LEFTOVER_LEASES * self._lease:
-                await self._delete_leftover(store, key)
+                await self._delete_leftover(store, key, etag)
 
     def _warn_duplicates(self, reports: list[ObservedReport]) -> None:
         for worker_id in self._allocator.duplicates(reports):
@@ -388,35 +467,73 @@ class Member(abc.ABC):
                 extra={"duplicate_worker_id": worker_id},
             )
 
-    async def _allocate(self, store: S3Store, grants: _Read | None, status: str | None) -> None:
+    async def _allocate(
+        self, store: S3Store, grants: GrantsRead | None, status: str | None
+    ) -> None:
         if status not in ("held", "acquired") or grants is None:
             return
         if anyio.current_time() < self._gather_until:
             return
-        reports = await self._read_reports(store)
+        if self._taking_over and grants.document is not None:
+            # keep to the interval the predecessor asked of the fleet, to begin with
+            self.period = grants.document.sync_interval or self.fleet.sync_interval
+        began = anyio.current_time()
+        read = await self._read_reports(store)
         now = self._server_now()
-        if reports is None or now is None:
+        if read is None or now is None:
+            self._adapt(strained=True, took=anyio.current_time() - began)
             return  # (a takeover is decided at the first cycle whose reads succeed)
+        reports, unread = read.reports, frozenset(read.unread)
+        self._adapt(strained=bool(unread) or read.failed > 0, took=anyio.current_time() - began)
+        if unread and grants.document is None:
+            # no document says what the unread workers may apply: wait for a complete read
+            return
         self._warn_duplicates(reports)
         if self._taking_over:
             self._taking_over = False
-            if not self._allocator.take_over(grants.document, reports, now) and not grants.exists:
+            taken = self._allocator.take_over(grants.document, reports, now, unread)
+            if not taken and not grants.exists:
                 # No grants were ever written: the fleet is starting. Members that start
                 # together report within a cycle; a first allocation that saw only some of
                 # them would grant those the whole cap, and taking it back costs a cycle of
                 # acknowledgements. So the first grants wait one cycle — but the fleet size
-                # goes out at once, in a document without grants, so that the members'
-                # bootstrap rates share the cap × bootstrap_fraction meanwhile.
+                # goes out at once, in a document without grants.
                 self._gather_until = anyio.current_time() + 0.8 * self.fleet.sync_interval
                 document = self._allocator.gather(grants.document, reports, now)
             else:
-                document = self._allocator.allocate(grants.document, reports, now)
+                document = self._allocator.allocate(grants.document, reports, now, unread)
         else:
-            document = self._allocator.allocate(grants.document, reports, now)
+            document = self._allocator.allocate(grants.document, reports, now, unread)
         await self._write_grants(store, grants, document)
         await self._sweep_presence(store)
 
-    async def _write_grants(self, store: S3Store, grants: _Read, document: GrantsDocument) -> None:
+    def _adapt(self, *, strained: bool, took: float) -> None:
+        """Stretch the fleet's sync interval while the store is slow, shrink it back when it
+        is not: the fleet's requests per second are about three per member per interval, so
+        a store that cannot serve them gets fewer, later — never looser rates. The interval
+        goes out in the next grants document; the lease and the grants' lifetime stretch
+        with it."""
+        previous = self.period
+        if strained or took > STRAINED_READS * previous:
+            period = min(MAX_STRETCH * self.fleet.sync_interval, previous * STRETCH_STEP)
+        elif took < CALM_READS * previous:
+            period = max(self.fleet.sync_interval, previous / STRETCH_STEP)
+        else:
+            period = previous
+        if period != previous:
+            logger.info(
+                "fleet %s: the store %s: the fleet syncs every %.1f s (configured: %.1f s)",
+                self.worker_id,
+                "is slow" if period > previous else "keeps up",
+                period,
+                self.fleet.sync_interval,
+            )
+        self.period = period
+        self._allocator.use_interval(period, previous)
+
+    async def _write_grants(
+        self, store: S3Store, grants: GrantsRead, document: GrantsDocument
+    ) -> None:
         """PUT ``document`` as the next ``grants.json``, on condition that the one read
         (``grants``) is still there."""
         key = store.key("grants.json")
@@ -462,14 +579,23 @@ class Member(abc.ABC):
         await self._release(store)
 
     def _interval(self) -> float:
-        return self.fleet.sync_interval * self._random.uniform(0.9, 1.1)
+        return self.period * self._random.uniform(0.9, 1.1)
 
     def _next_start(self, start: float) -> float:
         """When the cycle after the one that began at ``start`` begins."""
         return start + self._interval()
 
+    def requests_per_minute(self) -> dict[str, float]:
+        """The store requests made per minute since the first cycle, by kind."""
+        if self._started_at is None:
+            return {}
+        minutes = max(anyio.current_time() - self._started_at, 1e-9) / 60
+        return {kind: count / minutes for kind, count in sorted(self.requests.items())}
+
     async def _cycles(self, store: S3Store) -> None:
         assert self._stop_event is not None
+        if self._started_at is None:
+            self._started_at = anyio.current_time()
         failures: set[str] = set()  # kinds of exception logged since the last clean cycle
         while not self._stopping:
             start = anyio.current_time()
@@ -505,7 +631,7 @@ class Member(abc.ABC):
     @asynccontextmanager
     async def _store(self) -> AsyncIterator[S3Store]:
         async with self._client_factory() as client:
-            yield S3Store(client, self.fleet, self._clock, self._call_timeout)
+            yield S3Store(client, self.fleet, self._clock, self._call_timeout, self.requests)
 
     async def _serve(self) -> None:
         """Cycle until stopped, reopening the S3 client if it fails; then clean up."""
@@ -552,11 +678,11 @@ class Member(abc.ABC):
             target = max(CLOCK_TARGET, 2 * store.round_trip)
             at = self._clock.probe_time(now)
             if width is None or width <= target or probe is None or at is None:
-                await anyio.sleep(self.fleet.sync_interval)
+                await anyio.sleep(self.period)
                 continue
             await anyio.sleep(max(0.0, at - now))
             await self._rewrite(store, probe)
-            await anyio.sleep(self.fleet.sync_interval)
+            await anyio.sleep(self.period)
 
     async def _rewrite(self, store: S3Store, probe: tuple[str, bytes]) -> None:
         """Rewrite the object :meth:`_probe` named, for :meth:`_calibrate`."""

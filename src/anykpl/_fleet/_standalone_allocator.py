@@ -71,9 +71,12 @@ class FleetAllocator(Member):
 
     async def _cycle(self, store: S3Store) -> None:
         await self._attempt("write presence", store.put(*self._probe(store)))
+        grants = await self._read_grants(store)
+        if grants is not None and grants.document is not None:
+            self._follow(grants.document)  # (a standby keeps to the fleet's interval)
         status = await self._lease_step(store)
         if status in ("held", "acquired"):
-            await self._allocate(store, await self._read_grants(store), status)
+            await self._allocate(store, grants, status)
 
     async def _cleanup(self, store: S3Store) -> None:
         with suppress(Conflict):

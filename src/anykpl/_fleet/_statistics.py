@@ -7,7 +7,8 @@ it. See docs/fleet.md ("Statistics and logs").
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
 from ._rates import Mode
@@ -34,6 +35,13 @@ class FleetStatistics:
         s3_errors: S3 calls that failed since the start.
         last_error: the last of them (``"operation: code: message"``), or ``None``.
         generation: the generation of the grant applied last, or ``None``.
+        sync_interval: the interval it keeps to now: the configured one, or longer while the
+            store is slow (the allocator asks it of the fleet).
+        rank: its rank in the bootstrap budget (the reports it listed after writing its own),
+            or ``None`` before it listed.
+        requests: the store requests it made since the start, by kind (``"GetObject"``,
+            ``"PutObject"``, ``"ListObjectsV2"``, ``"DeleteObject"``): what the fleet costs.
+        requests_per_minute: the same, per minute since the start.
     """
 
     worker_id: str
@@ -46,3 +54,7 @@ class FleetStatistics:
     s3_errors: int
     last_error: str | None
     generation: int | None
+    sync_interval: float = 0.0
+    rank: int | None = None
+    requests: Mapping[str, int] = field(default_factory=dict)
+    requests_per_minute: Mapping[str, float] = field(default_factory=dict)

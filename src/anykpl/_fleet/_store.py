@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import email.utils
 import math
-from typing import Any
+from collections import Counter
+from types import MappingProxyType
+from typing import Any, Final
 
 import anyio
 
@@ -23,6 +25,17 @@ _CONFLICT_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict",
 _MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 
 
+#: the S3 API's name of each call, as the requests are counted and priced
+_KINDS: Final = MappingProxyType(
+    {
+        "put_object": "PutObject",
+        "get_object": "GetObject",
+        "list_objects_v2": "ListObjectsV2",
+        "delete_object": "DeleteObject",
+    }
+)
+
+
 class Conflict(Exception):
     """A conditional write or delete lost: someone else changed the object first."""
 
@@ -30,8 +43,17 @@ class Conflict(Exception):
 class S3Store:
     """The few S3 calls of the coordinator, each bounded in time and fed to S3's clock."""
 
-    def __init__(self, client: Any, fleet: FleetConfig, clock: ServerClock, timeout: float) -> None:
+    def __init__(
+        self,
+        client: Any,
+        fleet: FleetConfig,
+        clock: ServerClock,
+        timeout: float,
+        requests: Counter[str] | None = None,
+    ) -> None:
         self._client = client
+        #: the requests made, by kind (shared by the stores a member opens one after another)
+        self.requests: Counter[str] = Counter() if requests is None else requests
         self._bucket = fleet.bucket
         self._prefix = fleet.prefix.rstrip("/")
         self._clock = clock
@@ -61,6 +83,7 @@ class S3Store:
         from botocore.exceptions import ClientError
 
         sent_at = anyio.current_time()
+        self.requests[_KINDS[operation]] += 1
         try:
             with anyio.fail_after(self._timeout):
                 response = await getattr(self._client, operation)(Bucket=self._bucket, **kwargs)
@@ -95,6 +118,7 @@ class S3Store:
         from botocore.exceptions import ClientError
 
         sent_at = anyio.current_time()
+        self.requests["GetObject"] += 1
         try:
             with anyio.fail_after(self._timeout):
                 response = await self._client.get_object(Bucket=self._bucket, Key=key)

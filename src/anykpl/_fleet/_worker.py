@@ -29,7 +29,7 @@ import anyio.abc
 from ..config import FleetConfig, ProducerConfig
 from ._demand import DemandEstimator, FleetDemand
 from ._documents import GrantsDocument, WorkerReport
-from ._member import ClientFactory, Member
+from ._member import ClientFactory, GrantsRead, Member
 from ._rates import Mode, Rates
 from ._statistics import FleetStatistics
 from ._store import Conflict, S3Store
@@ -39,6 +39,8 @@ __all__ = ("OVERWRITTEN_REPORTS", "FleetWorker")
 
 logger = logging.getLogger("anykpl.fleet")
 
+#: Grants issued within this many sync intervals show that their allocator is alive.
+RECENT_GRANTS = 1.5
 #: A worker whose report was overwritten by someone else this many times in a row says that
 #: another process shares its worker_id.
 OVERWRITTEN_REPORTS = 3
@@ -96,6 +98,7 @@ class FleetWorker(Member):
         self._overwritten = 0  # times in a row someone else wrote the report in between
         self._warned_overwritten = False
         self._report_lock: anyio.Lock | None = None
+        self._listed_at = -math.inf  # local time of the last listing that gave a rank
 
     def statistics(self) -> FleetStatistics:
         """A snapshot: role, mode, the rates applied, the grant's expiry, errors."""
@@ -117,6 +120,10 @@ class FleetWorker(Member):
             s3_errors=self.s3_errors,
             last_error=self.last_error,
             generation=self._state.generation,
+            sync_interval=self.period,
+            rank=self._state.rank,
+            requests=dict(sorted(self.requests.items())),
+            requests_per_minute=self.requests_per_minute() if math.isfinite(now) else {},
         )
 
     def _fallback_description(self) -> str:
@@ -208,6 +215,7 @@ class FleetWorker(Member):
             )
         # even without a new grant: the fleet size, or the time its bootstrap lasts, may change
         self._state.receive(document, self._clock, anyio.current_time())
+        self._follow(document)  # the interval the allocator asks of the fleet
         self._changed()
 
     # -- the cycle ------------------------------------------------------------------------
@@ -225,15 +233,53 @@ class FleetWorker(Member):
             else:
                 self._pending = grants.document
         self._report_body = self._report().to_json()
-        await self._write_report(store, "write the report")
+        written = await self._write_report(store, "write the report")
         if self._pending is not None and self._clock.known:
             self._receive(self._pending)
             self._pending = None
+        if written and self._wants_rank():
+            await self._learn_rank(store)
         if self.fleet.elect:
-            status = await self._lease_step(store)
+            status: str | None
+            if self._allocator_alive(grants):
+                status = "other"  # its lease is not worth a call
+            else:
+                status = await self._lease_step(store)
             await self._allocate(store, grants, status)
         elif self.holds_lease:  # pragma: no cover - elect cannot change
             await self._release(store)
+
+    def _wants_rank(self) -> bool:
+        """A listing is due: no rank yet, or outside a grant and not listed for a lease."""
+        now = anyio.current_time()
+        if self._state.rank is None:
+            return True
+        return self._state.needs_rank(now) and now - self._listed_at >= self._lease * self.stretch
+
+    async def _learn_rank(self, store: S3Store) -> None:
+        """Count the reports in the store, this worker's own included: its rank in the
+        bootstrap budget (see :func:`~anykpl._fleet._worker_state.budget_share`)."""
+        sent_at = anyio.current_time()
+        ok, listing = await self._attempt("list reports", store.list(store.key("workers/")))
+        if not ok:
+            return
+        self._listed_at = sent_at
+        self._state.learn_rank(sum(1 for key, _, _ in listing if key.endswith(".json")), sent_at)
+        self._changed()
+
+    def _allocator_alive(self, grants: GrantsRead | None) -> bool:
+        """Whether ``grants`` were written by another allocator within the last interval and
+        a half: it allocates every interval, so its lease is held, and a thousand members need
+        not each read it every cycle. An allocator that stopped writing (it released its lease
+        on close, or died) is looked at again from the next cycle on."""
+        if self.holds_lease or grants is None or grants.document is None:
+            return False
+        document = grants.document
+        now = self._server_now()
+        if document.allocator == self.worker_id or now is None:
+            return False
+        interval = document.sync_interval or self.fleet.sync_interval
+        return now[1] - document.issued_at <= RECENT_GRANTS * interval
 
     def _report(self) -> WorkerReport:
         now = anyio.current_time()
@@ -266,7 +312,7 @@ class FleetWorker(Member):
     async def _rewrite(self, store: S3Store, probe: tuple[str, bytes]) -> None:
         await self._write_report(store, "calibrate the clock")
 
-    async def _write_report(self, store: S3Store, operation: str) -> None:
+    async def _write_report(self, store: S3Store, operation: str) -> bool:
         """PUT the report, with ``If-Match`` on the ETag of this process's last write.
 
         Nobody else writes ``workers/<id>.json``, unless another process runs with the same
@@ -274,19 +320,24 @@ class FleetWorker(Member):
         worker, and each applies its grant — the fleet exceeds its cap. The condition fails
         when someone wrote in between; the report is written anyway, and after
         :data:`OVERWRITTEN_REPORTS` such cycles in a row the worker says so, once. (The
-        allocator notices it too when the reports it reads alternate between the two.)"""
+        allocator notices it too when the reports it reads alternate between the two.) Returns
+        whether the report was written."""
         if self._report_lock is None:
             self._report_lock = anyio.Lock()
         async with self._report_lock:  # (the cycle and the clock's calibration both write it)
             assert self._report_body is not None
             key = store.key(f"workers/{self.worker_id}.json")
             etag, self._report_etag = self._report_etag, None
+            sent_at = anyio.current_time()
             if etag is not None:
                 try:
                     ok, written = await self._attempt(
                         operation, store.put(key, self._report_body, if_match=etag)
                     )
                 except Conflict:
+                    # someone else wrote it, or it was deleted (a leftover, by a slow
+                    # allocator): others may have listed without it
+                    self._state.forget_rank()
                     self._overwritten += 1
                     if self._overwritten >= OVERWRITTEN_REPORTS and not self._warned_overwritten:
                         self._warned_overwritten = True
@@ -295,10 +346,16 @@ class FleetWorker(Member):
                     if ok:
                         self._overwritten = 0
                         self._report_etag = written
-                    return
+                        self._state.report_written(sent_at)
+                        self._changed()
+                    return bool(ok)
+            sent_at = anyio.current_time()
             ok, written = await self._attempt(operation, store.put(key, self._report_body))
             if ok:
                 self._report_etag = written
+                self._state.report_written(sent_at)
+                self._changed()
+            return bool(ok)
 
     def _warn_overwritten(self) -> None:
         logger.warning(
@@ -312,18 +369,20 @@ class FleetWorker(Member):
         )
 
     def _next_start(self, start: float) -> float:
-        """Half a period after the allocator's, when one is alive.
+        """Between a fifth and four fifths of a period after the allocator's, when one is
+        alive.
 
         Capacity a worker gives up can be granted to others only once its report says it
         applied the reduction. A worker whose cycles fall just after the allocator's would
-        report that a whole period late; one whose cycles fall half a period after the
-        allocator's always reports in time for the next allocation. So a worker that read
+        report that a whole period late; one whose cycles fall well inside the period after
+        the allocator's always reports in time for the next allocation. So a worker that read
         live grants locks its phase to them: its next cycle is the one point ``issued_at +
-        (k + ½) × sync_interval`` between a half and one and a half periods after this start,
-        with the usual ±10 % jitter. Its second cycle only comes half a period after its
-        first, whatever the phase.
+        (k + phase) × sync_interval`` between a half and one and a half periods after this
+        start, where ``phase`` is drawn for each cycle from U(0.2, 0.8): a thousand workers
+        spread their calls over most of the period instead of calling the store all at once.
+        Its second cycle only comes half a period after its first, whatever the phase.
         """
-        period = self.fleet.sync_interval
+        period = self.period
         if self._sequence <= 1 and not self.holds_lease:
             # A first report says nothing of demand (a rate takes two samples), and a first
             # allocation that sees only first reports grants each worker its floor: the second
@@ -338,13 +397,16 @@ class FleetWorker(Member):
             return super()._next_start(start)
         aligned = issued + period / 2
         aligned += math.ceil((start + period / 2 - aligned) / period) * period
-        return aligned + period * self._random.uniform(-0.1, 0.1)
+        return aligned + period * self._random.uniform(-0.3, 0.3)
 
     async def _cleanup(self, store: S3Store) -> None:
         with suppress(Conflict):
             await self._attempt(
                 "delete the report", store.delete(store.key(f"workers/{self.worker_id}.json"))
             )
+        # (if the member goes on with a new client, it lists again after its next report)
+        self._state.forget_rank()
+        self._report_etag = None
         await self._release(store)
 
 

@@ -1,0 +1,440 @@
+"""A fleet at scale on a virtual clock (issue 31): the real worker and allocator code, a
+simulated store that is slow, fails and throttles.
+
+Every member is a real :class:`~anykpl._fleet.FleetWorker` (the code a producer runs), each
+with its own demand (``--offer`` records/s, spread ±33 %), all in one trio run on
+``trio.testing.MockClock(autojump_threshold=0)``: minutes of fleet time pass in seconds, and
+nothing here is timed by the wall clock. The store is :class:`SimulatedStore`, an S3 bucket in
+memory with S3's conditional writes and whole-second ``Date`` and ``LastModified``, that
+serves ``--store-rate`` requests per second from one queue (a request waits its turn, plus
+``--latency`` ± a quarter), answers ``503 SlowDown`` at once when its queue is more than
+``--throttle-after`` seconds deep, and fails ``--error-rate`` of the requests with a 500.
+
+The run: ``--members`` join evenly over ``--join`` s; ``--crash`` s after the last join the
+allocator crashes (its process gone: no clean-up); the run ends ``--duration`` s after the
+last join. Printed, and as JSON with ``--json``:
+
+* ``max_applied_over_cap``: the largest sum of the rates the members apply, at any instant,
+  over the cap (the bar: at most 1);
+* ``converged_after_join`` and ``converged_after_crash``: seconds from the last join, and from
+  the crash, until the sum applied is within ±5 % of the cap for good (``None``: never);
+* ``requests_per_second``: the store's requests by kind over the run, and those it refused;
+  ``requests_per_second_last_minute``: all kinds, over the run's last minute;
+* ``longest_interval``, ``final_interval``: the sync interval the allocator asked of the
+  fleet (it stretches while the store is slow).
+
+    python benchmarks/fleet_scale.py --members 1000 --store-rate 230      # the issue's case
+    python benchmarks/fleet_scale.py --members 300 --store-rate 5000 --plot fleet.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import random
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from email.utils import formatdate
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+from botocore.exceptions import ClientError
+
+from anykpl import FleetConfig, ProducerConfig
+from anykpl._fleet import DocumentError, FleetDemand, FleetWorker, parse_grants
+
+#: The store's time when the virtual clock reads 0.
+EPOCH = 1_800_000_000.0
+BUCKET = "fleet"
+CONFIG = ProducerConfig(region="us-east-1", aws_access_key_id="k", aws_secret_access_key="s")
+
+
+class _Body:
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+
+    async def __aenter__(self) -> _Body:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def read(self) -> bytes:
+        return self._data
+
+
+class SimulatedStore:
+    """An S3 bucket in memory that serves ``rate`` requests/s from one queue."""
+
+    def __init__(
+        self,
+        *,
+        rate: float,
+        latency: float,
+        throttle_after: float,
+        error_rate: float,
+        seed: int = 1,
+    ) -> None:
+        self.rate = rate
+        self.latency = latency
+        self.throttle_after = throttle_after
+        self.error_rate = error_rate
+        self.random = random.Random(seed)
+        self.objects: dict[str, tuple[bytes, str, float]] = {}
+        self.requests: Counter[str] = Counter()
+        self.refused: Counter[str] = Counter()
+        self.per_second: Counter[int] = Counter()  # requests by virtual second
+        self._busy_until = 0.0
+        self._writes = 0
+
+    def _now(self) -> float:
+        return EPOCH + anyio.current_time()
+
+    def _metadata(self, status: int = 200, **headers: str) -> dict[str, Any]:
+        headers["date"] = formatdate(math.floor(self._now()), usegmt=True)
+        return {"HTTPStatusCode": status, "HTTPHeaders": headers}
+
+    def _error(self, code: str, status: int, operation: str) -> ClientError:
+        return ClientError(
+            {"Error": {"Code": code, "Message": code}, "ResponseMetadata": self._metadata(status)},
+            operation,
+        )
+
+    async def _serve(self, operation: str) -> None:
+        """Wait for this request's turn and its latency; refuse it when the queue is deep."""
+        self.requests[operation] += 1
+        now = anyio.current_time()
+        self.per_second[int(now)] += 1
+        start = max(now, self._busy_until)
+        if start - now > self.throttle_after:
+            self.refused[operation] += 1
+            await anyio.sleep(self.latency)
+            raise self._error("SlowDown", 503, operation)
+        self._busy_until = start + 1.0 / self.rate
+        jitter = self.latency * self.random.uniform(-0.25, 0.25)
+        await anyio.sleep(self._busy_until - now + self.latency + jitter)
+        if self.random.random() < self.error_rate:
+            self.refused[operation] += 1
+            raise self._error("InternalError", 500, operation)
+
+    async def put_object(
+        self,
+        *,
+        Bucket: str,
+        Key: str,
+        Body: bytes,
+        ContentType: str = "",
+        IfMatch: str | None = None,
+        IfNoneMatch: str | None = None,
+    ) -> dict[str, Any]:
+        await self._serve("PutObject")
+        existing = self.objects.get(Key)
+        if IfNoneMatch == "*" and existing is not None:
+            raise self._error("PreconditionFailed", 412, "PutObject")
+        if IfMatch is not None and (existing is None or existing[1] != IfMatch):
+            raise self._error("PreconditionFailed" if existing else "NoSuchKey", 412, "PutObject")
+        self._writes += 1
+        etag = '"' + hashlib.md5(Body + str(self._writes).encode()).hexdigest() + '"'
+        stamp = float(math.floor(self._now()))
+        self.objects[Key] = (bytes(Body), etag, stamp)
+        return {"ETag": etag, "ResponseMetadata": self._metadata()}
+
+    async def get_object(self, *, Bucket: str, Key: str) -> dict[str, Any]:
+        await self._serve("GetObject")
+        if Key not in self.objects:
+            raise self._error("NoSuchKey", 404, "GetObject")
+        body, etag, stamp = self.objects[Key]
+        return {
+            "Body": _Body(body),
+            "ETag": etag,
+            "ContentLength": len(body),
+            "LastModified": datetime.fromtimestamp(stamp, timezone.utc),
+            "ResponseMetadata": self._metadata(),
+        }
+
+    async def list_objects_v2(
+        self, *, Bucket: str, Prefix: str, ContinuationToken: str | None = None
+    ) -> dict[str, Any]:
+        await self._serve("ListObjectsV2")
+        keys = sorted(k for k in self.objects if k.startswith(Prefix))
+        start = int(ContinuationToken or 0)
+        page = keys[start : start + 1000]
+        truncated = start + 1000 < len(keys)
+        return {
+            "Contents": [
+                {
+                    "Key": k,
+                    "ETag": self.objects[k][1],
+                    "LastModified": datetime.fromtimestamp(self.objects[k][2], timezone.utc),
+                }
+                for k in page
+            ],
+            "IsTruncated": truncated,
+            "NextContinuationToken": str(start + 1000) if truncated else None,
+            "ResponseMetadata": self._metadata(),
+        }
+
+    async def delete_object(
+        self, *, Bucket: str, Key: str, IfMatch: str | None = None
+    ) -> dict[str, Any]:
+        await self._serve("DeleteObject")
+        existing = self.objects.get(Key)
+        if IfMatch is not None and (existing is None or existing[1] != IfMatch):
+            raise self._error("PreconditionFailed", 412, "DeleteObject")
+        self.objects.pop(Key, None)
+        return {"ResponseMetadata": self._metadata(204)}
+
+    def factory(self) -> Callable[[], Any]:
+        @asynccontextmanager
+        async def client() -> AsyncIterator[SimulatedStore]:
+            yield self
+
+        return client
+
+
+@dataclass
+class Ledger:
+    """The rates every member applies, and their sum over time."""
+
+    cap: float
+    applied: dict[int, float] = field(default_factory=dict)
+    total: float = 0.0
+    peak: float = 0.0
+    peak_at: float = 0.0
+    series: list[tuple[float, float]] = field(default_factory=list)
+
+    def set(self, member: int, rate: float | None) -> None:
+        value = math.inf if rate is None else rate
+        self.total += value - self.applied.get(member, 0.0)
+        self.applied[member] = value
+        now = anyio.current_time()
+        if self.total > self.peak:
+            self.peak, self.peak_at = self.total, now
+        if self.series and self.series[-1][0] == now:
+            self.series[-1] = (now, self.total)
+        else:
+            self.series.append((now, self.total))
+
+    def converged_since(self, start: float, end: float, band: float = 0.05) -> float | None:
+        """Seconds from ``start`` until the sum stays within ±band of the cap until ``end``."""
+        low, high = self.cap * (1 - band), self.cap * (1 + band)
+        since: float | None = None
+        value = 0.0
+        for when, total in self.series:
+            if when >= end:
+                break
+            if when >= start and since is None and low <= value <= high:
+                since = start
+            value = total
+            inside = low <= total <= high
+            if when < start:
+                continue
+            if inside and since is None:
+                since = when
+            elif not inside:
+                since = None
+        if since is None and low <= value <= high:
+            since = start
+        return None if since is None else since - start
+
+
+class Member:
+    """A real FleetWorker with a steady offer, and a backlog when its rate is below it."""
+
+    def __init__(
+        self, index: int, store: SimulatedStore, ledger: Ledger, offer: float, args: Any
+    ) -> None:
+        self.index = index
+        self.offer = offer
+        self.ledger = ledger
+        self.rate = 0.0
+        self.offered = 0.0
+        self.backlog = 0.0
+        self.since = 0.0
+        self.worker = FleetWorker(
+            FleetConfig(
+                bucket=BUCKET,
+                records_per_second=args.cap,
+                sync_interval=args.interval,
+                worker_id=f"m{index:05d}",
+            ),
+            CONFIG,
+            self.demand,
+            self.apply,
+            client_factory=store.factory(),
+        )
+        # the jitter of each member from the seed: a run can be repeated
+        self.worker._random = random.Random(args.seed * 100_003 + index)
+
+    def _advance(self) -> None:
+        now = anyio.current_time()
+        elapsed = now - self.since
+        self.since = now
+        self.offered += self.offer * elapsed
+        self.backlog = max(0.0, self.backlog + (self.offer - self.rate) * elapsed)
+
+    def demand(self) -> FleetDemand:
+        self._advance()
+        return FleetDemand(int(self.offered), int(self.offered) * 100, int(self.backlog), 0)
+
+    def apply(self, records: float | None, nbytes: float | None) -> None:
+        self._advance()
+        self.rate = math.inf if records is None else records
+        self.ledger.set(self.index, records)
+
+
+async def simulate(args: Any) -> dict[str, Any]:
+    store = SimulatedStore(
+        rate=args.store_rate,
+        latency=args.latency,
+        throttle_after=args.throttle_after,
+        error_rate=args.error_rate,
+        seed=args.seed,
+    )
+    ledger = Ledger(cap=args.cap)
+    rng = random.Random(args.seed)
+    members = [
+        Member(i, store, ledger, args.offer * rng.uniform(0.67, 1.33), args)
+        for i in range(args.members)
+    ]
+    last_join = args.join
+    crash_at = last_join + args.crash if args.crash is not None else None
+    end = last_join + args.duration
+    crashed: list[str] = []
+
+    async def killed(_store: Any) -> None:
+        """A crashed member cleans nothing up."""
+
+    intervals: list[tuple[float, float]] = []
+
+    async def sample_interval() -> None:
+        """The sync interval the allocator asks of the fleet, every virtual second."""
+        while True:
+            found = store.objects.get("anykpl-fleet/grants.json")
+            if found is not None:
+                try:
+                    asked = getattr(parse_grants(found[0]), "sync_interval", None) or args.interval
+                except DocumentError:
+                    asked = args.interval
+                if not intervals or intervals[-1][1] != asked:
+                    intervals.append((anyio.current_time(), asked))
+            await anyio.sleep(1.0)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sample_interval)
+        for i, member in enumerate(members):
+            await anyio.sleep_until(args.join * i / max(1, args.members - 1))
+            tg.start_soon(member.worker.run)
+        if crash_at is not None:
+            await anyio.sleep_until(crash_at)
+            for member in members:
+                if member.worker.holds_lease:
+                    crashed.append(member.worker.worker_id)
+                    member.worker._cleanup = killed  # type: ignore[method-assign]
+                    assert member.worker._run_scope is not None
+                    member.worker._run_scope.cancel()
+                    ledger.set(member.index, 0.0)
+        await anyio.sleep_until(end)
+        tg.cancel_scope.cancel()
+    seconds = max(1e-9, end)
+    after_crash = None
+    if crash_at is not None:
+        after_crash = ledger.converged_since(crash_at, end)
+    return {
+        "members": args.members,
+        "cap": args.cap,
+        "store_rate": args.store_rate,
+        "latency": args.latency,
+        "error_rate": args.error_rate,
+        "interval": args.interval,
+        "max_applied_over_cap": ledger.peak / args.cap,
+        "max_applied_at": ledger.peak_at,
+        "converged_after_join": ledger.converged_since(last_join, crash_at or end),
+        "crashed": crashed,
+        "converged_after_crash": after_crash,
+        "final_applied_over_cap": ledger.total / args.cap,
+        "longest_interval": max((i for _, i in intervals), default=args.interval),
+        "final_interval": intervals[-1][1] if intervals else args.interval,
+        "requests_per_second": {k: v / seconds for k, v in sorted(store.requests.items())},
+        "requests_per_second_last_minute": sum(
+            store.per_second[second] for second in range(int(end) - 60, int(end))
+        )
+        / 60,
+        "refused": dict(store.refused),
+        "series": ledger.series,
+    }
+
+
+def parse(argv: list[str] | None = None) -> Any:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--members", type=int, default=1000)
+    parser.add_argument("--cap", type=float, default=5000.0, help="records/s for the fleet")
+    parser.add_argument("--offer", type=float, default=30.0, help="records/s per member")
+    parser.add_argument("--interval", type=float, default=5.0, help="sync_interval, s")
+    parser.add_argument("--store-rate", type=float, default=230.0, help="requests/s")
+    parser.add_argument("--latency", type=float, default=0.05, help="s per request")
+    parser.add_argument("--throttle-after", type=float, default=1.0, help="queue depth, s")
+    parser.add_argument("--error-rate", type=float, default=0.0)
+    parser.add_argument("--join", type=float, default=60.0, help="s over which members join")
+    parser.add_argument("--crash", type=float, default=60.0, help="s after the last join")
+    parser.add_argument("--duration", type=float, default=150.0, help="s after the last join")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--plot", help="write a plot of the applied sum against the cap")
+    return parser.parse_args(argv)
+
+
+def run(args: Any) -> dict[str, Any]:
+    import trio.testing
+
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    result: dict[str, Any] = anyio.run(
+        simulate, args, backend="trio", backend_options={"clock": clock}
+    )
+    return result
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    times = [t for t, _ in result["series"]]
+    totals = [min(v, 3 * result["cap"]) for _, v in result["series"]]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.step(times, totals, where="post", label="sum of the rates applied")
+    ax.axhline(result["cap"], color="red", linestyle="--", label="cap")
+    ax.set_xlabel("virtual seconds")
+    ax.set_ylabel("records/s")
+    ax.set_title(
+        f"{result['members']} members, a store serving {result['store_rate']:g} requests/s"
+    )
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    result = run(args)
+    if args.plot:
+        plot(result, args.plot)
+    shown = {k: v for k, v in result.items() if k != "series"}
+    if args.json:
+        print(json.dumps(shown, indent=2))
+    else:
+        for key, value in shown.items():
+            print(f"{key}: {value}")
+    return 0 if result["max_applied_over_cap"] <= 1 + 1e-6 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""A fleet at scale on a virtual clock: the real worker and allocator code for a hundred and
+more members against a simulated store (``benchmarks/fleet_scale.py``), fast and slow.
+
+The bar everywhere: the rates the members apply never sum over the cap, at any instant.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+try:
+    import fleet_scale
+finally:
+    sys.path.pop(0)
+
+INTERVAL = 5.0
+
+
+def simulate(*argv: str) -> dict[str, Any]:
+    return fleet_scale.run(fleet_scale.parse(list(argv)))
+
+
+def test_a_hundred_members_on_a_fast_store_hold_the_cap_and_converge() -> None:
+    result = simulate(
+        *("--members", "100", "--offer", "200", "--store-rate", "5000"),
+        *("--join", "10", "--crash", "40", "--duration", "90"),
+    )
+    assert result["max_applied_over_cap"] <= 1 + 1e-6
+    # the grants share the cap less the bootstrap budget (4 %): within ±5 % of the cap
+    assert result["final_applied_over_cap"] == pytest.approx(0.96, abs=0.01)
+    # within 3 intervals of the last join; within a lease (3 intervals) and 3 intervals of the
+    # allocator's crash
+    assert result["converged_after_join"] is not None
+    assert result["converged_after_join"] <= 3 * INTERVAL
+    assert result["converged_after_crash"] is not None
+    assert result["converged_after_crash"] <= 6 * INTERVAL
+    assert result["longest_interval"] == INTERVAL  # the store keeps up: no stretching
+
+
+def test_members_joining_faster_than_a_slow_store_serves_never_exceed_the_cap() -> None:
+    # 150 members would ask 90 requests/s of a store that serves 50: it throttles, calls time
+    # out, reports go unread. The fleet stretches its interval instead of loosening its rates.
+    result = simulate(
+        *("--members", "150", "--offer", "200", "--store-rate", "50"),
+        *("--join", "10", "--crash", "60", "--duration", "200"),
+    )
+    assert result["max_applied_over_cap"] <= 1 + 1e-6
+    assert result["longest_interval"] > INTERVAL
+    # once stretched, the fleet asks no more than the store serves
+    assert result["requests_per_second_last_minute"] <= 50
+    # and the fleet still sends most of what it may, by the end
+    assert result["final_applied_over_cap"] >= 0.8
