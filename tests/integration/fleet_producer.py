@@ -33,7 +33,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bytes-per-second", type=float)
     parser.add_argument("--sync-interval", type=float, default=0.5)
     parser.add_argument("--lease", type=float)
-    parser.add_argument("--safe-fraction", type=float, default=1.0)
+    parser.add_argument("--safe-fraction", type=float, default=0.0)
     parser.add_argument("--no-elect", action="store_true")
     parser.add_argument("--duration", type=float, default=8.0)
     parser.add_argument("--size", type=int, default=100)

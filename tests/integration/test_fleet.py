@@ -271,17 +271,22 @@ def ignoring_aiohttp_write_resets(anyio_backend: str) -> Iterator[None]:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("safe_fraction", [0.0, 0.5], ids=["default", "safe-fraction"])
 async def test_a_worker_cut_off_from_s3_drops_to_the_safe_rate(
-    moto_endpoint: str, bucket: str, s3: Any, anyio_backend: str
+    moto_endpoint: str, bucket: str, s3: Any, anyio_backend: str, safe_fraction: float
 ) -> None:
     with ignoring_aiohttp_write_resets(anyio_backend):
-        await _cut_off_from_s3(moto_endpoint, bucket, s3, anyio_backend)
+        await _cut_off_from_s3(moto_endpoint, bucket, s3, anyio_backend, safe_fraction)
 
 
-async def _cut_off_from_s3(moto_endpoint: str, bucket: str, s3: Any, anyio_backend: str) -> None:
+async def _cut_off_from_s3(
+    moto_endpoint: str, bucket: str, s3: Any, anyio_backend: str, safe_fraction: float
+) -> None:
     async with tcp_proxy(moto_endpoint) as (proxied, cut):
-        direct = Member(bucket, moto_endpoint, f"{anyio_backend}-direct", safe_fraction=0.5)
-        far = Member(bucket, proxied, f"{anyio_backend}-far", safe_fraction=0.5)
+        direct = Member(
+            bucket, moto_endpoint, f"{anyio_backend}-direct", safe_fraction=safe_fraction
+        )
+        far = Member(bucket, proxied, f"{anyio_backend}-far", safe_fraction=safe_fraction)
         # and one that never reaches S3 at all (nothing listens there)
         lost = Member(
             bucket, f"http://127.0.0.1:{closed_port()}", f"{anyio_backend}-lost", safe_fraction=0.5
@@ -295,10 +300,20 @@ async def _cut_off_from_s3(moto_endpoint: str, bucket: str, s3: Any, anyio_backe
             await wait_for(lambda: direct.rate == pytest.approx(GRANTABLE), 4 * LEASE)
             lost_stats = lost.worker.statistics()
             far_errors = far.worker.statistics().s3_errors
-    assert dropped <= LEASE + INTERVAL
-    # the safe rate: the cap × safe_fraction ÷ the fleet it last knew (2; "lost" never
-    # reported, so the allocator never counted it)
-    assert far_stats.records_per_second == pytest.approx(CAP * 0.5 / 2)
+    assert dropped <= LEASE + 2 * INTERVAL
+    if safe_fraction:
+        # opted in: the cap × safe_fraction ÷ the fleet it last knew (2; "lost" never
+        # reported, so the allocator never counted it), no more than its last grant; the
+        # fleet exceeds its cap by that much while it is cut off
+        assert far_stats.records_per_second == pytest.approx(CAP * 0.5 / 2)
+    else:
+        # its budget rate (first or second in the listing): with the others' grants, within
+        # the cap
+        assert far_stats.records_per_second in (
+            pytest.approx(CAP * 0.04 / 2),
+            pytest.approx(CAP * 0.04 / 6),
+        )
+        assert GRANTABLE + (far_stats.records_per_second or 0.0) <= CAP
     assert far_errors > 0  # (the grant may expire before the first call fails)
     # a worker that never reached S3 never learned its share of the bootstrap budget, and
     # never had a grant: it sends nothing (it cannot know how many share the cap)
