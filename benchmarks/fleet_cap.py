@@ -15,11 +15,16 @@ Three runs per sync interval:
 * **takeover**: the allocator's process is killed (SIGKILL) mid-run. Reports the time from the
   kill until another process holds ``allocator.json``, against the lease, and until the three
   survivors apply a third of the cap each.
-* **cut off**: one process reaches S3 through a TCP proxy, which is cut mid-run. Reports how
-  long until it applies the safe rate, and that rate.
+* **cut off**: one process reaches the store through a TCP proxy, which is cut mid-run.
+  Reports how long until it is in safe mode, and the rate it applies then (its budget rate).
 
     python benchmarks/fleet_cap.py                       # sync interval 1 s
     python benchmarks/fleet_cap.py --intervals 1 5       # and the default 5 s (slower)
+    python benchmarks/fleet_cap.py --store dynamodb      # the fleet's table on the emulator
+
+With ``--store dynamodb`` the fleet coordinates through a table on the emulator (moto's
+DynamoDB) instead of a bucket; the table keeps no versions, so the generations are those a
+thread saw, reading the grants item every 50 ms.
 """
 
 from __future__ import annotations
@@ -35,12 +40,14 @@ import sys
 import threading
 import time
 import uuid
+import zlib
 from pathlib import Path
 from typing import Any
 
 import boto3
 
 from anykpl._fleet import GrantsDocument, parse_grants, parse_lease
+from anykpl._fleet._dynamodb_store import TABLE_SCHEMA
 from anykpl.emulator import EmulatorClient, spawn
 
 HELPER = Path(__file__).resolve().parent.parent / "tests" / "integration" / "fleet_producer.py"
@@ -94,12 +101,47 @@ class Proxy:
                 s.close()
 
 
+class TableView:
+    """The fleet's items in a DynamoDB table, as the benchmark reads them: the table keeps no
+    versions, so a thread samples the grants item every 50 ms to see each generation."""
+
+    def __init__(self, client: Any, table: str) -> None:
+        self.client = client
+        self.table = table
+        self.seen: dict[int, GrantsDocument] = {}
+        self.stopped = False
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def item(self, name: str) -> bytes | None:
+        found = self.client.get_item(
+            TableName=self.table,
+            Key={"pk": {"S": PREFIX}, "sk": {"S": f"{PREFIX}/{name}"}},
+            ConsistentRead=True,
+        ).get("Item")
+        return None if found is None else zlib.decompress(found["body"]["B"])
+
+    def _sample(self) -> None:
+        while not self.stopped:
+            with contextlib.suppress(Exception):
+                body = self.item("grants.json")
+                if body is not None:
+                    document = parse_grants(body)
+                    self.seen.setdefault(document.generation, document)
+            time.sleep(0.05)
+
+
 def launch(
-    url: str, s3_url: str, bucket: str, worker: int, interval: float, duration: float
+    url: str,
+    s3_url: str,
+    store: tuple[str, str],
+    worker: int,
+    interval: float,
+    duration: float,
 ) -> subprocess.Popen[str]:
     command = [
         *(sys.executable, str(HELPER), "--endpoint", url, "--stream", "fleet"),
-        *("--bucket", bucket, "--worker-id", f"p{worker}", "--duration", str(duration)),
+        *store,
+        *("--worker-id", f"p{worker}", "--duration", str(duration)),
         *("--records-per-second", str(CAP), "--bytes-per-second", str(CAP_BYTES)),
         *("--sync-interval", str(interval), "--max-outstanding", "1000"),
         *("--backend", "asyncio" if worker % 2 == 0 else "trio"),
@@ -112,6 +154,8 @@ def launch(
 
 
 def generations(s3: Any, bucket: str) -> list[GrantsDocument]:
+    if isinstance(s3, TableView):
+        return sorted(s3.seen.values(), key=lambda d: d.generation)
     key = f"{PREFIX}/grants.json"
     found = []
     for page in s3.get_paginator("list_object_versions").paginate(Bucket=bucket, Prefix=key):
@@ -122,6 +166,9 @@ def generations(s3: Any, bucket: str) -> list[GrantsDocument]:
 
 
 def holder(s3: Any, bucket: str) -> str | None:
+    if isinstance(s3, TableView):
+        body = s3.item("allocator.json")
+        return None if body is None else parse_lease(body).holder
     try:
         body = s3.get_object(Bucket=bucket, Key=f"{PREFIX}/allocator.json")["Body"].read()
     except s3.exceptions.NoSuchKey:
@@ -166,17 +213,27 @@ def accepted(control: EmulatorClient) -> dict[int, int]:
     return per_second
 
 
-def run(kind: str, interval: float, duration: float) -> dict[str, Any]:
+def run(kind: str, interval: float, duration: float, store_kind: str = "s3") -> dict[str, Any]:
     with spawn(streams={"fleet": 2}) as url:
         control = EmulatorClient(url)
-        s3 = boto3.client("s3", region_name="us-east-1", endpoint_url=url, **CREDENTIALS)
         bucket = f"fleet-{uuid.uuid4().hex[:10]}"
-        s3.create_bucket(Bucket=bucket)
-        s3.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
+        s3: Any
+        if store_kind == "s3":
+            s3 = boto3.client("s3", region_name="us-east-1", endpoint_url=url, **CREDENTIALS)
+            s3.create_bucket(Bucket=bucket)
+            s3.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
+            store = ("--bucket", bucket)
+        else:
+            client = boto3.client(
+                "dynamodb", region_name="us-east-1", endpoint_url=url, **CREDENTIALS
+            )
+            client.create_table(TableName=bucket, **TABLE_SCHEMA)
+            s3 = TableView(client, bucket)
+            store = ("--table", bucket)
         uptime, wall = control.stats()["uptime"], time.time()
         proxy = Proxy(url) if kind == "cut off" else None
         processes = [
-            launch(url, proxy.url if proxy and i == 3 else url, bucket, i, interval, duration)
+            launch(url, proxy.url if proxy and i == 3 else url, store, i, interval, duration)
             for i in range(4)
         ]
         event: dict[str, Any] = {}
@@ -201,6 +258,8 @@ def run(kind: str, interval: float, duration: float) -> dict[str, Any]:
                 results.append(json.loads(out.strip().splitlines()[-1]))
         per_second = accepted(control)
         documents = generations(s3, bucket)
+        if isinstance(s3, TableView):
+            s3.stopped = True
     started = max(r["started"] for r in results)
     stopped = min(r["stopped"] for r in results)
     summary: dict[str, Any] = {
@@ -242,13 +301,19 @@ def main() -> None:
     parser.add_argument("--intervals", type=float, nargs="+", default=[1.0])
     parser.add_argument("--duration", type=float, default=None, help="default: 20 intervals")
     parser.add_argument("--runs", nargs="+", default=["converge", "takeover", "cut off"])
+    parser.add_argument(
+        "--store",
+        choices=("s3", "dynamodb"),
+        default="s3",
+        help="the fleet's store (on the emulator)",
+    )
     args = parser.parse_args()
     for interval in args.intervals:
         duration = args.duration or max(20.0, 20 * interval)
         lease = 3 * interval
         for kind in args.runs:
-            s = run(kind, interval, duration)
-            line = f"R={interval:g} s, lease {lease:g} s | {kind}: "
+            s = run(kind, interval, duration, args.store)
+            line = f"{args.store}, R={interval:g} s, lease {lease:g} s | {kind}: "
             if kind == "converge":
                 window = s["window"]
                 line += (

@@ -35,6 +35,7 @@ import json
 import math
 import random
 import sys
+import zlib
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -53,6 +54,7 @@ from anykpl._fleet import DocumentError, FleetDemand, FleetWorker, parse_grants
 #: The store's time when the virtual clock reads 0.
 EPOCH = 1_800_000_000.0
 BUCKET = "fleet"
+GRANTS = "anykpl-fleet/grants.json"
 CONFIG = ProducerConfig(region="us-east-1", aws_access_key_id="k", aws_secret_access_key="s")
 
 
@@ -91,6 +93,7 @@ class SimulatedStore:
         self.requests: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()
         self.per_second: Counter[int] = Counter()  # requests by virtual second
+        self.by_second: Counter[tuple[int, str]] = Counter()  # and by kind
         self._busy_until = 0.0
         self._writes = 0
 
@@ -112,6 +115,7 @@ class SimulatedStore:
         self.requests[operation] += 1
         now = anyio.current_time()
         self.per_second[int(now)] += 1
+        self.by_second[int(now), operation] += 1
         start = max(now, self._busy_until)
         if start - now > self.throttle_after:
             self.refused[operation] += 1
@@ -317,7 +321,7 @@ async def simulate(args: Any) -> dict[str, Any]:
     async def sample_interval() -> None:
         """The sync interval the allocator asks of the fleet, every virtual second."""
         while True:
-            found = store.objects.get("anykpl-fleet/grants.json")
+            found = store.objects.get(GRANTS)
             if found is not None:
                 try:
                     asked = getattr(parse_grants(found[0]), "sync_interval", None) or args.interval
@@ -337,7 +341,7 @@ async def simulate(args: Any) -> dict[str, Any]:
             for member in members:
                 if member.worker.holds_lease:
                     crashed.append(member.worker.worker_id)
-                    member.worker._cleanup = killed  # type: ignore[method-assign]
+                    member.worker._cleanup = killed  # type: ignore[method-assign,assignment]
                     assert member.worker._run_scope is not None
                     member.worker._run_scope.cancel()
                     ledger.set(member.index, 0.0)
@@ -367,6 +371,12 @@ async def simulate(args: Any) -> dict[str, Any]:
             store.per_second[second] for second in range(int(end) - 60, int(end))
         )
         / 60,
+        "last_minute_by_kind": {
+            kind: sum(store.by_second[second, kind] for second in range(int(end) - 60, int(end)))
+            for kind in sorted(store.requests)
+        },
+        "grants_document_bytes": len(grants_body := store.objects.get(GRANTS, (b"",))[0]),
+        "grants_document_compressed_bytes": len(zlib.compress(grants_body)),
         "refused": dict(store.refused),
         "series": ledger.series,
     }

@@ -19,7 +19,14 @@ def test_help_lists_every_command_with_one_line(capsys: pytest.CaptureFixture[st
         main(["--help"])
     assert exited.value.code == 0
     out = capsys.readouterr().out
-    assert set(COMMANDS) == {"emulator", "emulator-stats", "demo", "bench", "fleet-allocator"}
+    assert set(COMMANDS) == {
+        "emulator",
+        "emulator-stats",
+        "demo",
+        "bench",
+        "fleet-allocator",
+        "fleet-table",
+    }
     for command in COMMANDS:
         # "  name   help" or, for a long name, "  name" and the help on the next line
         assert re.search(rf"^    {command}\s+\S.{{10,}}$", out, flags=re.MULTILINE), command
@@ -54,9 +61,10 @@ def test_every_command_has_help_with_examples(
 def test_an_unknown_option_exits_2_and_names_it(
     command: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    required = ["--bucket", "b"] if command == "fleet-allocator" else []
+    required = {"fleet-allocator": ["--bucket", "b"], "fleet-table": ["create", "--table", "t"]}
+    required_args = required.get(command, [])
     with pytest.raises(SystemExit) as exited:
-        main([command, *required, "--no-such-option"])
+        main([command, *required_args, "--no-such-option"])
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert f"anykpl {command}: error:" in err

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -101,3 +102,22 @@ def test_the_docs_site_builds_without_warnings(tmp_path: Path) -> None:
         timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_fleets_iam_policies_name_exactly_the_operations_the_stores_call() -> None:
+    """docs/fleet.md's least-privilege policies, one per store, against the operations the
+    code calls (each store counts its calls by these names)."""
+    from anykpl._fleet._dynamodb_store import OPERATIONS
+    from anykpl._fleet._store import KINDS
+
+    text = (DOCS / "fleet.md").read_text()
+    section = text[text.index("## IAM permissions") : text.index("## The DynamoDB table")]
+    actions: set[str] = set()
+    for block in re.findall(r"```json\n(.*?)```", section, re.S):
+        for statement in json.loads(block)["Statement"]:
+            listed = statement["Action"]
+            actions.update([listed] if isinstance(listed, str) else listed)
+    # S3 authorizes ListObjectsV2 as s3:ListBucket
+    s3 = {"s3:" + ("ListBucket" if k == "ListObjectsV2" else k) for k in KINDS.values()}
+    dynamodb = {f"dynamodb:{operation}" for operation in OPERATIONS}
+    assert actions == s3 | dynamodb

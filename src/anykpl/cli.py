@@ -1,5 +1,5 @@
 """The ``anykpl`` command: ``anykpl emulator``, ``anykpl emulator-stats``, ``anykpl demo``,
-``anykpl bench``, ``anykpl fleet-allocator``.
+``anykpl bench``, ``anykpl fleet-allocator``, ``anykpl fleet-table``.
 
 Each subcommand lives in its own module (``anykpl.emulator``, ``anykpl.demo``,
 ``anykpl.bench``...) and exposes ``add_arguments(parser)`` and ``run(args) -> int``; this module
@@ -60,12 +60,22 @@ examples:
     ),
     "fleet-allocator": (
         "anykpl.fleet_allocator",
-        "allocate a fleet's cap over S3, standalone",
+        "allocate a fleet's cap over S3 or DynamoDB, standalone",
         """\
 examples:
   anykpl fleet-allocator --bucket my-fleet --bytes-per-second 4000000
   anykpl fleet-allocator --bucket my-fleet --records-per-second 5000 \\
       --endpoint-url http://127.0.0.1:4567 --region us-east-1
+  anykpl fleet-allocator --table my-fleets --prefix orders --records-per-second 5000
+""",
+    ),
+    "fleet-table": (
+        "anykpl.fleet_table",
+        "make the DynamoDB table a fleet can coordinate through",
+        """\
+examples:
+  anykpl fleet-table create --table my-fleets --region eu-west-1
+  anykpl fleet-table create --table fleet --endpoint-url http://127.0.0.1:4567 --region us-east-1
 """,
     ),
 }

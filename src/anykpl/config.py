@@ -148,12 +148,16 @@ class StreamSettings:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FleetConfig:
-    """A fleet-wide cap shared by every producer that names the same ``bucket`` and
-    ``prefix``, coordinated through S3 (see ``docs/fleet.md``).
+    """A fleet-wide cap shared by every producer that names the same store — an S3
+    ``bucket`` or a DynamoDB ``table`` — and ``prefix`` (see ``docs/fleet.md``).
 
     Attributes:
-        bucket: the S3 bucket holding the coordination objects (it must exist).
-        prefix: key prefix of the coordination objects. Default ``"anykpl-fleet"``.
+        bucket: the S3 bucket holding the coordination objects (it must exist). Give it or
+            ``table``, not both. Default ``None``.
+        table: the DynamoDB table holding them instead (it must exist: ``anykpl fleet-table
+            create`` makes one). Default ``None``.
+        prefix: key prefix of the coordination objects (in a table, the partition key of the
+            fleet's items). Default ``"anykpl-fleet"``.
         records_per_second: the fleet's cap in Kinesis records per second (as the service
             counts them: an aggregate is one record), or ``None``.
         bytes_per_second: the fleet's cap in bytes per second (data + partition keys of the
@@ -166,8 +170,8 @@ class FleetConfig:
         lease: seconds an allocator's lease and its grants last. Default ``None``: three
             sync intervals; at least two, at most 3600 s (a grant must outlive the interval
             until its worker reads the next one, jitter and S3's one-second clock included).
-        endpoint_url: the S3 endpoint, such as the emulator's URL. Default ``None``: S3's
-            endpoint for the producer's region.
+        endpoint_url: the store's endpoint (S3's or DynamoDB's), such as the emulator's URL.
+            Default ``None``: the service's endpoint for the producer's region.
         elect: whether this producer may take the allocator's role. Default ``True``; set
             ``False`` when ``anykpl fleet-allocator`` runs the allocator.
         safe_fraction: a worker whose grant expired without a newer one (S3 unreachable, no
@@ -179,7 +183,8 @@ class FleetConfig:
             share the rest of the cap. Default 0.04, 0..1 (open at both ends).
     """
 
-    bucket: str
+    bucket: str | None = None
+    table: str | None = None
     prefix: str = "anykpl-fleet"
     records_per_second: float | None = None
     bytes_per_second: float | None = None
@@ -192,7 +197,14 @@ class FleetConfig:
     bootstrap_fraction: float = 0.04
 
     def __post_init__(self) -> None:
-        _check_str(self, "bucket", 3, 63)
+        if (self.bucket is None) == (self.table is None):
+            _fail("bucket", self.bucket, "an S3 bucket, or else a DynamoDB table (one of the two)")
+        if self.bucket is not None:
+            _check_str(self, "bucket", 3, 63)
+        else:
+            _check_str(self, "table", 3, 255)
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", str(self.table)):
+                _fail("table", self.table, "a DynamoDB table name: 3..255 of A-Z a-z 0-9 _ . -")
         _check_str(self, "prefix", 1, 512)
         for name in ("records_per_second", "bytes_per_second"):
             if getattr(self, name) is not None:

@@ -2,9 +2,10 @@
 
 Producers with a ``FleetConfig`` elect one of themselves as the allocator, so this command is
 optional. It suits deployments that prefer the role in a process of its own: start it with
-the fleet's bucket, prefix and caps, and give the producers ``FleetConfig(elect=False)``. It
-competes for the allocator's lease like any member, so two of them (or it and electing
-producers) are safe: one allocates, the others stand by and take over within a lease.
+the fleet's bucket (or table), prefix and caps, and give the producers
+``FleetConfig(elect=False)``. It competes for the allocator's lease like any member, so two
+of them (or it and electing producers) are safe: one allocates, the others stand by and take
+over within a lease.
 
 It prints one line per generation of grants it writes: the workers, the grants, and their
 sum against the cap. Ctrl-C (or SIGTERM) releases the lease and exits with status 0.
@@ -28,7 +29,9 @@ __all__ = ("add_arguments", "describe", "run")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bucket", required=True, help="the S3 bucket of the fleet's objects")
+    store = parser.add_mutually_exclusive_group(required=True)
+    store.add_argument("--bucket", help="the S3 bucket of the fleet's objects")
+    store.add_argument("--table", help="or the DynamoDB table (anykpl fleet-table create)")
     parser.add_argument("--prefix", default="anykpl-fleet", help="their key prefix")
     parser.add_argument(
         "--records-per-second", type=float, help="the fleet's cap in Kinesis records per second"
@@ -45,10 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bootstrap-fraction",
         type=float,
-        help="each worker's floor: the cap × this ÷ the workers (default 0.1, as FleetConfig); "
-        "give the producers' value",
+        help="the bootstrap budget: the cap × this is left to the workers outside a grant "
+        "(default 0.04, as FleetConfig); give the producers' value",
     )
-    parser.add_argument("--endpoint-url", help="the S3 endpoint, such as the emulator's URL")
+    parser.add_argument("--endpoint-url", help="the store's endpoint, such as the emulator's URL")
     parser.add_argument("--region", help="the AWS region (default: botocore's chain)")
     parser.add_argument("--allocator-id", help="this allocator's name (default: random)")
 
@@ -85,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         fleet = FleetConfig(
             bucket=args.bucket,
+            table=args.table,
             prefix=args.prefix,
             records_per_second=args.records_per_second,
             bytes_per_second=args.bytes_per_second,
@@ -103,8 +107,13 @@ def run(args: argparse.Namespace) -> int:
         allocator_id=args.allocator_id,
         on_allocation=lambda document: print(describe(document), flush=True),
     )
+    where = (
+        f"s3://{fleet.bucket}/{fleet.prefix}/"
+        if fleet.table is None
+        else f"dynamodb table {fleet.table}, prefix {fleet.prefix}"
+    )
     print(
-        f"anykpl fleet-allocator {allocator.worker_id}: s3://{fleet.bucket}/{fleet.prefix}/ "
+        f"anykpl fleet-allocator {allocator.worker_id}: {where} "
         f"every {fleet.sync_interval:g} s, lease {fleet.lease:g} s, bootstrap fraction "
         f"{fleet.bootstrap_fraction:g} (Ctrl-C to stop)",
         flush=True,

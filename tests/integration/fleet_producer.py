@@ -24,9 +24,11 @@ from anykpl import FleetConfig, PendingRecord, Producer, ProducerConfig, errors
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--endpoint", required=True)
-    parser.add_argument("--s3-endpoint", help="S3's endpoint, if not --endpoint")
+    parser.add_argument("--s3-endpoint", help="the store's endpoint, if not --endpoint")
     parser.add_argument("--stream", required=True)
-    parser.add_argument("--bucket", required=True)
+    store = parser.add_mutually_exclusive_group(required=True)
+    store.add_argument("--bucket", help="the fleet's S3 bucket")
+    store.add_argument("--table", help="or its DynamoDB table")
     parser.add_argument("--prefix", default="anykpl-fleet")
     parser.add_argument("--worker-id", required=True)
     parser.add_argument("--records-per-second", type=float)
@@ -47,6 +49,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 async def produce(args: argparse.Namespace) -> dict[str, Any]:
     fleet = FleetConfig(
         bucket=args.bucket,
+        table=args.table,
         prefix=args.prefix,
         records_per_second=args.records_per_second,
         bytes_per_second=args.bytes_per_second,

@@ -1,14 +1,15 @@
-"""kinesalite and kinesis-mock, installed from npm and started on 127.0.0.1, for the interop tests.
+"""kinesalite and kinesis-mock (Kinesis) and dynalite (DynamoDB, for the fleet's table),
+installed from npm and started on 127.0.0.1, for the interop tests.
 
-The two emulators are installed once per machine into a cache directory (not the repository):
+The emulators are installed once per machine into a cache directory (not the repository):
 ``$ANYKPL_INTEROP_CACHE``, else ``$XDG_CACHE_HOME/anykpl-interop``, else
-``~/.cache/anykpl-interop``, one subdirectory per pinned pair of versions. A file lock keeps
+``~/.cache/anykpl-interop``, one subdirectory per pinned set of versions. A file lock keeps
 parallel test runs from installing into the same directory at once; a marker file written last
 says the install finished. Only a machine without ``node`` or ``npm`` skips the tests; a failed
 install is an error (CI must run them).
 
-Neither emulator can be told which address to listen on (kinesalite's CLI has no host option,
-kinesis-mock listens on every interface), so both run under a small ``--require`` preload that
+None can be told which address to listen on (kinesalite's CLI has no host option, kinesis-mock
+and dynalite listen on every interface), so all run under a small ``--require`` preload that
 makes every server listen on 127.0.0.1, on a port the system picks (so parallel runs never race
 for one), and writes the port it got to a file.
 """
@@ -28,7 +29,12 @@ from typing import Any
 
 KINESALITE_VERSION = "3.3.3"
 KINESIS_LOCAL_VERSION = "0.6.2"  # kinesis-mock, compiled for node
-PACKAGES = (f"kinesalite@{KINESALITE_VERSION}", f"kinesis-local@{KINESIS_LOCAL_VERSION}")
+DYNALITE_VERSION = "3.2.2"  # in memory: no native module needed
+PACKAGES = (
+    f"kinesalite@{KINESALITE_VERSION}",
+    f"kinesis-local@{KINESIS_LOCAL_VERSION}",
+    f"dynalite@{DYNALITE_VERSION}",
+)
 
 CREDENTIALS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
 REGION = "us-east-1"
@@ -99,7 +105,10 @@ def _locked(path: Path) -> Iterator[None]:
 def install(root: Path | None = None, timeout: float = 600.0) -> Path:
     """Install the pinned emulators (once per machine) and return the npm prefix they are in."""
     root = cache_root() if root is None else root
-    prefix = root / f"kinesalite-{KINESALITE_VERSION}+kinesis-local-{KINESIS_LOCAL_VERSION}"
+    prefix = root / (
+        f"kinesalite-{KINESALITE_VERSION}+kinesis-local-{KINESIS_LOCAL_VERSION}"
+        f"+dynalite-{DYNALITE_VERSION}"
+    )
     done = prefix / ".installed"
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root / ".lock"):
@@ -176,23 +185,34 @@ def _kinesis_mock_command(prefix: Path) -> tuple[list[str], Path, dict[str, str]
     return command, package, env
 
 
-COMMANDS = {"kinesalite": _kinesalite_command, "kinesis-mock": _kinesis_mock_command}
+def _dynalite_command(prefix: Path) -> tuple[list[str], Path, dict[str, str]]:
+    cli = prefix / "node_modules" / "dynalite" / "cli.js"
+    # tables become ACTIVE after 50 ms, as the service's after a moment
+    command = ["node", "--require", str(prefix / "preload.js"), str(cli), "--createTableMs", "50"]
+    return command, prefix, {}
 
 
-def _answers(url: str) -> bool:
+COMMANDS = {
+    "kinesalite": _kinesalite_command,
+    "kinesis-mock": _kinesis_mock_command,
+    "dynalite": _dynalite_command,
+}
+
+
+def _answers(name: str, url: str) -> bool:
     import boto3
     import botocore.config
     import botocore.exceptions
 
     client = boto3.client(
-        "kinesis",
+        "dynamodb" if name == "dynalite" else "kinesis",
         region_name=REGION,
         endpoint_url=url,
         config=botocore.config.Config(retries={"max_attempts": 1}, read_timeout=2),
         **CREDENTIALS,
     )
     try:
-        client.list_streams()
+        client.list_tables() if name == "dynalite" else client.list_streams()
     except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError):
         return False
     return True
@@ -200,8 +220,9 @@ def _answers(url: str) -> bool:
 
 @contextlib.contextmanager
 def run(name: str, prefix: Path, workdir: Path, timeout: float = 60.0) -> Iterator[Server]:
-    """Start emulator ``name`` (``kinesalite`` or ``kinesis-mock``) on 127.0.0.1 and yield it
-    once it answers ListStreams; stop it on exit. Its output goes to ``workdir/<name>.log``."""
+    """Start emulator ``name`` (``kinesalite``, ``kinesis-mock`` or ``dynalite``) on 127.0.0.1
+    and yield it once it answers (ListStreams, ListTables); stop it on exit. Its output goes
+    to ``workdir/<name>.log``."""
     command, cwd, extra_env = COMMANDS[name](prefix)
     ports = workdir / f"{name}.ports"
     log = workdir / f"{name}.log"
@@ -236,7 +257,7 @@ def _wait_until_ready(
                 kind, host, port = line.split()
                 if kind == "plain":
                     url = f"http://{host}:{port}"
-        if url is not None and _answers(url):
+        if url is not None and _answers(name, url):
             return url
         time.sleep(0.05)
     raise InteropSetupError(f"{name} did not answer within {timeout:.0f} s:\n{_tail(log)}")

@@ -38,8 +38,9 @@ from ._documents import (
     parse_lease,
     parse_report,
 )
+from ._dynamodb_store import DynamoDBStore
 from ._rates import Rates
-from ._store import Conflict, S3Store
+from ._store import Conflict, S3Store, Store
 from ._worker_state import LEFTOVER_LEASES
 
 __all__ = (
@@ -174,7 +175,7 @@ class Member(abc.ABC):
     def _default_client(self) -> AbstractAsyncContextManager[Any]:
         return create_client(
             self.config,
-            "s3",
+            "s3" if self.fleet.table is None else "dynamodb",
             max_pool_connections=MAX_READ_CONCURRENCY,
             endpoint_url=self.fleet.endpoint_url,
         )
@@ -266,7 +267,7 @@ class Member(abc.ABC):
         self._taking_over = False
         self._allocator.step_down()
 
-    async def _lease_step(self, store: S3Store) -> str | None:
+    async def _lease_step(self, store: Store) -> str | None:
         """Renew, acquire or watch the lease: ``"held"``, ``"acquired"``, ``"other"``, or
         ``None`` when S3 did not answer."""
         now = self._server_now()
@@ -313,7 +314,7 @@ class Member(abc.ABC):
         return "other"
 
     async def _acquire(
-        self, store: S3Store, key: str, now: tuple[float, float], *, if_match: str | None
+        self, store: Store, key: str, now: tuple[float, float], *, if_match: str | None
     ) -> str | None:
         self._lease_acquired_at = None
         body = self._lease_document(now)
@@ -332,7 +333,7 @@ class Member(abc.ABC):
         logger.info("fleet %s: now the allocator", self.worker_id)
         return "acquired"
 
-    async def _release(self, store: S3Store) -> None:
+    async def _release(self, store: Store) -> None:
         if self._lease_etag is None:
             return
         etag, self._lease_etag = self._lease_etag, None
@@ -345,7 +346,7 @@ class Member(abc.ABC):
 
     # -- allocating -----------------------------------------------------------------------
 
-    async def _read_grants(self, store: S3Store) -> GrantsRead | None:
+    async def _read_grants(self, store: Store) -> GrantsRead | None:
         ok, found = await self._attempt("read grants", store.get(store.key("grants.json")))
         if not ok:
             return None
@@ -358,7 +359,7 @@ class Member(abc.ABC):
             self._record_error("read grants", exc)
             return GrantsRead(None, etag, True)
 
-    async def _read_reports(self, store: S3Store) -> ReportsRead | None:
+    async def _read_reports(self, store: Store) -> ReportsRead | None:
         """The fresh reports, and the workers whose fresh report was listed but not read.
 
         Every read is bounded, and the reads together take at most :data:`READ_PHASE` of a
@@ -428,7 +429,7 @@ class Member(abc.ABC):
             )
         return read
 
-    async def _delete_leftover(self, store: S3Store, key: str, etag: str) -> None:
+    async def _delete_leftover(self, store: Store, key: str, etag: str) -> None:
         """Delete a long-stale object — only as it was listed (``If-Match``): one its owner
         wrote again meanwhile is not a leftover."""
         try:
@@ -439,7 +440,7 @@ class Member(abc.ABC):
         except Exception as exc:  # best effort: it is only a leftover
             logger.debug("fleet %s: could not delete %s: %s", self.worker_id, key, exc)
 
-    async def _sweep_presence(self, store: S3Store) -> None:
+    async def _sweep_presence(self, store: Store) -> None:
         """Delete the presence objects of standalone allocators gone for long (they rewrite
         theirs every cycle; one stale for :data:`LEFTOVER_LEASES` leases is a leftover). Once
         a lease at most: it costs a LIST."""
@@ -467,9 +468,7 @@ class Member(abc.ABC):
                 extra={"duplicate_worker_id": worker_id},
             )
 
-    async def _allocate(
-        self, store: S3Store, grants: GrantsRead | None, status: str | None
-    ) -> None:
+    async def _allocate(self, store: Store, grants: GrantsRead | None, status: str | None) -> None:
         if status not in ("held", "acquired") or grants is None:
             return
         if anyio.current_time() < self._gather_until:
@@ -532,7 +531,7 @@ class Member(abc.ABC):
         self._allocator.use_interval(period, previous)
 
     async def _write_grants(
-        self, store: S3Store, grants: GrantsRead, document: GrantsDocument
+        self, store: Store, grants: GrantsRead, document: GrantsDocument
     ) -> None:
         """PUT ``document`` as the next ``grants.json``, on condition that the one read
         (``grants``) is still there."""
@@ -572,10 +571,10 @@ class Member(abc.ABC):
     # -- running --------------------------------------------------------------------------
 
     @abc.abstractmethod
-    async def _cycle(self, store: S3Store) -> None:
+    async def _cycle(self, store: Store) -> None:
         """One sync cycle: each kind of member (FleetWorker, FleetAllocator) defines its own."""
 
-    async def _cleanup(self, store: S3Store) -> None:
+    async def _cleanup(self, store: Store) -> None:
         await self._release(store)
 
     def _interval(self) -> float:
@@ -592,7 +591,7 @@ class Member(abc.ABC):
         minutes = max(anyio.current_time() - self._started_at, 1e-9) / 60
         return {kind: count / minutes for kind, count in sorted(self.requests.items())}
 
-    async def _cycles(self, store: S3Store) -> None:
+    async def _cycles(self, store: Store) -> None:
         assert self._stop_event is not None
         if self._started_at is None:
             self._started_at = anyio.current_time()
@@ -629,9 +628,14 @@ class Member(abc.ABC):
                 await self._stop_event.wait()
 
     @asynccontextmanager
-    async def _store(self) -> AsyncIterator[S3Store]:
+    async def _store(self) -> AsyncIterator[Store]:
         async with self._client_factory() as client:
-            yield S3Store(client, self.fleet, self._clock, self._call_timeout, self.requests)
+            if self.fleet.table is None:
+                yield S3Store(client, self.fleet, self._clock, self._call_timeout, self.requests)
+            else:
+                yield DynamoDBStore(
+                    client, self.fleet, self._clock, self._call_timeout, self.requests
+                )
 
     async def _serve(self) -> None:
         """Cycle until stopped, reopening the S3 client if it fails; then clean up."""
@@ -655,12 +659,12 @@ class Member(abc.ABC):
                 with anyio.move_on_after(self._interval()):
                     await self._stop_event.wait()
 
-    def _probe(self, store: S3Store) -> tuple[str, bytes] | None:
+    def _probe(self, store: Store) -> tuple[str, bytes] | None:
         """An object this member may rewrite at any moment, and its body (see
         :meth:`_calibrate`)."""
         return None
 
-    async def _calibrate(self, store: S3Store) -> None:
+    async def _calibrate(self, store: Store) -> None:
         """Learn S3's clock to better than its one-second stamps.
 
         Grants and leases are judged by S3's time, and a member's view of it is as wide as
@@ -684,7 +688,7 @@ class Member(abc.ABC):
             await self._rewrite(store, probe)
             await anyio.sleep(self.period)
 
-    async def _rewrite(self, store: S3Store, probe: tuple[str, bytes]) -> None:
+    async def _rewrite(self, store: Store, probe: tuple[str, bytes]) -> None:
         """Rewrite the object :meth:`_probe` named, for :meth:`_calibrate`."""
         await self._attempt("calibrate the clock", store.put(*probe))
 

@@ -18,7 +18,7 @@ import anyio.abc
 from ..config import FleetConfig, ProducerConfig
 from ._documents import GrantsDocument
 from ._member import ClientFactory, Member
-from ._store import Conflict, S3Store
+from ._store import Conflict, Store
 
 __all__ = ("FleetAllocator",)
 
@@ -65,11 +65,11 @@ class FleetAllocator(Member):
         finally:
             self._done.set()
 
-    def _probe(self, store: S3Store) -> tuple[str, bytes]:
+    def _probe(self, store: Store) -> tuple[str, bytes]:
         presence = {"allocator": self.worker_id, "incarnation": self._incarnation}
         return store.key(f"allocators/{self.worker_id}.json"), json.dumps(presence).encode()
 
-    async def _cycle(self, store: S3Store) -> None:
+    async def _cycle(self, store: Store) -> None:
         await self._attempt("write presence", store.put(*self._probe(store)))
         grants = await self._read_grants(store)
         if grants is not None and grants.document is not None:
@@ -78,7 +78,7 @@ class FleetAllocator(Member):
         if status in ("held", "acquired"):
             await self._allocate(store, grants, status)
 
-    async def _cleanup(self, store: S3Store) -> None:
+    async def _cleanup(self, store: Store) -> None:
         with suppress(Conflict):
             await self._attempt(
                 "delete presence", store.delete(store.key(f"allocators/{self.worker_id}.json"))

@@ -1,8 +1,11 @@
-"""The S3 store: the few S3 calls the fleet makes (conditional PUT, GET, LIST, conditional
-DELETE), each bounded in time and each answer fed to S3's clock.
+"""The store the fleet coordinates through: :class:`Store`, the few calls members make
+(conditional PUT, GET, LIST, conditional DELETE of small objects), and :class:`S3Store`, those
+calls on S3. ``_dynamodb_store.py`` has them on DynamoDB; members and the allocator do not know
+which one they talk to.
 
-A conditional write or delete that loses raises :class:`Conflict`; a missing object is
-``None``; every other error propagates for the member to count and log. See docs/fleet.md.
+Each call is bounded in time and each answer fed to the store's clock. A conditional write or
+delete that loses raises :class:`Conflict`; a missing object is ``None``; every other error
+propagates for the member to count and log. See docs/fleet.md.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import email.utils
 import math
 from collections import Counter
 from types import MappingProxyType
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import anyio
 
@@ -19,14 +22,14 @@ from ..config import FleetConfig
 from ._clock import ServerClock
 from ._documents import MAX_DOCUMENT_BYTES, DocumentError
 
-__all__ = ("Conflict", "S3Store")
+__all__ = ("KINDS", "Conflict", "S3Store", "Store")
 
 _CONFLICT_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict", "412", "409"})
 _MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 
 
 #: the S3 API's name of each call, as the requests are counted and priced
-_KINDS: Final = MappingProxyType(
+KINDS: Final = MappingProxyType(
     {
         "put_object": "PutObject",
         "get_object": "GetObject",
@@ -38,6 +41,37 @@ _KINDS: Final = MappingProxyType(
 
 class Conflict(Exception):
     """A conditional write or delete lost: someone else changed the object first."""
+
+
+class Store(Protocol):
+    """The calls a fleet member makes of its store. Keys are ``<prefix>/<name>``; times are
+    the store's (epoch seconds), as its clock (:class:`ServerClock`) learns them."""
+
+    #: the shortest round trip of a dated answer: how well the store's clock can be known
+    round_trip: float
+    #: the requests made, by the kind the store's price list names
+    requests: Counter[str]
+
+    def key(self, name: str) -> str: ...
+
+    async def put(
+        self, key: str, body: bytes, *, if_match: str | None = None, if_none_match: bool = False
+    ) -> str:
+        """Write an object; return its version tag. :class:`Conflict` if a condition fails
+        (``if_match`` on an object that is gone included)."""
+        ...
+
+    async def get(self, key: str) -> tuple[bytes, str, float] | None:
+        """``(body, version tag, last modified)`` of an object, or ``None``."""
+        ...
+
+    async def list(self, prefix: str) -> list[tuple[str, float, str]]:
+        """``(key, last modified, version tag)`` of every object under ``prefix``."""
+        ...
+
+    async def delete(self, key: str, *, if_match: str | None = None) -> None:
+        """Delete an object (nothing if it is gone); :class:`Conflict` if ``if_match`` fails."""
+        ...
 
 
 class S3Store:
@@ -83,7 +117,7 @@ class S3Store:
         from botocore.exceptions import ClientError
 
         sent_at = anyio.current_time()
-        self.requests[_KINDS[operation]] += 1
+        self.requests[KINDS[operation]] += 1
         try:
             with anyio.fail_after(self._timeout):
                 response = await getattr(self._client, operation)(Bucket=self._bucket, **kwargs)

@@ -32,7 +32,7 @@ from ._documents import GrantsDocument, WorkerReport
 from ._member import ClientFactory, GrantsRead, Member
 from ._rates import Mode, Rates
 from ._statistics import FleetStatistics
-from ._store import Conflict, S3Store
+from ._store import Conflict, Store
 from ._worker_state import WorkerState
 
 __all__ = ("OVERWRITTEN_REPORTS", "FleetWorker")
@@ -220,7 +220,7 @@ class FleetWorker(Member):
 
     # -- the cycle ------------------------------------------------------------------------
 
-    async def _cycle(self, store: S3Store) -> None:
+    async def _cycle(self, store: Store) -> None:
         grants = await self._read_grants(store)
         self._phase_source = grants.document if grants is not None else None
         if grants is not None and not grants.exists:
@@ -256,7 +256,7 @@ class FleetWorker(Member):
             return True
         return self._state.needs_rank(now) and now - self._listed_at >= self._lease * self.stretch
 
-    async def _learn_rank(self, store: S3Store) -> None:
+    async def _learn_rank(self, store: Store) -> None:
         """Count the reports in the store, this worker's own included: its rank in the
         bootstrap budget (see :func:`~anykpl._fleet._worker_state.budget_share`)."""
         sent_at = anyio.current_time()
@@ -304,15 +304,15 @@ class FleetWorker(Member):
     def _allocated(self, document: GrantsDocument) -> None:
         self._receive(document)  # the allocator's own grant applies at once
 
-    def _probe(self, store: S3Store) -> tuple[str, bytes] | None:
+    def _probe(self, store: Store) -> tuple[str, bytes] | None:
         if self._report_body is None:
             return None
         return store.key(f"workers/{self.worker_id}.json"), self._report_body
 
-    async def _rewrite(self, store: S3Store, probe: tuple[str, bytes]) -> None:
+    async def _rewrite(self, store: Store, probe: tuple[str, bytes]) -> None:
         await self._write_report(store, "calibrate the clock")
 
-    async def _write_report(self, store: S3Store, operation: str) -> bool:
+    async def _write_report(self, store: Store, operation: str) -> bool:
         """PUT the report, with ``If-Match`` on the ETag of this process's last write.
 
         Nobody else writes ``workers/<id>.json``, unless another process runs with the same
@@ -399,7 +399,7 @@ class FleetWorker(Member):
         aligned += math.ceil((start + period / 2 - aligned) / period) * period
         return aligned + period * self._random.uniform(-0.3, 0.3)
 
-    async def _cleanup(self, store: S3Store) -> None:
+    async def _cleanup(self, store: Store) -> None:
         with suppress(Conflict):
             await self._attempt(
                 "delete the report", store.delete(store.key(f"workers/{self.worker_id}.json"))
