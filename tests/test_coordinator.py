@@ -270,7 +270,7 @@ class TestOnMockClock:
         assert sorted(r.getMessage().split(":")[0] for r in failures) == ["fleet w0", "fleet w1"]
         assert {r.__dict__["error_code"] for r in failures} == {"ConnectionError"}
         assert any("→ safe" in r.getMessage() for r in warnings)
-        assert any("S3 answers again" in r.getMessage() for r in caplog.records)
+        assert any("the store answers again" in r.getMessage() for r in caplog.records)
         assert [s.mode for s in after] == ["granted", "granted"]
         check_every_generation(s3)
 

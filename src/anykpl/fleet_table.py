@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 
 from ._aws import create_client
-from ._fleet._dynamodb_store import TABLE_SCHEMA, create_table
+from ._fleet._dynamodb_store import TTL_ATTRIBUTE, create_table
 from .config import ProducerConfig
 from .errors import ConfigError
 
@@ -44,17 +44,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _create(config: ProducerConfig, table: str, endpoint_url: str | None) -> str:
-    from botocore.exceptions import ClientError
+    from botocore.exceptions import BotoCoreError, ClientError
 
-    async with create_client(
-        config, "dynamodb", max_pool_connections=1, endpoint_url=endpoint_url
-    ) as client:
-        try:
-            ttl = await create_table(client, table)
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") != "ResourceInUseException":
-                return f"error: {exc}"
-            return await _existing(client, table)
+    try:
+        async with create_client(
+            config, "dynamodb", max_pool_connections=1, endpoint_url=endpoint_url
+        ) as client:
+            try:
+                ttl = await create_table(client, table)
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") != "ResourceInUseException":
+                    raise
+                return await _existing(client, table)
+    except (BotoCoreError, ClientError) as exc:
+        return f"error: {exc}"
     if not ttl:
         return (
             f"created the table {table} (pk, sk; on demand); this endpoint has no time to "
@@ -64,9 +67,35 @@ async def _create(config: ProducerConfig, table: str, endpoint_url: str | None) 
 
 
 async def _existing(client: Any, table: str) -> str:
+    """A table of that name exists: check its keys and their types, and turn its time to
+    live on if a first run stopped before it did."""
+    from botocore.exceptions import ClientError
+
     described = (await client.describe_table(TableName=table))["Table"]
-    if sorted(map(str, described.get("KeySchema", []))) != sorted(
-        map(str, TABLE_SCHEMA["KeySchema"])
-    ):
-        return f"error: the table {table} exists with another key schema: {described['KeySchema']}"
-    return f"the table {table} exists already, with the fleet's schema"
+    keys = {k["AttributeName"]: k["KeyType"] for k in described.get("KeySchema", [])}
+    types = {
+        a["AttributeName"]: a["AttributeType"] for a in described.get("AttributeDefinitions", [])
+    }
+    if keys != {"pk": "HASH", "sk": "RANGE"} or {types.get("pk"), types.get("sk")} != {"S"}:
+        return (
+            f"error: the table {table} exists with another schema (keys {keys}, types "
+            f"{types}); the fleet needs pk (HASH) and sk (RANGE), both strings"
+        )
+    try:
+        ttl = (await client.describe_time_to_live(TableName=table))["TimeToLiveDescription"]
+    except ClientError as exc:
+        if (exc.response.get("Error") or {}).get("Code") != "UnknownOperationException":
+            raise
+        return f"the table {table} exists already, with the fleet's schema (no time to live here)"
+    if ttl.get("TimeToLiveStatus") in ("ENABLED", "ENABLING"):
+        return f"the table {table} exists already, with the fleet's schema"
+    try:
+        await client.update_time_to_live(
+            TableName=table,
+            TimeToLiveSpecification={"Enabled": True, "AttributeName": TTL_ATTRIBUTE},
+        )
+    except ClientError as exc:
+        if (exc.response.get("Error") or {}).get("Code") != "UnknownOperationException":
+            raise
+        return f"the table {table} exists already, with the fleet's schema (no time to live here)"
+    return f"the table {table} exists already, with the fleet's schema; time to live turned on"

@@ -7,6 +7,7 @@ producer's records delivered within its grant and read back, on both backends.
 from __future__ import annotations
 
 import base64
+import time
 import uuid
 import zlib
 from collections.abc import Iterator
@@ -16,8 +17,8 @@ import anyio
 import pytest
 
 from anykpl import FleetConfig, Producer, ProducerConfig
-from anykpl._fleet import parse_grants
-from anykpl._fleet._dynamodb_store import OPERATIONS
+from anykpl._fleet import LeaseDocument, parse_grants
+from anykpl._fleet._dynamodb_store import OPERATIONS, TABLE_SCHEMA
 from anykpl.cli import main as cli
 
 from . import interop_servers
@@ -99,6 +100,65 @@ def test_the_table_command_makes_the_fleets_table_once(
     )
     command = ["fleet-table", "create", "--table", other, "--region", REGION]
     assert cli([*command, "--endpoint-url", store_endpoint]) == 1
+    # and one with the fleet's keys as numbers
+    numbers = f"numbers-{uuid.uuid4().hex[:8]}"
+    dynamodb.create_table(
+        TableName=numbers,
+        KeySchema=[
+            {"AttributeName": "pk", "KeyType": "HASH"},
+            {"AttributeName": "sk", "KeyType": "RANGE"},
+        ],
+        AttributeDefinitions=[
+            {"AttributeName": "pk", "AttributeType": "N"},
+            {"AttributeName": "sk", "AttributeType": "N"},
+        ],
+        BillingMode="PAY_PER_REQUEST",
+    )
+    command = ["fleet-table", "create", "--table", numbers, "--region", REGION]
+    assert cli([*command, "--endpoint-url", store_endpoint]) == 1
+    if store_endpoint == moto_endpoint:
+        # a table made by a run that stopped before its time to live: the next run turns it on
+        bare = f"bare-{uuid.uuid4().hex[:8]}"
+        dynamodb.create_table(TableName=bare, **TABLE_SCHEMA)
+        capsys.readouterr()
+        command = ["fleet-table", "create", "--table", bare, "--region", REGION]
+        assert cli([*command, "--endpoint-url", store_endpoint]) == 0
+        assert "time to live turned on" in capsys.readouterr().out
+        ttl = dynamodb.describe_time_to_live(TableName=bare)["TimeToLiveDescription"]
+        assert ttl["TimeToLiveStatus"] == "ENABLED"
+
+
+@pytest.mark.anyio
+async def test_a_fleet_restarting_over_long_stale_items_takes_them_over(
+    store_endpoint: str, dynamodb: Any, table: str, anyio_backend: str
+) -> None:
+    """The lease and grants of a fleet stopped long ago (a crash, then a pause longer than
+    the leftovers' age) are still in the table: a new member takes them over, as on S3."""
+    long_ago = time.time() - 3600
+    lease = LeaseDocument(
+        holder="gone",
+        incarnation="0123456789abcdef",
+        acquired_at=long_ago,
+        renewed_at=long_ago,
+        expires_at=long_ago + LEASE,
+        lease=LEASE,
+    )
+    for name, body in (("allocator.json", lease.to_json()), ("grants.json", b"{}")):
+        dynamodb.put_item(
+            TableName=table,
+            Item={
+                "pk": {"S": PREFIX},
+                "sk": {"S": f"{PREFIX}/{name}"},
+                "body": {"B": zlib.compress(body)},
+                "etag": {"S": "old"},
+                "modified": {"N": repr(long_ago)},
+                "expires": {"N": str(int(long_ago + 60))},  # its time to live passed too
+            },
+        )
+    member = Member(None, store_endpoint, f"{anyio_backend}-new", table=table)  # type: ignore[arg-type]
+    async with running(member):
+        await wait_for(shares([member], GRANTABLE), within=12 * INTERVAL)
+        assert member.worker.statistics().role == "allocator"
 
 
 @pytest.mark.anyio

@@ -11,6 +11,7 @@ invariant, learning mode and start-up.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -36,6 +37,8 @@ CURRENT_REPORTS: Final = 1.25
 #: Grants outlive the allocator's lease by this many sync intervals: a successor takes over
 #: when the lease runs out, and the workers read its first grants within an interval.
 GRACE: Final = 1.0
+#: Grants are rounded down to this many significant digits.
+SIGNIFICANT_DIGITS: Final = 9
 #: A relative margin kept below the cap against floating-point rounding.
 _ROUNDING: Final = 1e-9
 
@@ -98,8 +101,10 @@ def allocate_dimension(
     # because the capacity is not free yet gets no grant yet: granting it a sliver would stall
     # it, while its budget rate goes on within the budget.
     for j, rate in list(new.items()):
-        if in_force.get(j, 0.0) <= 0 and rate < min(targets[j], in_use.get(j, 0.0)) * (1 - 1e-6):
-            new[j] = 0.0
+        if in_force.get(j, 0.0) <= 0 and (
+            rate < min(targets[j], in_use.get(j, 0.0)) * (1 - 1e-6) or rate < limit * 1e-6
+        ):
+            new[j] = 0.0  # (nor a crumb that rounding left free)
     return new
 
 
@@ -119,6 +124,16 @@ def in_force(
         candidates.append(Outstanding(previous.generation, entry.grant, previous.expires_at))
     floor = -1 if acked is None else acked
     return [c for c in candidates if c.generation >= floor and c.expires_at > now_earliest]
+
+
+def _short(rate: float) -> float:
+    """``rate`` rounded down to nine significant digits: a grants document of thousands of
+    workers stays small (a DynamoDB item holds 400 KB), and a grant is never rounded up."""
+    if rate <= 0 or not math.isfinite(rate):
+        return rate
+    scale = 10.0 ** (SIGNIFICANT_DIGITS - 1 - math.floor(math.log10(rate)))
+    short = math.floor(rate * scale) / scale
+    return math.nextafter(short, 0.0) if short > rate else short
 
 
 class Allocator:
@@ -352,7 +367,7 @@ class Allocator:
             outstanding = tuple(sorted(held[w], key=lambda o: o.generation))
             grant: Rates | None = None
             if w in grants:
-                values = grants[w]
+                values = [None if v is None else _short(v) for v in grants[w]]
                 if all(v is None or v > 0 for v in values):
                     grant = Rates(values[0], values[1])
             if grant is None and not outstanding and w not in fresh and w not in echoed:

@@ -5,9 +5,11 @@ Every item of a fleet has the partition key ``pk`` = the fleet's prefix and the 
 one ``Query`` lists the reports. An item holds the document (``body``, zlib-compressed: a
 thousand workers' grants fit DynamoDB's 400 KB item), a version tag (``etag``, random per
 write: the conditions ``If-Match`` and ``If-None-Match`` of S3 become condition expressions
-on it), the store time of the write (``modified``), and ``expires``: when it is a leftover
-(:data:`~anykpl._fleet._worker_state.LEFTOVER_LEASES` leases later), the table's TTL
-attribute. The TTL deletes late (hours), so readers skip expired items themselves.
+on it), the store time of the write (``modified``), and ``expires``, the table's TTL
+attribute: long past any document's life (:data:`TTL_LEASES` leases), only so that the items
+of a fleet gone for good go away. Readers never skip an item for it: every document carries
+its own expiry and age, judged as on S3 (an item hidden but still there would block a
+conditional create).
 
 DynamoDB has no object timestamps of its own: a writer stamps ``modified`` with the latest
 the store's time can be when it sends the write, so an object is never judged older than it
@@ -54,6 +56,9 @@ TABLE_SCHEMA: Final = {
 }
 #: The item attribute the table's time to live reads.
 TTL_ATTRIBUTE: Final = "expires"
+#: An item's time to live, in leases: past any document's life even at the longest stretch
+#: of the sync interval (a leftover is deleted by the allocator after LEFTOVER_LEASES).
+TTL_LEASES: Final = 12 * 2 * LEFTOVER_LEASES
 _CONFLICT_CODES: Final = frozenset({"ConditionalCheckFailedException"})
 
 
@@ -74,7 +79,7 @@ class DynamoDBStore:
         self._prefix = fleet.prefix.rstrip("/")
         self._clock = clock
         self._timeout = timeout
-        self._leftover_after = LEFTOVER_LEASES * float(fleet.lease or 3 * fleet.sync_interval)
+        self._time_to_live = TTL_LEASES * float(fleet.lease or 3 * fleet.sync_interval)
         self.round_trip = math.inf
         self.requests: Counter[str] = Counter() if requests is None else requests
 
@@ -99,17 +104,11 @@ class DynamoDBStore:
         self._clock.observe(when, sent_at, received_at)
 
     def _latest_now(self) -> float:
-        """The latest the store's time can be now (a write's stamp: never too early)."""
-        now = anyio.current_time()
-        bounds = self._clock.bounds(now)
-        if bounds is None:
-            self._clock.observe(float(math.floor(time.time())), now, now)
-            bounds = self._clock.bounds(now)
-        return time.time() + 1.0 if bounds is None else bounds[1]
-
-    def _earliest_now(self) -> float:
+        """The latest the store's time can be now (a write's stamp: never too early). Before
+        the clock is known: this machine's wall clock and a second (not fed to the clock,
+        which learns from the store's answers)."""
         bounds = self._clock.bounds(anyio.current_time())
-        return -math.inf if bounds is None else bounds[0]
+        return time.time() + 1.0 if bounds is None else bounds[1]
 
     async def _call(self, operation: str, kind: str, **kwargs: Any) -> Any:
         from botocore.exceptions import ClientError
@@ -122,8 +121,19 @@ class DynamoDBStore:
                 response = await getattr(self._client, operation)(TableName=self._table, **kwargs)
         except ClientError as exc:
             self._observe(exc.response, sent_at)
-            if _code(exc) in _CONFLICT_CODES:
-                raise Conflict(_code(exc)) from None
+            code = _code(exc)
+            if code in _CONFLICT_CODES:
+                raise Conflict(code) from None
+            if code == "ResourceNotFoundException":
+                exc.response.setdefault("Error", {})["Message"] = (
+                    f"the table {self._table} does not exist (anykpl fleet-table create "
+                    f"--table {self._table} makes it)"
+                )
+            elif code == "ValidationException" and "size" in str(exc).lower():
+                exc.response.setdefault("Error", {})["Message"] = (
+                    f"{kwargs.get('Item', {}).get('sk', {}).get('S', 'an item')} is over "
+                    "DynamoDB's 400 KB item: the grants of this many workers need S3 (bucket=)"
+                )
             raise
         self._observe(response, sent_at)
         return response
@@ -142,7 +152,7 @@ class DynamoDBStore:
             "body": {"B": zlib.compress(body)},
             "etag": {"S": etag},
             "modified": {"N": repr(modified)},
-            TTL_ATTRIBUTE: {"N": str(math.ceil(modified + self._leftover_after))},
+            TTL_ATTRIBUTE: {"N": str(math.ceil(modified + self._time_to_live))},
         }
         kwargs: dict[str, Any] = {"Item": item}
         if if_match is not None:
@@ -154,7 +164,7 @@ class DynamoDBStore:
         return etag
 
     async def get(self, key: str) -> tuple[bytes, str, float] | None:
-        """``(body, version tag, modified)`` of an item, or ``None`` (also once it expired)."""
+        """``(body, version tag, modified)`` of an item, or ``None``."""
         response = await self._call(
             "get_item",
             "GetItem",
@@ -162,7 +172,7 @@ class DynamoDBStore:
             ConsistentRead=True,
         )
         item = response.get("Item")
-        if not item or self._expired(item):
+        if not item:
             return None
         try:
             body = zlib.decompressobj().decompress(item["body"]["B"], MAX_DOCUMENT_BYTES + 1)
@@ -173,25 +183,23 @@ class DynamoDBStore:
         return body, _string(item, "etag"), _number(item, "modified")
 
     async def list(self, prefix: str) -> list[tuple[str, float, str]]:
-        """``(key, modified, version tag)`` of every unexpired item under ``prefix``."""
+        """``(key, modified, version tag)`` of every item under ``prefix``."""
         found: list[tuple[str, float, str]] = []
         start: dict[str, Any] | None = None
         while True:
             kwargs: dict[str, Any] = {
                 "KeyConditionExpression": "pk = :pk AND begins_with(sk, :prefix)",
                 "ExpressionAttributeValues": {":pk": {"S": self._prefix}, ":prefix": {"S": prefix}},
-                "ProjectionExpression": "sk, etag, modified, #expires",
-                "ExpressionAttributeNames": {"#expires": TTL_ATTRIBUTE},
+                "ProjectionExpression": "sk, etag, modified",
                 "ConsistentRead": True,
             }
             if start:
                 kwargs["ExclusiveStartKey"] = start
             response = await self._call("query", "Query", **kwargs)
             for item in response.get("Items", ()) or ():
-                if not self._expired(item):
-                    found.append(
-                        (_string(item, "sk"), _number(item, "modified"), _string(item, "etag"))
-                    )
+                found.append(
+                    (_string(item, "sk"), _number(item, "modified"), _string(item, "etag"))
+                )
             start = response.get("LastEvaluatedKey")
             if not start:
                 return found
@@ -202,12 +210,6 @@ class DynamoDBStore:
             kwargs["ConditionExpression"] = "etag = :etag"
             kwargs["ExpressionAttributeValues"] = {":etag": {"S": if_match}}
         await self._call("delete_item", "DeleteItem", **kwargs)
-
-    def _expired(self, item: dict[str, Any]) -> bool:
-        try:
-            return _number(item, TTL_ATTRIBUTE) < self._earliest_now()
-        except DocumentError:
-            return False
 
 
 async def create_table(client: Any, table: str) -> bool:

@@ -210,7 +210,7 @@ class Member(abc.ABC):
 
     def _recovered(self) -> None:
         if self._logged:
-            logger.info("fleet %s: S3 answers again", self.worker_id)
+            logger.info("fleet %s: the store answers again", self.worker_id)
             self._logged.clear()
 
     async def _attempt(self, operation: str, call: Awaitable[Any]) -> tuple[bool, Any]:
