@@ -309,7 +309,7 @@ async def simulate(args: Any) -> dict[str, Any]:
         for i in range(args.members)
     ]
     last_join = args.join
-    crash_at = last_join + args.crash if args.crash is not None else None
+    crash_at = last_join + args.crash if args.crash is not None and args.crash >= 0 else None
     end = last_join + args.duration
     crashed: list[str] = []
 
@@ -378,7 +378,11 @@ async def simulate(args: Any) -> dict[str, Any]:
         "grants_document_bytes": len(grants_body := store.objects.get(GRANTS, (b"",))[0]),
         "grants_document_compressed_bytes": len(zlib.compress(grants_body)),
         "refused": dict(store.refused),
-        "series": ledger.series,
+        "series": [*ledger.series, (end, ledger.total)],
+        "last_join": last_join,
+        "crash_at": crash_at,
+        "end": end,
+        "bootstrap_fraction": FleetConfig(bucket=BUCKET, records_per_second=1).bootstrap_fraction,
     }
 
 
@@ -393,7 +397,9 @@ def parse(argv: list[str] | None = None) -> Any:
     parser.add_argument("--throttle-after", type=float, default=1.0, help="queue depth, s")
     parser.add_argument("--error-rate", type=float, default=0.0)
     parser.add_argument("--join", type=float, default=60.0, help="s over which members join")
-    parser.add_argument("--crash", type=float, default=60.0, help="s after the last join")
+    parser.add_argument(
+        "--crash", type=float, default=60.0, help="s after the last join (negative: no crash)"
+    )
     parser.add_argument("--duration", type=float, default=150.0, help="s after the last join")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true")
@@ -422,6 +428,11 @@ def plot(result: dict[str, Any], path: str) -> None:
     fig, ax = plt.subplots(figsize=(9, 4))
     ax.step(times, totals, where="post", label="sum of the rates applied")
     ax.axhline(result["cap"], color="red", linestyle="--", label="cap")
+    shared = result["cap"] * (1 - result["bootstrap_fraction"])
+    ax.axhline(shared, color="grey", linestyle=":", label="what the grants share")
+    ax.axvline(result["last_join"], color="green", linestyle="-.", label="last member joined")
+    if result["crash_at"] is not None:
+        ax.axvline(result["crash_at"], color="black", linestyle="-.", label="allocator crashed")
     ax.set_xlabel("virtual seconds")
     ax.set_ylabel("records/s")
     ax.set_title(

@@ -235,7 +235,7 @@ class TestOnMockClock:
             survivors = [m for m in members if m.worker.worker_id != dead]
             rates = [m.rate for m in survivors]
             tg.cancel_scope.cancel()
-        assert replaced_after <= LEASE + 0.1
+        assert replaced_after <= LEASE + fleet_member.TAKEOVER_SPREAD * INTERVAL + 0.1
         assert rates == pytest.approx([GRANTABLE / 2] * 2)
         check_every_generation(s3)
 

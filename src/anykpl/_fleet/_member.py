@@ -80,8 +80,15 @@ CALM_READS = 0.1
 STRETCH_STEP = 1.5
 #: S3's clock is known well enough once a member's uncertainty about it is below this.
 CLOCK_TARGET = 0.1
-#: After the holder's lease would expire, a contender looks again this much later.
+#: After the holder's lease would expire, a contender looks again this much later, and a
+#: random part of TAKEOVER_SPREAD intervals more: a thousand members whose allocator died do
+#: not all call the store at the same instant (the grants outlive the lease by an interval,
+#: so the successor still publishes in time).
 _LEASE_MARGIN = 0.01
+TAKEOVER_SPREAD = 0.25
+#: An allocator whose reads failed tries again this share of an interval later, not a whole
+#: interval (after a takeover, the grants in force run out within an interval).
+RETRY_SOON = 0.25
 
 ClientFactory = Callable[[], AbstractAsyncContextManager[Any]]
 
@@ -151,6 +158,7 @@ class Member(abc.ABC):
         self.last_error: str | None = None
         self._logged: set[str] = set()
         self._stopping = False
+        self._retry_soon = False  # the allocator's last reads failed: its next cycle comes soon
         self._stop_event: anyio.Event | None = None
         self._cycle_scope: anyio.CancelScope | None = None
         self._run_scope: anyio.CancelScope | None = None
@@ -260,6 +268,7 @@ class Member(abc.ABC):
         ).to_json()
 
     def _lost_lease(self, why: str) -> None:
+        self._retry_soon = False
         if self._lease_etag is not None:
             logger.info("fleet %s: no longer the allocator (%s)", self.worker_id, why)
         self._lease_etag = None
@@ -310,7 +319,8 @@ class Member(abc.ABC):
             return await self._acquire(store, key, now, if_match=etag)
         local = anyio.current_time()
         surely = self._clock.surely_local(expiry, local)
-        self._lease_wake = None if surely is None else surely + _LEASE_MARGIN
+        spread = self._random.uniform(0.0, TAKEOVER_SPREAD * self.period)
+        self._lease_wake = None if surely is None else surely + _LEASE_MARGIN + spread
         return "other"
 
     async def _acquire(
@@ -476,17 +486,23 @@ class Member(abc.ABC):
         if self._taking_over and grants.document is not None:
             # keep to the interval the predecessor asked of the fleet, to begin with
             self.period = grants.document.sync_interval or self.fleet.sync_interval
+        # which reports are fresh, and which current, by the interval the fleet keeps to now
+        # (a member taking over a stretched fleet must not judge its reports by its own)
+        self._allocator.use_interval(self.period, self._allocator.interval)
         began = anyio.current_time()
         read = await self._read_reports(store)
         now = self._server_now()
         if read is None or now is None:
             self._adapt(strained=True, took=anyio.current_time() - began)
+            self._retry_soon = True
             return  # (a takeover is decided at the first cycle whose reads succeed)
         reports, unread = read.reports, frozenset(read.unread)
         self._adapt(strained=bool(unread) or read.failed > 0, took=anyio.current_time() - began)
         if unread and grants.document is None:
             # no document says what the unread workers may apply: wait for a complete read
+            self._retry_soon = True
             return
+        self._retry_soon = False
         self._warn_duplicates(reports)
         if self._taking_over:
             self._taking_over = False
@@ -582,6 +598,8 @@ class Member(abc.ABC):
 
     def _next_start(self, start: float) -> float:
         """When the cycle after the one that began at ``start`` begins."""
+        if self.holds_lease and self._retry_soon:
+            return start + RETRY_SOON * self._interval()
         return start + self._interval()
 
     def requests_per_minute(self) -> dict[str, float]:
