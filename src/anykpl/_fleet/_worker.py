@@ -369,6 +369,18 @@ class FleetWorker(Member):
         )
 
     def _next_start(self, start: float) -> float:
+        """The phase-locked start (:meth:`_locked_start`), but sooner when the grant applied
+        would expire first: the grants are read once more before (a successor's may be there).
+        (Not sooner when a call failed: a thousand members retrying would bury a slow store.)"""
+        at = self._locked_start(start)
+        expires = self._state.grant_expires_at
+        if expires is not None and self._state.mode(start) == "granted":
+            before = expires - 0.1 * self.period
+            if start < before < at:
+                at = before
+        return at
+
+    def _locked_start(self, start: float) -> float:
         """Between a fifth and four fifths of a period after the allocator's, when one is
         alive.
 
