@@ -253,7 +253,9 @@ def run(kind: str, interval: float, duration: float, store_kind: str = "s3") -> 
             event = {"at": proxy.cut_at}
         results = []
         for process in processes:
-            out, _ = process.communicate(timeout=duration + 60)
+            # (a producer cut off from the store falls to its budget rate: what it admitted
+            # ends by its record TTL, so its close can take that long)
+            out, _ = process.communicate(timeout=duration + 240)
             if process.returncode == 0:
                 results.append(json.loads(out.strip().splitlines()[-1]))
         per_second = accepted(control)
