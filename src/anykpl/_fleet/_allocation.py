@@ -162,10 +162,10 @@ class Allocator:
         self.configured_interval = lease / 3 if sync_interval is None else sync_interval
         #: the sync interval asked of the fleet now (longer while the store is slow), and
         #: what follows from it: see :meth:`use_interval`
-        self.interval = self.configured_interval
-        self.lease = lease
-        self.current_age = CURRENT_REPORTS * self.interval
-        self.grace = GRACE * self.interval
+        self.interval: float
+        self.lease: float
+        self.current_age: float
+        self.grace: float
         self.use_interval(self.configured_interval)
         self.bootstrap_fraction = bootstrap_fraction
         #: S3 time until which the allocator echoes grants instead of reallocating

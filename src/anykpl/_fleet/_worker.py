@@ -345,17 +345,19 @@ class FleetWorker(Member):
                 else:
                     if ok:
                         self._overwritten = 0
-                        self._report_etag = written
-                        self._state.report_written(sent_at)
-                        self._changed()
+                        self._written(written, sent_at)
                     return bool(ok)
             sent_at = anyio.current_time()
             ok, written = await self._attempt(operation, store.put(key, self._report_body))
             if ok:
-                self._report_etag = written
-                self._state.report_written(sent_at)
-                self._changed()
+                self._written(written, sent_at)
             return bool(ok)
+
+    def _written(self, etag: str, sent_at: float) -> None:
+        """The report sent at local time ``sent_at`` is in the store, as ``etag``."""
+        self._report_etag = etag
+        self._state.report_written(sent_at)
+        self._changed()
 
     def _warn_overwritten(self) -> None:
         logger.warning(
