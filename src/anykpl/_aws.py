@@ -15,6 +15,13 @@ from __future__ import annotations
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
+# Imported with anykpl, not when a producer opens: these imports take 0.2-0.4 s (aiohttp,
+# botocore), and inside ``async with Producer(...)`` they would stall a running service's event
+# loop for that long, every task with it. aiobotocore's endpoint module also brings in its httpx
+# session (trio's HTTP client) when httpx is installed.
+from aiobotocore.config import AioConfig
+from aiobotocore.session import AioSession
+
 from .config import ProducerConfig
 
 __all__ = ("create_client", "http_backend", "running_trio")
@@ -52,9 +59,6 @@ def create_client(
     httpx under trio, unless ``http_backend`` says otherwise). The SDK makes exactly one
     attempt per call (see the module's docstring): whoever calls it owns retrying. The Kinesis
     transport, the fleet coordinator's S3 client and the CloudWatch metrics sink all use it."""
-    from aiobotocore.config import AioConfig
-    from aiobotocore.session import AioSession
-
     backend = http_backend(config)
     options: dict[str, Any] = {
         "max_pool_connections": max_pool_connections,
