@@ -10,20 +10,29 @@ serves ``--store-rate`` requests per second from one queue (a request waits its 
 ``--latency`` ± a quarter), answers ``503 SlowDown`` at once when its queue is more than
 ``--throttle-after`` seconds deep, and fails ``--error-rate`` of the requests with a 500.
 
-The run: ``--members`` join evenly over ``--join`` s; ``--crash`` s after the last join the
-allocator crashes (its process gone: no clean-up); the run ends ``--duration`` s after the
-last join. Printed, and as JSON with ``--json``:
+The run: ``--members`` join evenly over ``--join`` s; ``--leave-at`` s after the last join,
+``--leave`` of them (never the allocator) leave gracefully (their producers close);
+``--late-at`` s after the last join, ``--late`` more join at once; ``--crash`` s after the
+last join the allocator crashes (its process gone: no clean-up); the run ends ``--duration``
+s after the last join. Printed, and as JSON with ``--json``:
 
 * ``max_applied_over_cap``: the largest sum of the rates the members apply, at any instant,
   over the cap (the bar: at most 1);
-* ``converged_after_join`` and ``converged_after_crash``: seconds from the last join, and from
-  the crash, until the sum applied is within ±5 % of the cap for good (``None``: never);
+* ``converged_after_join``, ``converged_after_leave``, ``converged_after_late`` and
+  ``converged_after_crash``: seconds from the last join, the leave, the late joins and the
+  crash until the sum applied is within ±5 % of the cap until the next of these events
+  (``None``: never);
+* ``fair_share`` and ``late_fair_share_after``: what the members there before apply (the
+  median, at the end of the late joins' window), and the seconds until the last of the late
+  members applies at least 95 % of it for good;
 * ``requests_per_second``: the store's requests by kind over the run, and those it refused;
   ``requests_per_second_last_minute``: all kinds, over the run's last minute;
 * ``longest_interval``, ``final_interval``: the sync interval the allocator asked of the
   fleet (it stretches while the store is slow).
 
     python benchmarks/fleet_scale.py --members 1000 --store-rate 230      # the issue's case
+    python benchmarks/fleet_scale.py --members 300 --store-rate 5000 --join 30 \
+        --leave 30 --leave-at 40 --late 30 --late-at 80 --crash 120 --duration 180
     python benchmarks/fleet_scale.py --members 300 --store-rate 5000 --plot fleet.png
 """
 
@@ -213,12 +222,15 @@ class Ledger:
     peak: float = 0.0
     peak_at: float = 0.0
     series: list[tuple[float, float]] = field(default_factory=list)
+    #: each member's applied rate over time
+    members: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
 
     def set(self, member: int, rate: float | None) -> None:
         value = math.inf if rate is None else rate
         self.total += value - self.applied.get(member, 0.0)
         self.applied[member] = value
         now = anyio.current_time()
+        self.members.setdefault(member, []).append((now, value))
         if self.total > self.peak:
             self.peak, self.peak_at = self.total, now
         if self.series and self.series[-1][0] == now:
@@ -245,6 +257,33 @@ class Ledger:
             elif not inside:
                 since = None
         if since is None and low <= value <= high:
+            since = start
+        return None if since is None else since - start
+
+    def rate_at(self, member: int, when: float) -> float:
+        """The rate ``member`` applied at ``when``."""
+        value = 0.0
+        for at, rate in self.members.get(member, ()):
+            if at > when:
+                break
+            value = rate
+        return value
+
+    def reached_since(self, member: int, start: float, end: float, share: float) -> float | None:
+        """Seconds from ``start`` until ``member`` applies at least ``share`` until ``end``."""
+        since: float | None = None
+        value = 0.0
+        for at, rate in self.members.get(member, ()):
+            if at >= end:
+                break
+            value = rate
+            if at < start:
+                continue
+            if rate >= share and since is None:
+                since = at
+            elif rate < share:
+                since = None
+        if since is None and value >= share and self.rate_at(member, start) >= share:
             since = start
         return None if since is None else since - start
 
@@ -306,12 +345,21 @@ async def simulate(args: Any) -> dict[str, Any]:
     rng = random.Random(args.seed)
     members = [
         Member(i, store, ledger, args.offer * rng.uniform(0.67, 1.33), args)
-        for i in range(args.members)
+        for i in range(args.members + args.late)
     ]
+    late = members[args.members :]
+    members = members[: args.members]
     last_join = args.join
+    leave_at = last_join + args.leave_at if args.leave else None
+    late_at = last_join + args.late_at if args.late else None
     crash_at = last_join + args.crash if args.crash is not None and args.crash >= 0 else None
     end = last_join + args.duration
+    events = sorted(t for t in (leave_at, late_at, crash_at) if t is not None)
     crashed: list[str] = []
+    left: list[int] = []
+
+    def next_event(after: float) -> float:
+        return min([t for t in events if t > after] + [end])
 
     async def killed(_store: Any) -> None:
         """A crashed member cleans nothing up."""
@@ -331,26 +379,62 @@ async def simulate(args: Any) -> dict[str, Any]:
                     intervals.append((anyio.current_time(), asked))
             await anyio.sleep(1.0)
 
+    async def leave(member: Member) -> None:
+        """A graceful leave: the producer closes, and its worker with it."""
+        await member.worker.aclose()
+        ledger.set(member.index, 0.0)
+
     async with anyio.create_task_group() as tg:
         tg.start_soon(sample_interval)
         for i, member in enumerate(members):
             await anyio.sleep_until(args.join * i / max(1, args.members - 1))
             tg.start_soon(member.worker.run)
-        if crash_at is not None:
-            await anyio.sleep_until(crash_at)
-            for member in members:
-                if member.worker.holds_lease:
-                    crashed.append(member.worker.worker_id)
-                    member.worker._cleanup = killed  # type: ignore[method-assign,assignment]
-                    assert member.worker._run_scope is not None
-                    member.worker._run_scope.cancel()
-                    ledger.set(member.index, 0.0)
+        for when in events:
+            await anyio.sleep_until(when)
+            if when == leave_at:
+                stay = [m for m in members if not m.worker.holds_lease and m.index not in left]
+                for member in random.Random(args.seed + 1).sample(stay, args.leave):
+                    left.append(member.index)
+                    tg.start_soon(leave, member)
+            if when == late_at:
+                for member in late:
+                    tg.start_soon(member.worker.run)
+            if when == crash_at:
+                for member in members:
+                    if member.worker.holds_lease:
+                        crashed.append(member.worker.worker_id)
+                        member.worker._cleanup = killed  # type: ignore[method-assign,assignment]
+                        assert member.worker._run_scope is not None
+                        member.worker._run_scope.cancel()
+                        ledger.set(member.index, 0.0)
         await anyio.sleep_until(end)
+        # (as the run ends, every member leaves and applies nothing: measured before that)
+        final, series = ledger.total, list(ledger.series)
         tg.cancel_scope.cancel()
     seconds = max(1e-9, end)
     after_crash = None
     if crash_at is not None:
-        after_crash = ledger.converged_since(crash_at, end)
+        after_crash = ledger.converged_since(crash_at, next_event(crash_at))
+    after_leave = None
+    if leave_at is not None:
+        after_leave = ledger.converged_since(leave_at, next_event(leave_at))
+    after_late = fair_share_after = None
+    fair_share = None
+    if late_at is not None:
+        window_end = next_event(late_at)
+        after_late = ledger.converged_since(late_at, window_end)
+        # a member's fair share: what the members already there apply at the window's end
+        # (every member offers more than the cap allows it, so the allocator shares evenly)
+        steady = sorted(
+            ledger.rate_at(m.index, window_end - 1e-6)
+            for m in members
+            if m.index not in left and m.worker.worker_id not in crashed
+        )
+        fair_share = steady[len(steady) // 2]
+        reached = [
+            ledger.reached_since(m.index, late_at, window_end, 0.95 * fair_share) for m in late
+        ]
+        fair_share_after = None if None in reached else max(r for r in reached if r is not None)
     return {
         "members": args.members,
         "cap": args.cap,
@@ -360,10 +444,16 @@ async def simulate(args: Any) -> dict[str, Any]:
         "interval": args.interval,
         "max_applied_over_cap": ledger.peak / args.cap,
         "max_applied_at": ledger.peak_at,
-        "converged_after_join": ledger.converged_since(last_join, crash_at or end),
+        "converged_after_join": ledger.converged_since(last_join, next_event(last_join)),
+        "left": len(left),
+        "converged_after_leave": after_leave,
+        "late": args.late,
+        "converged_after_late": after_late,
+        "fair_share": fair_share,
+        "late_fair_share_after": fair_share_after,
         "crashed": crashed,
         "converged_after_crash": after_crash,
-        "final_applied_over_cap": ledger.total / args.cap,
+        "final_applied_over_cap": final / args.cap,
         "longest_interval": max((i for _, i in intervals), default=args.interval),
         "final_interval": intervals[-1][1] if intervals else args.interval,
         "requests_per_second": {k: v / seconds for k, v in sorted(store.requests.items())},
@@ -378,9 +468,11 @@ async def simulate(args: Any) -> dict[str, Any]:
         "grants_document_bytes": len(grants_body := store.objects.get(GRANTS, (b"",))[0]),
         "grants_document_compressed_bytes": len(zlib.compress(grants_body)),
         "refused": dict(store.refused),
-        "series": [*ledger.series, (end, ledger.total)],
+        "series": [*series, (end, final)],
         "last_join": last_join,
         "crash_at": crash_at,
+        "leave_at": leave_at,
+        "late_at": late_at,
         "end": end,
         "bootstrap_fraction": FleetConfig(bucket=BUCKET, records_per_second=1).bootstrap_fraction,
     }
@@ -400,6 +492,12 @@ def parse(argv: list[str] | None = None) -> Any:
     parser.add_argument(
         "--crash", type=float, default=60.0, help="s after the last join (negative: no crash)"
     )
+    parser.add_argument(
+        "--leave", type=int, default=0, help="members that leave gracefully (at --leave-at)"
+    )
+    parser.add_argument("--leave-at", type=float, default=30.0, help="s after the last join")
+    parser.add_argument("--late", type=int, default=0, help="members that join at --late-at")
+    parser.add_argument("--late-at", type=float, default=45.0, help="s after the last join")
     parser.add_argument("--duration", type=float, default=150.0, help="s after the last join")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true")

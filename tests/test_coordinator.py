@@ -173,6 +173,64 @@ async def test_nothing_is_sent_before_the_first_s3_calls(anyio_backend: str) -> 
 
 @pytest.mark.autojump
 class TestOnMockClock:
+    async def test_a_member_that_leaves_frees_its_share_at_once(self) -> None:
+        # A member that leaves applies nothing, and only then deletes its report; the
+        # allocator's next listing frees its grant, instead of when the grant expires (a lease
+        # and an interval later).
+        s3 = FakeS3()
+        stay, leave = Member(s3, "stay"), Member(s3, "leave", elect=False)
+        at_delete: list[float | None] = []
+        delete = s3.delete_object
+
+        async def recording_delete(**kwargs: Any) -> dict[str, Any]:
+            if kwargs["Key"].endswith("workers/leave.json"):
+                at_delete.append(leave.rate)
+            return await delete(**kwargs)
+
+        s3.delete_object = recording_delete  # type: ignore[method-assign]
+        async with running(stay):
+            async with running(leave):
+                await anyio.sleep(4 * INTERVAL)
+                assert [stay.rate, leave.rate] == pytest.approx([GRANTABLE / 2] * 2)
+            left_at = anyio.current_time()
+            assert at_delete == [0.0]
+            while (stay.rate or 0.0) < GRANTABLE * 0.99:  # noqa: ASYNC110 (its rates)
+                await anyio.sleep(0.05)
+            took = anyio.current_time() - left_at
+        # its next cycle lists without the report, and the member reads the grants the next
+        assert took <= 2 * INTERVAL + 0.5
+        check_every_generation(s3)
+
+    async def test_a_process_restarted_under_a_worker_id_takes_no_grant_of_the_one_before(
+        self,
+    ) -> None:
+        # The first process leaves (its share is freed); a second one under the same id reads
+        # the grants before the allocator has seen it: the grant it finds there was made for
+        # the first and is not its own.
+        s3 = FakeS3()
+        stay, first = Member(s3, "stay"), Member(s3, "again", elect=False)
+        async with running(stay):
+            async with running(first):
+                await anyio.sleep(4 * INTERVAL)
+            grants = s3.generations()[-1]
+            old = grants.workers["again"]
+            assert old.grant is not None
+            assert old.incarnation is not None
+            assert first.worker._incarnation.startswith(old.incarnation)
+            # as if the second read the grants before the allocator's next listing: the
+            # document still grants "again", and is in force
+            await s3.put_object(
+                Bucket=BUCKET, Key="anykpl-fleet/grants.json", Body=grants.to_json()
+            )
+            second = Member(s3, "again", elect=False)
+            async with running(second):
+                for _ in range(40):  # it may be granted anew, never the first one's grant
+                    stats = second.worker.statistics()
+                    assert stats.mode != "granted" or stats.generation != grants.generation
+                    await anyio.sleep(INTERVAL / 20)
+                await anyio.sleep(2 * INTERVAL)
+                assert second.worker.statistics().mode == "granted"
+
     async def test_four_workers_converge_to_equal_shares_within_three_intervals(self) -> None:
         s3 = FakeS3()
         members = [Member(s3, f"w{i}") for i in range(4)]
@@ -339,10 +397,13 @@ class TestOnMockClock:
             await anyio.sleep(3 * INTERVAL)
         # the allocator is gone and its grants have expired; a newcomer that cannot elect
         newcomer = Member(s3, "late", elect=False)
+        # the last grants outlive their lease by an interval, from when they were issued
+        last = s3.generations()[-1]
+        expired = last.expires_at - SERVER_EPOCH
         async with running(newcomer):
             await anyio.sleep(LEASE - 0.1)
             early = newcomer.worker.statistics()
-            await anyio.sleep(INTERVAL)  # (the last grants outlive their lease a little)
+            await anyio.sleep_until(max(expired, anyio.current_time()) + 0.5)
             late = newcomer.worker.statistics()
         assert early.mode == "bootstrap"
         # the others closed (their reports deleted): first in the listing, half the budget
@@ -630,8 +691,9 @@ class TestOnMockClock:
             await anyio.sleep(LEASE + 1.5 * INTERVAL)  # it lists again a lease later
             stats = member.worker.statistics()
             report = json.loads(s3.objects["anykpl-fleet/workers/w0.json"][0])
+            rate = member.rate
         assert (stats.mode, stats.fleet_size) == ("bootstrap", 5)
-        assert member.rate == stats.records_per_second == pytest.approx(CAP * 0.04 / 12)
+        assert rate == stats.records_per_second == pytest.approx(CAP * 0.04 / 12)
         # and it reports the rate it applies
         assert report["has"]["records_per_second"] == pytest.approx(CAP * 0.04 / 12)
 

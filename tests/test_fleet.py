@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from dataclasses import replace
 from typing import Any
 
@@ -530,6 +531,9 @@ def fleet_runs(draw: Any) -> dict[str, Any]:
                             st.booleans(),  # writes its report
                             st.floats(0, 3 * CAP),  # its demand
                             st.floats(0, 0.5),  # the round trip of its S3 calls (0: none)
+                            # leaves (applies nothing, then deletes its report); a process
+                            # with the same worker_id may come back later
+                            st.integers(0, 11).map(lambda x: x == 0),
                         ),
                         min_size=workers,
                         max_size=workers,
@@ -546,29 +550,34 @@ def fleet_runs(draw: Any) -> dict[str, Any]:
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(run=fleet_runs())
 def test_the_sum_of_grants_in_force_never_exceeds_the_cap(run: dict[str, Any]) -> None:
-    """Arbitrary demand, arbitrary reading and reporting, allocator takeovers and a lowered
-    cap: at every instant the rates the workers apply — granted, and their budget rates
-    outside a grant — sum to at most the cap, and every document's reservations fit its cap
-    less the bootstrap budget."""
+    """Arbitrary demand, arbitrary reading and reporting, workers leaving and coming back,
+    allocator takeovers and a lowered cap: at every instant the rates the workers apply —
+    granted, and their budget rates outside a grant — sum to at most the cap, and every
+    document's reservations fit its cap less the bootstrap budget."""
     lease = 3.0
     ids = [f"w{i}" for i in range(run["workers"])]
-    states = {
-        w: WorkerState(
+    started = Counter[str]()
+
+    def process(w: str) -> WorkerState:
+        started[w] += 1
+        return WorkerState(
             worker_id=w,
             cap=Rates(CAP, None),
             lease=lease,
             safe_fraction=0.0,
             bootstrap_fraction=0.1,
             started_at=0.0,
+            incarnation=f"{w}-{started[w]:05d}",
         )
-        for w in ids
-    }
+
+    states = {w: process(w) for w in ids}
     clocks = {w: ServerClock() for w in ids}
     allocator_clock = ServerClock()
     alloc = allocator(lease=lease)
     latest: GrantsDocument | None = None
     history: list[GrantsDocument] = []
     written: dict[str, ObservedReport] = {}
+    released: dict[str, int] = {}  # worker -> the generation that freed what it had
     now = 0.0
 
     def applied_sum(at: float) -> float:
@@ -578,18 +587,25 @@ def test_the_sum_of_grants_in_force_never_exceeds_the_cap(run: dict[str, Any]) -
         now += step["advance"]
         # S3's clock, as each member learns it: whole-second stamps, its own round trips
         allocator_clock.observe(server_stamp(now), now - 0.01, now)
-        for w, (*_, round_trip) in zip(ids, step["workers"], strict=True):
+        for w, (*_, round_trip, _leaves) in zip(ids, step["workers"], strict=True):
             if round_trip:
                 stamped = now - round_trip * 0.3  # S3 stamps somewhere during the call
                 clocks[w].observe(server_stamp(stamped), now - round_trip, now)
-        for w, (reads, reports, wants, _) in zip(ids, step["workers"], strict=True):
+        for w, (reads, reports, wants, _, leaves) in zip(ids, step["workers"], strict=True):
+            if leaves:
+                # it applies nothing from now on (a new process of the same id starts from
+                # nothing), and then its report goes
+                states[w] = process(w)
+                clocks[w] = ServerClock()
+                written.pop(w, None)
+                continue
             if reads and latest is not None:
                 states[w].receive(latest, clocks[w], now)
             if reports:
                 mode, rates = states[w].rates(now)
                 rep = WorkerReport(
                     worker_id=w,
-                    incarnation="i",
+                    incarnation=states[w].incarnation or "i",
                     sequence=1,
                     mode=mode,
                     generation=states[w].generation,
@@ -609,7 +625,10 @@ def test_the_sum_of_grants_in_force_never_exceeds_the_cap(run: dict[str, Any]) -
             if step["takeover"]:
                 alloc = allocator(cap=step["cap"], lease=lease)
                 alloc.take_over(latest, list(written.values()), bounds)
-            doc = alloc.allocate(latest, list(written.values()), bounds)
+            doc = alloc.allocate(latest, list(written.values()), bounds, listed=set(written))
+            for w in latest.workers if latest is not None else ():
+                if w not in written:  # it left: what it had is free
+                    released[w] = doc.generation
             reserved = doc.total_reserved().records_per_second
             assert reserved is not None
             granted = doc.total_granted().records_per_second
@@ -627,6 +646,7 @@ def test_the_sum_of_grants_in_force_never_exceeds_the_cap(run: dict[str, Any]) -
                     old = earlier.grant_for(w)
                     if (
                         old is not None
+                        and earlier.generation >= released.get(w, -1)
                         and earlier.expires_at > bounds[0]
                         and earlier.generation >= (entry.acked if entry.acked is not None else -1)
                     ):

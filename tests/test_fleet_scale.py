@@ -26,9 +26,11 @@ def simulate(*argv: str) -> dict[str, Any]:
 
 
 def test_a_hundred_members_on_a_fast_store_hold_the_cap_and_converge() -> None:
+    # joins, then ten leave gracefully, then ten more join, then the allocator crashes
     result = simulate(
         *("--members", "100", "--offer", "200", "--store-rate", "5000"),
-        *("--join", "10", "--crash", "40", "--duration", "90"),
+        *("--join", "10", "--leave", "10", "--leave-at", "30", "--late", "10"),
+        *("--late-at", "60", "--crash", "90", "--duration", "140"),
     )
     assert result["max_applied_over_cap"] <= 1 + 1e-6
     # the grants share the cap less the bootstrap budget (4 %): within ±5 % of the cap
@@ -37,6 +39,16 @@ def test_a_hundred_members_on_a_fast_store_hold_the_cap_and_converge() -> None:
     # allocator's crash
     assert result["converged_after_join"] is not None
     assert result["converged_after_join"] <= 3 * INTERVAL
+    # a graceful leave frees its share at the allocator's next cycle: within 3 intervals
+    assert result["left"] == 10
+    assert result["converged_after_leave"] is not None
+    assert result["converged_after_leave"] <= 3 * INTERVAL
+    # members joining late reach their fair share (what the others apply) within 3 intervals
+    assert result["converged_after_late"] is not None
+    assert result["converged_after_late"] <= 3 * INTERVAL
+    assert result["fair_share"] == pytest.approx(5000 * 0.96 / 100, rel=0.01)
+    assert result["late_fair_share_after"] is not None
+    assert result["late_fair_share_after"] <= 3 * INTERVAL
     assert result["converged_after_crash"] is not None
     assert result["converged_after_crash"] <= 6 * INTERVAL
     assert result["longest_interval"] == INTERVAL  # the store keeps up: no stretching

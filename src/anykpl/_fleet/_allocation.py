@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from ._clock import TIMESTAMP_RESOLUTION
-from ._documents import GrantsDocument, Outstanding, WorkerEntry, WorkerReport
+from ._documents import INCARNATION_TAG, GrantsDocument, Outstanding, WorkerEntry, WorkerReport
 from ._rates import Rates, max_of
 from ._worker_state import LEFTOVER_LEASES
 
@@ -298,12 +298,19 @@ class Allocator:
         reports: Sequence[ObservedReport],
         now: tuple[float, float],
         unread: Collection[str] = (),
+        listed: Collection[str] | None = None,
     ) -> GrantsDocument:
         """The next generation of grants. ``now`` bounds S3's time (earliest, latest).
 
         ``unread``: workers whose fresh report was listed but could not be read in time (a
         slow or failing store): each keeps its grant in ``previous``, within the invariant,
         and counts in the fleet's size.
+
+        ``listed``: every worker whose report the listing showed, fresh or stale (``None``:
+        not known). A worker of ``previous`` whose report is gone has nothing in force: a
+        worker deletes its report only when it leaves, after it stopped applying any grant,
+        and the leftover sweep deletes only reports whose grants expired long before. Its
+        share goes to the others at once instead of when its grants expire.
         """
         observed = self.fresh(reports, now)
         fresh = {r.report.worker_id: r.report for r in observed}
@@ -327,7 +334,8 @@ class Allocator:
             entry = previous.workers.get(worker_id) if previous is not None else None
             earlier = entry.acked if entry is not None else None
             acks[worker_id] = max_of((reported, earlier))
-        held = {w: in_force(previous, w, acks[w], now[0]) for w in acks}
+        gone = set() if listed is None else {w for w in acks if w not in listed}
+        held = {w: [] if w in gone else in_force(previous, w, acks[w], now[0]) for w in acks}
         generation = self._generation(previous, fresh.values())
         fleet = max(1, len(fresh) + len(echoed))
         grants: dict[str, list[float | None]] = {w: [None, None] for w in (*current, *echoed)}
@@ -372,7 +380,16 @@ class Allocator:
                     grant = Rates(values[0], values[1])
             if grant is None and not outstanding and w not in fresh and w not in echoed:
                 continue  # gone, and nothing of it in force: forget it
-            workers[w] = WorkerEntry(grant=grant, acked=acks[w], outstanding=outstanding)
+            # the process the grant is for: the one that reported (an unread worker's grant is
+            # the one its previous entry named)
+            incarnation = None
+            if w in fresh:
+                incarnation = fresh[w].incarnation[:INCARNATION_TAG]
+            elif previous is not None and w in previous.workers:
+                incarnation = previous.workers[w].incarnation
+            workers[w] = WorkerEntry(
+                grant=grant, acked=acks[w], outstanding=outstanding, incarnation=incarnation
+            )
         issued_at = (now[0] + now[1]) / 2
         return GrantsDocument(
             generation=generation,

@@ -20,6 +20,7 @@ from ._rates import Mode, Rates, max_of
 
 __all__ = (
     "DOCUMENT_VERSION",
+    "INCARNATION_TAG",
     "MAX_DOCUMENT_BYTES",
     "DocumentError",
     "GrantsDocument",
@@ -37,6 +38,9 @@ __all__ = (
 DOCUMENT_VERSION: Final = 1
 #: Documents larger than this are rejected unread.
 MAX_DOCUMENT_BYTES: Final = 4 << 20
+#: How much of a worker's incarnation a grant names (32 random bits: two processes of one
+#: worker id, one after the other, are told apart but for one chance in four billion).
+INCARNATION_TAG: Final = 8
 _ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 _MODES: Final = ("bootstrap", "granted", "safe")
 _DIMENSIONS: Final = ("records_per_second", "bytes_per_second")
@@ -128,6 +132,10 @@ class WorkerEntry:
     grant: Rates | None
     acked: int | None
     outstanding: tuple[Outstanding, ...] = ()
+    #: the start (:data:`INCARNATION_TAG` characters) of the incarnation whose report ``grant``
+    #: was made for: a process that restarted under the same worker id takes no grant made
+    #: for the one before it (``None``: not said, any incarnation takes it)
+    incarnation: str | None = None
 
     def reserved(self) -> Rates:
         """The most this worker may apply while the document is the newest: the larger of its
@@ -165,9 +173,16 @@ class GrantsDocument:
     #: seconds after which the allocator deletes a report as a crashed worker's leftover
     leftover_after: float | None = None
 
-    def grant_for(self, worker_id: str) -> Rates | None:
+    def grant_for(self, worker_id: str, incarnation: str | None = None) -> Rates | None:
+        """``worker_id``'s new grant; with ``incarnation``, only if it was made for that
+        process (a grant made for an earlier process of the same id is not its own)."""
         entry = self.workers.get(worker_id)
-        return None if entry is None else entry.grant
+        if entry is None:
+            return None
+        named = entry.incarnation
+        if incarnation is None or named is None or incarnation.startswith(named):
+            return entry.grant
+        return None
 
     def fleet_size_for(self, worker_id: str) -> int:
         """The fleet size a worker should assume after reading this document: the workers
@@ -225,6 +240,7 @@ class GrantsDocument:
                 "workers": {
                     worker_id: {
                         "grant": None if e.grant is None else _rates_json(e.grant),
+                        **({} if e.incarnation is None else {"incarnation": e.incarnation}),
                         "acked": e.acked,
                         "outstanding": [
                             {
@@ -314,7 +330,10 @@ def parse_grants(data: bytes) -> GrantsDocument:
             for o in (_as_object(item, "outstanding") for item in outstanding_raw)
         )
         workers[worker_id] = WorkerEntry(
-            grant=grant, acked=_integer(raw, "acked", optional=True), outstanding=outstanding
+            grant=grant,
+            acked=_integer(raw, "acked", optional=True),
+            outstanding=outstanding,
+            incarnation=None if raw.get("incarnation") is None else _identifier(raw, "incarnation"),
         )
     return GrantsDocument(
         generation=_integer(doc, "generation"),

@@ -102,6 +102,8 @@ class ReportsRead:
     unread: set[str] = field(default_factory=set)
     #: reads that failed (the store's errors and timeouts, not junk documents)
     failed: int = 0
+    #: every worker whose report the listing showed, fresh or stale
+    listed: set[str] = field(default_factory=set)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +164,8 @@ class Member(abc.ABC):
         self._stop_event: anyio.Event | None = None
         self._cycle_scope: anyio.CancelScope | None = None
         self._run_scope: anyio.CancelScope | None = None
+        # the cleanup is for good (stopped or cancelled), not before going on with a new client
+        self._leaving = False
         self._done: anyio.Event | None = None
         #: the last grants document this member wrote
         self.last_document: GrantsDocument | None = None
@@ -392,6 +396,7 @@ class Member(abc.ABC):
         for key, last_modified, etag in listing:
             if not key.endswith(".json"):
                 continue
+            read.listed.add(key[len(prefix) : -len(".json")])
             if now[0] - last_modified > leftover:
                 stale.append((key, etag))
             elif not self._allocator.is_stale(last_modified, now):
@@ -516,9 +521,11 @@ class Member(abc.ABC):
                 self._gather_until = anyio.current_time() + 0.8 * self.fleet.sync_interval
                 document = self._allocator.gather(grants.document, reports, now)
             else:
-                document = self._allocator.allocate(grants.document, reports, now, unread)
+                document = self._allocator.allocate(
+                    grants.document, reports, now, unread, read.listed
+                )
         else:
-            document = self._allocator.allocate(grants.document, reports, now, unread)
+            document = self._allocator.allocate(grants.document, reports, now, unread, read.listed)
         await self._write_grants(store, grants, document)
         await self._sweep_presence(store)
 
@@ -661,11 +668,16 @@ class Member(abc.ABC):
         while not self._stopping:
             try:
                 async with self._store() as store:
+                    # leaving, unless a failure makes the member go on with a new client
+                    self._leaving = True
                     try:
                         async with anyio.create_task_group() as tg:
                             tg.start_soon(self._calibrate, store)
                             await self._cycles(store)
                             tg.cancel_scope.cancel()
+                    except Exception:
+                        self._leaving = self._stopping
+                        raise
                     finally:
                         with anyio.move_on_after(self._cleanup_time(), shield=True):
                             await self._cleanup(store)

@@ -44,6 +44,8 @@ RECENT_GRANTS = 1.5
 #: A worker whose report was overwritten by someone else this many times in a row says that
 #: another process shares its worker_id.
 OVERWRITTEN_REPORTS = 3
+#: What a leaving worker applies before it deletes its report: nothing.
+LEFT = Rates(0.0, 0.0)
 
 
 class FleetWorker(Member):
@@ -85,6 +87,7 @@ class FleetWorker(Member):
             safe_fraction=fleet.safe_fraction,
             bootstrap_fraction=fleet.bootstrap_fraction,
             started_at=0.0,
+            incarnation=self._incarnation,
         )
         self._applied: Rates | None = None
         self._mode: Mode | None = None
@@ -99,6 +102,7 @@ class FleetWorker(Member):
         self._warned_overwritten = False
         self._report_lock: anyio.Lock | None = None
         self._listed_at = -math.inf  # local time of the last listing that gave a rank
+        self._left = False  # leaving: applies nothing (LEFT) before its report is deleted
 
     def statistics(self) -> FleetStatistics:
         """A snapshot: role, mode, the rates applied, the grant's expiry, errors."""
@@ -161,6 +165,8 @@ class FleetWorker(Member):
         stays as it was if the producer refuses the new one."""
         now = anyio.current_time()
         mode, rates = self._state.rates(now)
+        if self._left:
+            rates = LEFT
         if rates != self._applied:
             try:
                 self._apply(rates.records_per_second, rates.bytes_per_second)
@@ -417,12 +423,18 @@ class FleetWorker(Member):
         return aligned + period * self._random.uniform(-0.3, 0.3)
 
     async def _cleanup(self, store: Store) -> None:
-        with suppress(Conflict):
-            await self._attempt(
-                "delete the report", store.delete(store.key(f"workers/{self.worker_id}.json"))
-            )
-        # (if the member goes on with a new client, it lists again after its next report)
-        self._state.forget_rank()
+        if self._leaving:
+            # Leaving: nothing goes out under a grant from here on, and only then does the
+            # report go. The allocator takes a report gone from its listing for a grant given
+            # back, and shares it out at once (docs/fleet.md, "Leaving").
+            self._left = True
+            self._refresh()
+            with suppress(Conflict):
+                await self._attempt(
+                    "delete the report", store.delete(store.key(f"workers/{self.worker_id}.json"))
+                )
+            self._state.forget_rank()
+        # (a member that goes on with a new client keeps its report, and rewrites it next)
         self._report_etag = None
         await self._release(store)
 

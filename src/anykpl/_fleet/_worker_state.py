@@ -63,8 +63,11 @@ class WorkerState:
         safe_fraction: float,
         bootstrap_fraction: float,
         started_at: float,
+        incarnation: str | None = None,
     ) -> None:
         self.worker_id = worker_id
+        #: this process's incarnation: it takes only grants made for it (``None``: any)
+        self.incarnation = incarnation
         self.cap = cap
         self.safe_fraction = safe_fraction
         self.bootstrap_fraction = bootstrap_fraction
@@ -146,7 +149,9 @@ class WorkerState:
             self.bootstrap_until = max(self.bootstrap_until, expires)
         if self.generation is not None and grants.generation <= self.generation:
             return False
-        grant = grants.grant_for(self.worker_id)
+        # (a grant made for an earlier process of this worker id is not this one's: that
+        # process may have left, and the allocator given its share to others)
+        grant = grants.grant_for(self.worker_id, self.incarnation)
         if grant is None:
             return False
         self.generation = grants.generation
