@@ -54,6 +54,7 @@ def grants_size(members: int) -> int:
     """The compressed size of a grants document of ``members`` distinct grants."""
     from anykpl._fleet import GrantsDocument, Outstanding, Rates, WorkerEntry
     from anykpl._fleet._allocation import _short
+    from anykpl._fleet._documents import INCARNATION_TAG
 
     rng = random.Random(members)
     workers = {}
@@ -61,6 +62,7 @@ def grants_size(members: int) -> int:
         records, nbytes = _short(rng.uniform(1, 100)), _short(rng.uniform(1e3, 1e5))
         workers[f"worker-{rng.getrandbits(48):012x}"] = WorkerEntry(
             grant=Rates(records, nbytes),
+            incarnation=f"{rng.getrandbits(4 * INCARNATION_TAG):0{INCARNATION_TAG}x}",
             acked=4021,
             outstanding=(
                 Outstanding(4021, Rates(_short(records * 1.1), _short(nbytes * 1.1)), 1.8e9),

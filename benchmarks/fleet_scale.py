@@ -380,9 +380,9 @@ async def simulate(args: Any) -> dict[str, Any]:
             await anyio.sleep(1.0)
 
     async def leave(member: Member) -> None:
-        """A graceful leave: the producer closes, and its worker with it."""
+        """A graceful leave: the producer closes, and its worker with it (which applies
+        nothing from then on: the ledger hears it from the worker)."""
         await member.worker.aclose()
-        ledger.set(member.index, 0.0)
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(sample_interval)

@@ -174,32 +174,51 @@ async def test_nothing_is_sent_before_the_first_s3_calls(anyio_backend: str) -> 
 @pytest.mark.autojump
 class TestOnMockClock:
     async def test_a_member_that_leaves_frees_its_share_at_once(self) -> None:
-        # A member that leaves applies nothing, and only then deletes its report; the
-        # allocator's next listing frees its grant, instead of when the grant expires (a lease
-        # and an interval later).
+        # A member that leaves applies nothing, and only then marks itself as left (and
+        # deletes its report); the allocator's next cycle frees its grant, instead of when the
+        # grant expires (a lease and an interval later), and deletes the mark.
         s3 = FakeS3()
         stay, leave = Member(s3, "stay"), Member(s3, "leave", elect=False)
-        at_delete: list[float | None] = []
-        delete = s3.delete_object
+        at_last_report: list[float | None] = []
+        put = s3.put_object
 
-        async def recording_delete(**kwargs: Any) -> dict[str, Any]:
-            if kwargs["Key"].endswith("workers/leave.json"):
-                at_delete.append(leave.rate)
-            return await delete(**kwargs)
+        async def recording_put(**kwargs: Any) -> dict[str, Any]:
+            if kwargs["Key"].endswith("left/leave.json"):
+                assert json.loads(kwargs["Body"])["left"] is True
+                at_last_report.append(leave.rate)
+            return await put(**kwargs)
 
-        s3.delete_object = recording_delete  # type: ignore[method-assign]
+        s3.put_object = recording_put  # type: ignore[method-assign]
         async with running(stay):
             async with running(leave):
                 await anyio.sleep(4 * INTERVAL)
                 assert [stay.rate, leave.rate] == pytest.approx([GRANTABLE / 2] * 2)
             left_at = anyio.current_time()
-            assert at_delete == [0.0]
+            assert at_last_report == [0.0]
             while (stay.rate or 0.0) < GRANTABLE * 0.99:  # noqa: ASYNC110 (its rates)
                 await anyio.sleep(0.05)
             took = anyio.current_time() - left_at
-        # its next cycle lists without the report, and the member reads the grants the next
+            assert "anykpl-fleet/workers/leave.json" not in s3.objects
+            assert "anykpl-fleet/left/leave.json" not in s3.objects  # deleted once freed
+        # the allocator's next cycle frees it, and the member reads the grants the next
         assert took <= 2 * INTERVAL + 0.5
         check_every_generation(s3)
+
+    async def test_a_report_that_is_merely_gone_frees_nothing(self) -> None:
+        # Deleted by hand (or as a leftover) while its worker goes on: its grant stays counted
+        # until it expires, and the worker writes its report again.
+        s3 = FakeS3()
+        stay, other = Member(s3, "stay"), Member(s3, "other", elect=False)
+        async with running(stay, other):
+            await anyio.sleep(4 * INTERVAL)
+            assert [stay.rate, other.rate] == pytest.approx([GRANTABLE / 2] * 2)
+            mark = len(stay.applied)
+            await s3.delete_object(Bucket=BUCKET, Key="anykpl-fleet/workers/other.json")
+            await anyio.sleep(3 * INTERVAL)
+            assert other.worker.statistics().mode == "granted"
+        check_every_generation(s3)
+        # every generation counted what "other" had: "stay" never got more than its half
+        assert max(r or 0.0 for r, _ in stay.applied[mark:]) <= GRANTABLE / 2 * 1.001
 
     async def test_a_process_restarted_under_a_worker_id_takes_no_grant_of_the_one_before(
         self,

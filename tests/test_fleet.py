@@ -531,8 +531,11 @@ def fleet_runs(draw: Any) -> dict[str, Any]:
                             st.booleans(),  # writes its report
                             st.floats(0, 3 * CAP),  # its demand
                             st.floats(0, 0.5),  # the round trip of its S3 calls (0: none)
-                            # leaves (applies nothing, then deletes its report); a process
-                            # with the same worker_id may come back later
+                            # leaves (applies nothing, then a mark says so, and its report
+                            # goes, or stays); a process with the same id may come back later
+                            st.integers(0, 11).map(lambda x: x == 0),
+                            # its report, if stale for ten leases, is deleted as a leftover
+                            # (it may still hold an unexpired grant after that long)
                             st.integers(0, 11).map(lambda x: x == 0),
                         ),
                         min_size=workers,
@@ -567,7 +570,7 @@ def test_the_sum_of_grants_in_force_never_exceeds_the_cap(run: dict[str, Any]) -
             safe_fraction=0.0,
             bootstrap_fraction=0.1,
             started_at=0.0,
-            incarnation=f"{w}-{started[w]:05d}",
+            incarnation=f"{started[w]:06d}-{w}",  # (a grant names its first 6 characters)
         )
 
     states = {w: process(w) for w in ids}
@@ -578,6 +581,7 @@ def test_the_sum_of_grants_in_force_never_exceeds_the_cap(run: dict[str, Any]) -
     history: list[GrantsDocument] = []
     written: dict[str, ObservedReport] = {}
     released: dict[str, int] = {}  # worker -> the generation that freed what it had
+    marks: dict[str, str] = {}  # worker -> the incarnation that marked itself as left
     now = 0.0
 
     def applied_sum(at: float) -> float:
@@ -587,17 +591,28 @@ def test_the_sum_of_grants_in_force_never_exceeds_the_cap(run: dict[str, Any]) -
         now += step["advance"]
         # S3's clock, as each member learns it: whole-second stamps, its own round trips
         allocator_clock.observe(server_stamp(now), now - 0.01, now)
-        for w, (*_, round_trip, _leaves) in zip(ids, step["workers"], strict=True):
+        for w, (*_, round_trip, _leaves, _deleted) in zip(ids, step["workers"], strict=True):
             if round_trip:
                 stamped = now - round_trip * 0.3  # S3 stamps somewhere during the call
                 clocks[w].observe(server_stamp(stamped), now - round_trip, now)
-        for w, (reads, reports, wants, _, leaves) in zip(ids, step["workers"], strict=True):
+        for w, (reads, reports, wants, _, leaves, deleted) in zip(
+            ids, step["workers"], strict=True
+        ):
+            mine = written.get(w)
+            if deleted and mine and server_stamp(now) - mine.last_modified > 10 * lease + 1:
+                del written[w]
             if leaves:
                 # it applies nothing from now on (a new process of the same id starts from
-                # nothing), and then its report goes
+                # nothing), and then its mark says so; its own report goes, unless its
+                # demand says otherwise (it could not delete it)
+                incarnation = states[w].incarnation
+                assert incarnation is not None
+                marks[w] = incarnation
+                mine = written.get(w)
+                if mine is not None and mine.report.incarnation == incarnation and wants > CAP:
+                    del written[w]
                 states[w] = process(w)
                 clocks[w] = ServerClock()
-                written.pop(w, None)
                 continue
             if reads and latest is not None:
                 states[w].receive(latest, clocks[w], now)
@@ -625,10 +640,17 @@ def test_the_sum_of_grants_in_force_never_exceeds_the_cap(run: dict[str, Any]) -
             if step["takeover"]:
                 alloc = allocator(cap=step["cap"], lease=lease)
                 alloc.take_over(latest, list(written.values()), bounds)
-            doc = alloc.allocate(latest, list(written.values()), bounds, listed=set(written))
-            for w in latest.workers if latest is not None else ():
-                if w not in written:  # it left: what it had is free
+            doc = alloc.allocate(latest, list(written.values()), bounds, left=dict(marks))
+            for w, incarnation in list(marks.items()):
+                entry = doc.workers.get(w)
+                if entry is None:  # what it had is free; its mark (and report) go
                     released[w] = doc.generation
+                    del marks[w]
+                    mine = written.get(w)
+                    if mine is not None and mine.report.incarnation == incarnation:
+                        del written[w]
+                elif entry.incarnation and not incarnation.startswith(entry.incarnation):
+                    del marks[w]  # another process of the id is granted: the mark is stale
             reserved = doc.total_reserved().records_per_second
             assert reserved is not None
             granted = doc.total_granted().records_per_second

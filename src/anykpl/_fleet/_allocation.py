@@ -126,6 +126,13 @@ def in_force(
     return [c for c in candidates if c.generation >= floor and c.expires_at > now_earliest]
 
 
+def _made_for(previous: GrantsDocument | None, worker_id: str, incarnation: str) -> bool:
+    """Whether ``worker_id``'s grants in ``previous`` were made for ``incarnation`` (or do not
+    say for which)."""
+    entry = previous.workers.get(worker_id) if previous is not None else None
+    return entry is None or entry.incarnation is None or incarnation.startswith(entry.incarnation)
+
+
 def _short(rate: float) -> float:
     """``rate`` rounded down to nine significant digits: a grants document of thousands of
     workers stays small (a DynamoDB item holds 400 KB), and a grant is never rounded up."""
@@ -298,7 +305,7 @@ class Allocator:
         reports: Sequence[ObservedReport],
         now: tuple[float, float],
         unread: Collection[str] = (),
-        listed: Collection[str] | None = None,
+        left: Mapping[str, str] | None = None,
     ) -> GrantsDocument:
         """The next generation of grants. ``now`` bounds S3's time (earliest, latest).
 
@@ -306,13 +313,20 @@ class Allocator:
         slow or failing store): each keeps its grant in ``previous``, within the invariant,
         and counts in the fleet's size.
 
-        ``listed``: every worker whose report the listing showed, fresh or stale (``None``:
-        not known). A worker of ``previous`` whose report is gone has nothing in force: a
-        worker deletes its report only when it leaves, after it stopped applying any grant,
-        and the leftover sweep deletes only reports whose grants expired long before. Its
-        share goes to the others at once instead of when its grants expire.
+        ``left``: the workers marked as left (worker id -> the incarnation that wrote the
+        mark). A worker writes its mark only after it stopped applying any grant, so what it
+        had (if its grants were made for that incarnation) is free in this generation, not
+        when its grants expire, and that incarnation's report no longer counts. A report that
+        is merely gone (deleted as a leftover, or by hand) frees nothing.
         """
-        observed = self.fresh(reports, now)
+        left = left or {}
+        # (a process that marked itself as left applies nothing: its report, if it is still
+        # there, no longer counts)
+        observed = [
+            r
+            for r in self.fresh(reports, now)
+            if left.get(r.report.worker_id) != r.report.incarnation
+        ]
         fresh = {r.report.worker_id: r.report for r in observed}
         # granted anew: the workers that reported in the last cycle or so (or could not be
         # read); the others still count in the fleet, their grants in force still count
@@ -334,7 +348,11 @@ class Allocator:
             entry = previous.workers.get(worker_id) if previous is not None else None
             earlier = entry.acked if entry is not None else None
             acks[worker_id] = max_of((reported, earlier))
-        gone = set() if listed is None else {w for w in acks if w not in listed}
+        gone = {
+            w
+            for w, incarnation in left.items()
+            if w in acks and w not in fresh and _made_for(previous, w, incarnation)
+        }
         held = {w: [] if w in gone else in_force(previous, w, acks[w], now[0]) for w in acks}
         generation = self._generation(previous, fresh.values())
         fleet = max(1, len(fresh) + len(echoed))
@@ -365,8 +383,12 @@ class Allocator:
                     else:
                         targets[w] = floor
             else:
-                wants = {w: max((fresh[w].wants[i] or 0.0) * HEADROOM, floor) for w in current}
-                targets = water_fill(capacity, wants)
+                # shared over every fresh worker, granted to the current ones: the share of a
+                # worker that missed one report (late, or dead) is held back, not handed to the
+                # others only to be taken back, acknowledgement by acknowledgement, at its next
+                # report (a dead worker's grants in force outlast its fresh report anyway)
+                wants = {w: max((fresh[w].wants[i] or 0.0) * HEADROOM, floor) for w in fresh}
+                targets = {w: t for w, t in water_fill(capacity, wants).items() if w in current}
             targets.update({w: last[i] or 0.0 for w, last in echoed.items()})
             for w, rate in allocate_dimension(capacity, targets, force, use).items():
                 grants[w][i] = rate

@@ -38,9 +38,9 @@ __all__ = (
 DOCUMENT_VERSION: Final = 1
 #: Documents larger than this are rejected unread.
 MAX_DOCUMENT_BYTES: Final = 4 << 20
-#: How much of a worker's incarnation a grant names (32 random bits: two processes of one
-#: worker id, one after the other, are told apart but for one chance in four billion).
-INCARNATION_TAG: Final = 8
+#: How much of a worker's incarnation a grant names (24 random bits: two processes of one
+#: worker id, one after the other, are told apart but for one chance in sixteen million).
+INCARNATION_TAG: Final = 6
 _ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 _MODES: Final = ("bootstrap", "granted", "safe")
 _DIMENSIONS: Final = ("records_per_second", "bytes_per_second")
@@ -66,6 +66,8 @@ class WorkerReport:
     wants: Rates
     offered: Rates
     backlog: tuple[int, int]  # (records, bytes)
+    #: the last report of a worker that left: it applies nothing from now on
+    left: bool = False
 
     def to_json(self) -> bytes:
         return _dump(
@@ -81,6 +83,7 @@ class WorkerReport:
                 "wants": _rates_json(self.wants),
                 "offered": _rates_json(self.offered),
                 "backlog": {"records": self.backlog[0], "bytes": self.backlog[1]},
+                **({"left": True} if self.left else {}),
             }
         )
 
@@ -264,6 +267,9 @@ def parse_report(data: bytes) -> WorkerReport:
     if mode not in _MODES:
         raise DocumentError(f"mode must be one of {_MODES}, not {mode!r}")
     backlog = _object(doc, "backlog")
+    left = doc.get("left", False)
+    if not isinstance(left, bool):
+        raise DocumentError(f"left must be true or false, not {_short(left)}")
     return WorkerReport(
         worker_id=_identifier(doc, "worker_id"),
         incarnation=_identifier(doc, "incarnation"),
@@ -274,6 +280,7 @@ def parse_report(data: bytes) -> WorkerReport:
         wants=_rates(_object(doc, "wants"), False, "wants."),
         offered=_rates(_object(doc, "offered"), False, "offered."),
         backlog=(_integer(backlog, "records"), _integer(backlog, "bytes")),
+        left=left,
     )
 
 

@@ -102,8 +102,10 @@ class ReportsRead:
     unread: set[str] = field(default_factory=set)
     #: reads that failed (the store's errors and timeouts, not junk documents)
     failed: int = 0
-    #: every worker whose report the listing showed, fresh or stale
-    listed: set[str] = field(default_factory=set)
+    #: workers that left (``left/<id>.json``): worker id -> (its incarnation, the mark's ETag)
+    left: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: the reports read: worker id -> (its incarnation, its ETag)
+    tags: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,6 +388,9 @@ class Member(abc.ABC):
         ok, listing = await self._attempt("list reports", store.list(prefix))
         if not ok:
             return None
+        # the marks of workers that left (few, or none): a failed listing only means that
+        # what they had is freed a cycle later
+        marked, marks = await self._attempt("list left workers", store.list(store.key("left/")))
         now = self._server_now()
         if now is None:
             return None
@@ -396,7 +401,6 @@ class Member(abc.ABC):
         for key, last_modified, etag in listing:
             if not key.endswith(".json"):
                 continue
-            read.listed.add(key[len(prefix) : -len(".json")])
             if now[0] - last_modified > leftover:
                 stale.append((key, etag))
             elif not self._allocator.is_stale(last_modified, now):
@@ -417,7 +421,7 @@ class Member(abc.ABC):
             read.unread.discard(worker_id)
             if found is None:
                 return  # deleted since the listing
-            data, _, last_modified = found
+            data, etag, last_modified = found
             try:
                 report = parse_report(data)
             except DocumentError as exc:
@@ -429,12 +433,29 @@ class Member(abc.ABC):
                     DocumentError(f"{key} holds the report of {report.worker_id}"),
                 )
                 return
-            read.reports.append(ObservedReport(report, last_modified))
+            read.tags[report.worker_id] = (report.incarnation, etag)
+            if not report.left:
+                read.reports.append(ObservedReport(report, last_modified))
+
+        async def read_mark(key: str, etag: str) -> None:
+            ok, found = await self._attempt("read a left mark", store.get(key))
+            if not ok or found is None:
+                return
+            try:
+                mark = parse_report(found[0])
+            except DocumentError as exc:
+                self._record_error(f"read {key.rsplit('/', 1)[-1]}", exc)
+                return
+            if mark.left and key == store.key(f"left/{mark.worker_id}.json"):
+                read.left[mark.worker_id] = (mark.incarnation, found[1])
 
         with anyio.move_on_after(READ_PHASE * self.period) as phase:
             async with anyio.create_task_group() as tg:
                 for key, etag in stale:
                     tg.start_soon(self._delete_leftover, store, key, etag)
+                for key, _, etag in marks if marked else ():
+                    if key.endswith(".json"):
+                        tg.start_soon(read_mark, key, etag)
                 for key in due:
                     tg.start_soon(read_one, key)
         if phase.cancelled_caught:
@@ -502,6 +523,7 @@ class Member(abc.ABC):
             self._retry_soon = True
             return  # (a takeover is decided at the first cycle whose reads succeed)
         reports, unread = read.reports, frozenset(read.unread)
+        left = {w: incarnation for w, (incarnation, _) in read.left.items()}
         self._adapt(strained=bool(unread) or read.failed > 0, took=anyio.current_time() - began)
         if unread and grants.document is None:
             # no document says what the unread workers may apply: wait for a complete read
@@ -521,12 +543,11 @@ class Member(abc.ABC):
                 self._gather_until = anyio.current_time() + 0.8 * self.fleet.sync_interval
                 document = self._allocator.gather(grants.document, reports, now)
             else:
-                document = self._allocator.allocate(
-                    grants.document, reports, now, unread, read.listed
-                )
+                document = self._allocator.allocate(grants.document, reports, now, unread, left)
         else:
-            document = self._allocator.allocate(grants.document, reports, now, unread, read.listed)
-        await self._write_grants(store, grants, document)
+            document = self._allocator.allocate(grants.document, reports, now, unread, left)
+        if await self._write_grants(store, grants, document):
+            await self._delete_left(store, read, document)
         await self._sweep_presence(store)
 
     def _adapt(self, *, strained: bool, took: float) -> None:
@@ -553,11 +574,43 @@ class Member(abc.ABC):
         self.period = period
         self._allocator.use_interval(period, previous)
 
+    async def _delete_left(self, store: Store, read: ReportsRead, document: GrantsDocument) -> None:
+        """Delete the marks of workers that left, now that ``document`` (written) no longer
+        counts what they had (or, where the mark named another process of the worker id than
+        the grants did, never counted it); and first the report of one that could not delete
+        its own. Each only as it was read (``If-Match``); a mark stays while its report
+        could not be deleted (it would count again without it)."""
+
+        async def clear(worker_id: str, incarnation: str, etag: str) -> None:
+            entry = document.workers.get(worker_id)
+            if entry is not None and incarnation.startswith(entry.incarnation or incarnation):
+                return  # (not freed by this document: the mark waits for the next)
+            report = read.tags.get(worker_id)
+            if report is not None and report[0] == incarnation:
+                key = store.key(f"workers/{worker_id}.json")
+                if not await self._delete_as_read(store, key, report[1]):
+                    return
+            await self._delete_as_read(store, store.key(f"left/{worker_id}.json"), etag)
+
+        async with anyio.create_task_group() as tg:
+            for worker_id, (incarnation, etag) in read.left.items():
+                tg.start_soon(clear, worker_id, incarnation, etag)
+
+    async def _delete_as_read(self, store: Store, key: str, etag: str) -> bool:
+        """Delete ``key`` if it is still as read (``If-Match``); whether it is gone."""
+        try:
+            ok, _ = await self._attempt(
+                f"delete {key.rsplit('/', 1)[-1]}", store.delete(key, if_match=etag)
+            )
+        except Conflict:
+            return False
+        return bool(ok)
+
     async def _write_grants(
         self, store: Store, grants: GrantsRead, document: GrantsDocument
-    ) -> None:
+    ) -> bool:
         """PUT ``document`` as the next ``grants.json``, on condition that the one read
-        (``grants``) is still there."""
+        (``grants``) is still there; return whether it was written."""
         key = store.key("grants.json")
         try:
             ok, _ = await self._attempt(
@@ -574,9 +627,9 @@ class Member(abc.ABC):
                 "fleet %s: grants.json changed under this allocator; it reads it again",
                 self.worker_id,
             )
-            return
+            return False
         if not ok:
-            return
+            return False
         self.last_document = document
         logger.debug(
             "fleet %s: generation %d for %d worker(s)",
@@ -587,6 +640,7 @@ class Member(abc.ABC):
         self._allocated(document)
         if self._on_allocation is not None:
             self._on_allocation(document)
+        return True
 
     def _allocated(self, document: GrantsDocument) -> None:  # noqa: B027 (a hook: a no-op here)
         """The member wrote ``document``."""

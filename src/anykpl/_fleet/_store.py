@@ -182,9 +182,11 @@ class S3Store:
                 found.append(
                     (str(item["Key"]), _epoch(item.get("LastModified")), str(item.get("ETag")))
                 )
-            token = response.get("NextContinuationToken")
-            if not response.get("IsTruncated") or not token:
+            if not response.get("IsTruncated"):
                 return found
+            token = response.get("NextContinuationToken")
+            if not token:  # a listing cut short must not pass for the whole of it
+                raise RuntimeError(f"ListObjectsV2 of {prefix!r} is truncated, with no token")
 
     async def delete(self, key: str, *, if_match: str | None = None) -> None:
         from botocore.exceptions import ClientError

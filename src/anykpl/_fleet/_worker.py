@@ -22,6 +22,7 @@ import math
 import os
 from collections.abc import Callable
 from contextlib import suppress
+from dataclasses import replace
 
 import anyio
 import anyio.abc
@@ -44,7 +45,7 @@ RECENT_GRANTS = 1.5
 #: A worker whose report was overwritten by someone else this many times in a row says that
 #: another process shares its worker_id.
 OVERWRITTEN_REPORTS = 3
-#: What a leaving worker applies before it deletes its report: nothing.
+#: What a leaving worker applies before it marks itself as left: nothing.
 LEFT = Rates(0.0, 0.0)
 
 
@@ -424,15 +425,26 @@ class FleetWorker(Member):
 
     async def _cleanup(self, store: Store) -> None:
         if self._leaving:
-            # Leaving: nothing goes out under a grant from here on, and only then does the
-            # report go. The allocator takes a report gone from its listing for a grant given
-            # back, and shares it out at once (docs/fleet.md, "Leaving").
+            # Leaving: nothing goes out under a grant from here on, and only then does a mark
+            # say so (``left/<id>.json``, naming this process); the allocator frees what it
+            # had at its next cycle (docs/fleet.md, "Allocation"). Then the report goes, only
+            # if this process surely wrote it last (If-Match: another process under the same
+            # id keeps its own).
             self._left = True
             self._refresh()
-            with suppress(Conflict):
+            etag = self._report_etag
+            if self._applied == LEFT and self._report_body is not None:
+                mark = replace(self._report(), left=True, wants=LEFT, offered=LEFT)
                 await self._attempt(
-                    "delete the report", store.delete(store.key(f"workers/{self.worker_id}.json"))
+                    "mark this worker as left",
+                    store.put(store.key(f"left/{self.worker_id}.json"), mark.to_json()),
                 )
+            if self._applied == LEFT and etag is not None:
+                with suppress(Conflict):
+                    await self._attempt(
+                        "delete the report",
+                        store.delete(store.key(f"workers/{self.worker_id}.json"), if_match=etag),
+                    )
             self._state.forget_rank()
         # (a member that goes on with a new client keeps its report, and rewrites it next)
         self._report_etag = None
