@@ -99,6 +99,8 @@ class FleetWorker(Member):
         self._phase_source: GrantsDocument | None = None  # the grants read this cycle
         self._report_body: bytes | None = None  # the last report written
         self._report_etag: str | None = None  # its ETag, if this process wrote it last
+        # the ETag of the last write known to have landed (a write cut short may have too)
+        self._confirmed_etag: str | None = None
         self._overwritten = 0  # times in a row someone else wrote the report in between
         self._warned_overwritten = False
         self._report_lock: anyio.Lock | None = None
@@ -362,7 +364,7 @@ class FleetWorker(Member):
 
     def _written(self, etag: str, sent_at: float) -> None:
         """The report sent at local time ``sent_at`` is in the store, as ``etag``."""
-        self._report_etag = etag
+        self._report_etag = self._confirmed_etag = etag
         self._state.report_written(sent_at)
         self._changed()
 
@@ -432,7 +434,9 @@ class FleetWorker(Member):
             # id keeps its own).
             self._left = True
             self._refresh()
-            etag = self._report_etag
+            # (if a write was cut short and landed after all, the condition fails and the
+            # report stays: the allocator deletes it with the mark)
+            etag = self._confirmed_etag
             if self._applied == LEFT and self._report_body is not None:
                 mark = replace(self._report(), left=True, wants=LEFT, offered=LEFT)
                 await self._attempt(
@@ -447,7 +451,7 @@ class FleetWorker(Member):
                     )
             self._state.forget_rank()
         # (a member that goes on with a new client keeps its report, and rewrites it next)
-        self._report_etag = None
+        self._report_etag = self._confirmed_etag = None
         await self._release(store)
 
 
