@@ -25,6 +25,8 @@ s after the last join. Printed, and as JSON with ``--json``:
 * ``fair_share`` and ``late_fair_share_after``: what the members there before apply (the
   median, at the end of the late joins' window), and the seconds until the last of the late
   members applies at least 95 % of it for good;
+* ``final_applied_over_cap`` and ``mean_applied_over_cap_last_minute``: the sum applied at the
+  end, and its mean over the last minute;
 * ``requests_per_second``: the store's requests by kind over the run, and those it refused;
   ``requests_per_second_last_minute``: all kinds, over the run's last minute;
 * ``longest_interval``, ``final_interval``: the sync interval the allocator asked of the
@@ -260,6 +262,20 @@ class Ledger:
             since = start
         return None if since is None else since - start
 
+    def mean(self, start: float, end: float) -> float:
+        """The time-weighted mean of the sum applied over [start, end)."""
+        total = value = 0.0
+        at = start
+        for when, level in self.series:
+            if when > start:
+                total += value * (min(when, end) - at)
+                at = min(when, end)
+            if when >= end:
+                break
+            value = level
+        total += value * (end - at)
+        return total / max(1e-9, end - start)
+
     def rate_at(self, member: int, when: float) -> float:
         """The rate ``member`` applied at ``when``."""
         value = 0.0
@@ -410,6 +426,7 @@ async def simulate(args: Any) -> dict[str, Any]:
         await anyio.sleep_until(end)
         # (as the run ends, every member leaves and applies nothing: measured before that)
         final, series = ledger.total, list(ledger.series)
+        last_minute = ledger.mean(max(0.0, end - 60), end)
         tg.cancel_scope.cancel()
     seconds = max(1e-9, end)
     after_crash = None
@@ -454,6 +471,7 @@ async def simulate(args: Any) -> dict[str, Any]:
         "crashed": crashed,
         "converged_after_crash": after_crash,
         "final_applied_over_cap": final / args.cap,
+        "mean_applied_over_cap_last_minute": last_minute / args.cap,
         "longest_interval": max((i for _, i in intervals), default=args.interval),
         "final_interval": intervals[-1][1] if intervals else args.interval,
         "requests_per_second": {k: v / seconds for k, v in sorted(store.requests.items())},

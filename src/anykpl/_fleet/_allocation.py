@@ -127,10 +127,13 @@ def in_force(
 
 
 def _made_for(previous: GrantsDocument | None, worker_id: str, incarnation: str) -> bool:
-    """Whether ``worker_id``'s grants in ``previous`` were made for ``incarnation`` (or do not
-    say for which)."""
+    """Whether ``worker_id``'s grants in ``previous`` were made for ``incarnation`` (none, or
+    named for it: grants that do not say for which process, as an older allocator wrote them,
+    are not freed by a mark)."""
     entry = previous.workers.get(worker_id) if previous is not None else None
-    return entry is None or entry.incarnation is None or incarnation.startswith(entry.incarnation)
+    if entry is None:
+        return True
+    return entry.incarnation is not None and incarnation.startswith(entry.incarnation)
 
 
 def _short(rate: float) -> float:
@@ -339,7 +342,8 @@ class Allocator:
         if previous is not None and previous.expires_at > now[0]:
             for w in unread:
                 last = previous.grant_for(w)
-                if w not in fresh and last is not None:
+                marked = w in left and _made_for(previous, w, left[w])
+                if w not in fresh and last is not None and not marked:
                     echoed[w] = last
         learning = self.learning(now)
         acks: dict[str, int | None] = {}

@@ -438,7 +438,8 @@ class Member(abc.ABC):
                 read.reports.append(ObservedReport(report, last_modified))
 
         async def read_mark(key: str, etag: str) -> None:
-            ok, found = await self._attempt("read a left mark", store.get(key))
+            async with limiter:
+                ok, found = await self._attempt("read a left mark", store.get(key))
             if not ok or found is None:
                 return
             try:
@@ -453,8 +454,10 @@ class Member(abc.ABC):
             async with anyio.create_task_group() as tg:
                 for key, etag in stale:
                     tg.start_soon(self._delete_leftover, store, key, etag)
-                for key, _, etag in marks if marked else ():
-                    if key.endswith(".json"):
+                for key, last_modified, etag in marks if marked else ():
+                    if now[0] - last_modified > leftover:  # (unread junk, or never cleared)
+                        tg.start_soon(self._delete_leftover, store, key, etag)
+                    elif key.endswith(".json"):
                         tg.start_soon(read_mark, key, etag)
                 for key in due:
                     tg.start_soon(read_one, key)
@@ -583,18 +586,29 @@ class Member(abc.ABC):
 
         async def clear(worker_id: str, incarnation: str, etag: str) -> None:
             entry = document.workers.get(worker_id)
-            if entry is not None and incarnation.startswith(entry.incarnation or incarnation):
-                return  # (not freed by this document: the mark waits for the next)
             report = read.tags.get(worker_id)
+            newer = report is not None and report[0] != incarnation  # another process reports
+            named = None if entry is None else (entry.incarnation or incarnation)
+            if not newer and named is not None and incarnation.startswith(named):
+                return  # (not freed by this document: the mark waits for the next)
             if report is not None and report[0] == incarnation:
                 key = store.key(f"workers/{worker_id}.json")
                 if not await self._delete_as_read(store, key, report[1]):
                     return
             await self._delete_as_read(store, store.key(f"left/{worker_id}.json"), etag)
 
-        async with anyio.create_task_group() as tg:
-            for worker_id, (incarnation, etag) in read.left.items():
-                tg.start_soon(clear, worker_id, incarnation, etag)
+        if not read.left:
+            return
+        limiter = anyio.CapacityLimiter(READ_CONCURRENCY)
+
+        async def bounded(worker_id: str, incarnation: str, etag: str) -> None:
+            async with limiter:
+                await clear(worker_id, incarnation, etag)
+
+        with anyio.move_on_after(READ_PHASE * self.period):  # (what is left waits a cycle)
+            async with anyio.create_task_group() as tg:
+                for worker_id, (incarnation, etag) in read.left.items():
+                    tg.start_soon(bounded, worker_id, incarnation, etag)
 
     async def _delete_as_read(self, store: Store, key: str, etag: str) -> bool:
         """Delete ``key`` if it is still as read (``If-Match``); whether it is gone."""

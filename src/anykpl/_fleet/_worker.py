@@ -426,6 +426,8 @@ class FleetWorker(Member):
         return aligned + period * self._random.uniform(-0.3, 0.3)
 
     async def _cleanup(self, store: Store) -> None:
+        # the lease first: a successor can take over at once (what follows may run out of time)
+        await self._release(store)
         if self._leaving:
             # Leaving: nothing goes out under a grant from here on, and only then does a mark
             # say so (``left/<id>.json``, naming this process); the allocator frees what it
@@ -438,11 +440,15 @@ class FleetWorker(Member):
             # report stays: the allocator deletes it with the mark)
             etag = self._confirmed_etag
             if self._applied == LEFT and self._report_body is not None:
-                mark = replace(self._report(), left=True, wants=LEFT, offered=LEFT)
-                await self._attempt(
-                    "mark this worker as left",
-                    store.put(store.key(f"left/{self.worker_id}.json"), mark.to_json()),
-                )
+                try:
+                    mark = replace(self._report(), left=True, wants=LEFT, offered=LEFT)
+                except Exception as exc:  # (the producer's demand, read for the report)
+                    self._record_error("mark this worker as left", exc)
+                else:
+                    await self._attempt(
+                        "mark this worker as left",
+                        store.put(store.key(f"left/{self.worker_id}.json"), mark.to_json()),
+                    )
             if self._applied == LEFT and etag is not None:
                 with suppress(Conflict):
                     await self._attempt(
@@ -452,7 +458,6 @@ class FleetWorker(Member):
             self._state.forget_rank()
         # (a member that goes on with a new client keeps its report, and rewrites it next)
         self._report_etag = self._confirmed_etag = None
-        await self._release(store)
 
 
 def _describe(rates: Rates) -> str:
