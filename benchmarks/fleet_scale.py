@@ -547,6 +547,10 @@ def plot(result: dict[str, Any], path: str) -> None:
     shared = result["cap"] * (1 - result["bootstrap_fraction"])
     ax.axhline(shared, color="grey", linestyle=":", label="what the grants share")
     ax.axvline(result["last_join"], color="green", linestyle="-.", label="last member joined")
+    if result.get("leave_at") is not None:
+        ax.axvline(result["leave_at"], color="orange", linestyle=":", label="a tenth left")
+    if result.get("late_at") is not None:
+        ax.axvline(result["late_at"], color="purple", linestyle=":", label="late members joined")
     if result["crash_at"] is not None:
         ax.axvline(result["crash_at"], color="black", linestyle="-.", label="allocator crashed")
     ax.set_xlabel("virtual seconds")
