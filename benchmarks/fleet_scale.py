@@ -214,6 +214,30 @@ class SimulatedStore:
         return client
 
 
+def settled_since(
+    series: list[tuple[float, float]], start: float, end: float, ok: Callable[[float], bool]
+) -> float | None:
+    """Seconds from ``start`` until the value of a step ``series`` (time, value) satisfies
+    ``ok`` for good, up to ``end`` (``None``: not by then)."""
+    since: float | None = None
+    value = 0.0
+    for when, level in series:
+        if when >= end:
+            break
+        if when >= start and since is None and ok(value):
+            since = start
+        value = level
+        if when < start:
+            continue
+        if ok(level) and since is None:
+            since = when
+        elif not ok(level):
+            since = None
+    if since is None and ok(value):
+        since = start
+    return None if since is None else since - start
+
+
 @dataclass
 class Ledger:
     """The rates every member applies, and their sum over time."""
@@ -243,24 +267,7 @@ class Ledger:
     def converged_since(self, start: float, end: float, band: float = 0.05) -> float | None:
         """Seconds from ``start`` until the sum stays within ±band of the cap until ``end``."""
         low, high = self.cap * (1 - band), self.cap * (1 + band)
-        since: float | None = None
-        value = 0.0
-        for when, total in self.series:
-            if when >= end:
-                break
-            if when >= start and since is None and low <= value <= high:
-                since = start
-            value = total
-            inside = low <= total <= high
-            if when < start:
-                continue
-            if inside and since is None:
-                since = when
-            elif not inside:
-                since = None
-        if since is None and low <= value <= high:
-            since = start
-        return None if since is None else since - start
+        return settled_since(self.series, start, end, lambda total: low <= total <= high)
 
     def mean(self, start: float, end: float) -> float:
         """The time-weighted mean of the sum applied over [start, end)."""
@@ -287,21 +294,7 @@ class Ledger:
 
     def reached_since(self, member: int, start: float, end: float, share: float) -> float | None:
         """Seconds from ``start`` until ``member`` applies at least ``share`` until ``end``."""
-        since: float | None = None
-        value = 0.0
-        for at, rate in self.members.get(member, ()):
-            if at >= end:
-                break
-            value = rate
-            if at < start:
-                continue
-            if rate >= share and since is None:
-                since = at
-            elif rate < share:
-                since = None
-        if since is None and value >= share and self.rate_at(member, start) >= share:
-            since = start
-        return None if since is None else since - start
+        return settled_since(self.members.get(member, []), start, end, lambda rate: rate >= share)
 
 
 class Member:

@@ -131,9 +131,7 @@ def _made_for(previous: GrantsDocument | None, worker_id: str, incarnation: str)
     named for it: grants that do not say for which process, as an older allocator wrote them,
     are not freed by a mark)."""
     entry = previous.workers.get(worker_id) if previous is not None else None
-    if entry is None:
-        return True
-    return entry.incarnation is not None and incarnation.startswith(entry.incarnation)
+    return entry is None or entry.names(incarnation)
 
 
 def _short(rate: float) -> float:

@@ -140,6 +140,10 @@ class WorkerEntry:
     #: for the one before it (``None``: not said, any incarnation takes it)
     incarnation: str | None = None
 
+    def names(self, incarnation: str) -> bool:
+        """Whether this entry says its grant was made for ``incarnation``."""
+        return self.incarnation is not None and incarnation.startswith(self.incarnation)
+
     def reserved(self) -> Rates:
         """The most this worker may apply while the document is the newest: the larger of its
         new grant and every earlier one in force, per dimension (``None`` if uncapped)."""
@@ -182,8 +186,7 @@ class GrantsDocument:
         entry = self.workers.get(worker_id)
         if entry is None:
             return None
-        named = entry.incarnation
-        if incarnation is None or named is None or incarnation.startswith(named):
+        if incarnation is None or entry.incarnation is None or entry.names(incarnation):
             return entry.grant
         return None
 

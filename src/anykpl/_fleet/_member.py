@@ -166,7 +166,8 @@ class Member(abc.ABC):
         self._stop_event: anyio.Event | None = None
         self._cycle_scope: anyio.CancelScope | None = None
         self._run_scope: anyio.CancelScope | None = None
-        # the cleanup is for good (stopped or cancelled), not before going on with a new client
+        # the cleanup under way is for good (stopped or cancelled), not before going on with a
+        # new client
         self._leaving = False
         self._done: anyio.Event | None = None
         #: the last grants document this member wrote
@@ -434,8 +435,7 @@ class Member(abc.ABC):
                 )
                 return
             read.tags[report.worker_id] = (report.incarnation, etag)
-            if not report.left:
-                read.reports.append(ObservedReport(report, last_modified))
+            read.reports.append(ObservedReport(report, last_modified))
 
         async def read_mark(key: str, etag: str) -> None:
             async with limiter:
@@ -584,31 +584,28 @@ class Member(abc.ABC):
         its own. Each only as it was read (``If-Match``); a mark stays while its report
         could not be deleted (it would count again without it)."""
 
-        async def clear(worker_id: str, incarnation: str, etag: str) -> None:
-            entry = document.workers.get(worker_id)
-            report = read.tags.get(worker_id)
-            newer = report is not None and report[0] != incarnation  # another process reports
-            named = None if entry is None else (entry.incarnation or incarnation)
-            if not newer and named is not None and incarnation.startswith(named):
-                return  # (not freed by this document: the mark waits for the next)
-            if report is not None and report[0] == incarnation:
-                key = store.key(f"workers/{worker_id}.json")
-                if not await self._delete_as_read(store, key, report[1]):
-                    return
-            await self._delete_as_read(store, store.key(f"left/{worker_id}.json"), etag)
-
         if not read.left:
             return
         limiter = anyio.CapacityLimiter(READ_CONCURRENCY)
 
-        async def bounded(worker_id: str, incarnation: str, etag: str) -> None:
+        async def clear(worker_id: str, incarnation: str, etag: str) -> None:
+            entry = document.workers.get(worker_id)
+            report = read.tags.get(worker_id)
+            newer = report is not None and report[0] != incarnation  # another process reports
+            counted = entry is not None and (entry.incarnation is None or entry.names(incarnation))
+            if counted and not newer:
+                return  # (not freed by this document: the mark waits for the next)
             async with limiter:
-                await clear(worker_id, incarnation, etag)
+                if report is not None and report[0] == incarnation:
+                    key = store.key(f"workers/{worker_id}.json")
+                    if not await self._delete_as_read(store, key, report[1]):
+                        return
+                await self._delete_as_read(store, store.key(f"left/{worker_id}.json"), etag)
 
         with anyio.move_on_after(READ_PHASE * self.period):  # (what is left waits a cycle)
             async with anyio.create_task_group() as tg:
                 for worker_id, (incarnation, etag) in read.left.items():
-                    tg.start_soon(bounded, worker_id, incarnation, etag)
+                    tg.start_soon(clear, worker_id, incarnation, etag)
 
     async def _delete_as_read(self, store: Store, key: str, etag: str) -> bool:
         """Delete ``key`` if it is still as read (``If-Match``); whether it is gone."""
@@ -736,17 +733,17 @@ class Member(abc.ABC):
         while not self._stopping:
             try:
                 async with self._store() as store:
-                    # leaving, unless a failure makes the member go on with a new client
-                    self._leaving = True
+                    going_on = False  # a failure, after which it goes on with a new client
                     try:
                         async with anyio.create_task_group() as tg:
                             tg.start_soon(self._calibrate, store)
                             await self._cycles(store)
                             tg.cancel_scope.cancel()
                     except Exception:
-                        self._leaving = self._stopping
+                        going_on = not self._stopping
                         raise
                     finally:
+                        self._leaving = not going_on
                         with anyio.move_on_after(self._cleanup_time(), shield=True):
                             await self._cleanup(store)
                 return

@@ -439,25 +439,27 @@ class FleetWorker(Member):
             # (if a write was cut short and landed after all, the condition fails and the
             # report stays: the allocator deletes it with the mark)
             etag = self._confirmed_etag
-            if self._applied == LEFT and self._report_body is not None:
-                try:
-                    mark = replace(self._report(), left=True, wants=LEFT, offered=LEFT)
-                except Exception as exc:  # (the producer's demand, read for the report)
-                    self._record_error("mark this worker as left", exc)
-                else:
-                    await self._attempt(
-                        "mark this worker as left",
-                        store.put(store.key(f"left/{self.worker_id}.json"), mark.to_json()),
-                    )
-            if self._applied == LEFT and etag is not None:
-                with suppress(Conflict):
-                    await self._attempt(
-                        "delete the report",
-                        store.delete(store.key(f"workers/{self.worker_id}.json"), if_match=etag),
-                    )
+            if self._applied == LEFT:
+                await self._mark_left(store)
+                if etag is not None:
+                    with suppress(Conflict):
+                        key = store.key(f"workers/{self.worker_id}.json")
+                        await self._attempt("delete the report", store.delete(key, if_match=etag))
             self._state.forget_rank()
         # (a member that goes on with a new client keeps its report, and rewrites it next)
         self._report_etag = self._confirmed_etag = None
+
+    async def _mark_left(self, store: Store) -> None:
+        """Write ``left/<id>.json``: this process's last report, saying it left."""
+        if self._report_body is None:
+            return  # (it never reported: nothing of it was granted)
+        try:
+            mark = replace(self._report(), left=True, wants=LEFT, offered=LEFT)
+        except Exception as exc:  # (the producer's demand, read for the report)
+            self._record_error("mark this worker as left", exc)
+            return
+        key = store.key(f"left/{self.worker_id}.json")
+        await self._attempt("mark this worker as left", store.put(key, mark.to_json()))
 
 
 def _describe(rates: Rates) -> str:
