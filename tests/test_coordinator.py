@@ -351,6 +351,40 @@ class TestOnMockClock:
         assert [s.mode for s in after] == ["granted", "granted"]
         check_every_generation(s3)
 
+    async def test_a_worker_the_store_throttles_calls_it_less_often_until_it_answers(
+        self,
+    ) -> None:
+        # A store that answers 503 SlowDown is overloaded: a member that goes on calling it
+        # every interval keeps it so (and the allocator, refused too, cannot tell the fleet to
+        # stretch). A store that is unreachable is not overloaded: no back-off for that.
+        s3 = FakeS3()
+        member = Member(s3, "w0", elect=False)
+        stretched = fleet_member.MAX_STRETCH * INTERVAL
+        async with running(member):
+            await anyio.sleep(5 * INTERVAL)
+            calm = member.worker.statistics()
+            s3.throttled = True
+            calls = s3.calls
+            await anyio.sleep(60 * INTERVAL)
+            throttled = member.worker.statistics()
+            throttled_calls = s3.calls - calls
+            s3.throttled = False
+            s3.down = True  # (unreachable: each cycle shrinks the back-off)
+            await anyio.sleep(40 * INTERVAL)
+            down = member.worker.statistics()
+            s3.down = False
+            await anyio.sleep(3 * INTERVAL)
+            after = member.worker.statistics()
+        assert calm.sync_interval == INTERVAL
+        assert throttled.sync_interval == stretched
+        # at most three calls a cycle (grants, report, a listing), over 1, 1.5, 2.25 ... 12
+        # intervals: 9-10 cycles in 60 intervals, where it would have made 60
+        assert throttled_calls <= 30
+        assert "SlowDown" in (throttled.last_error or "")
+        assert down.sync_interval == INTERVAL
+        assert after.sync_interval == INTERVAL
+        assert "ConnectionError" in (after.last_error or "")
+
     async def test_a_worker_that_never_reaches_s3_ends_at_the_safe_rate(self) -> None:
         s3 = FakeS3()
         s3.down = True

@@ -56,7 +56,8 @@ def test_a_hundred_members_on_a_fast_store_hold_the_cap_and_converge() -> None:
 
 def test_members_joining_faster_than_a_slow_store_serves_never_exceed_the_cap() -> None:
     # 150 members would ask 90 requests/s of a store that serves 50: it throttles, calls time
-    # out, reports go unread. The fleet stretches its interval instead of loosening its rates.
+    # out, reports go unread. The fleet stretches its interval instead of loosening its rates
+    # (the members back off on their own until the allocator can tell them to).
     # (no crash: on this store a takeover waits out a stretched lease of about two minutes,
     # which benchmarks/fleet_scale.py measures; here the end of the run would fall in it)
     result = simulate(
@@ -67,7 +68,7 @@ def test_members_joining_faster_than_a_slow_store_serves_never_exceed_the_cap() 
     assert result["longest_interval"] > INTERVAL
     # once stretched, the fleet asks no more than the store serves
     assert result["requests_per_second_last_minute"] <= 50
-    # and the fleet sends most of what it may by the end (over the last minute it dips now
-    # and then, when reads the store refused leave grants to expire: 0.66-0.96 of the cap)
-    assert result["final_applied_over_cap"] >= 0.8
-    assert result["mean_applied_over_cap_last_minute"] >= 0.5
+    # and the fleet sends what it may by the end: 0.93-0.96 of the cap over the last minute
+    # in 40 runs (the grants share 0.96)
+    assert result["final_applied_over_cap"] >= 0.9
+    assert result["mean_applied_over_cap_last_minute"] >= 0.85

@@ -3,9 +3,10 @@
 Objects live in a dict; PUT honours ``IfMatch`` and ``IfNoneMatch: *`` and DELETE honours
 ``IfMatch`` the way S3 does (412 ``PreconditionFailed``, 404 ``NoSuchKey``); every version of
 every object is kept, so a test can check each generation of a document; ``down`` cuts the
-bucket off. The clock is ``SERVER_EPOCH`` plus the running backend's clock, stamped in whole
-seconds like S3's ``Date`` and ``LastModified``, so under trio's MockClock minutes of S3 time
-pass in milliseconds. The fake knows nothing of the fleet's documents: the fleet tests read them.
+bucket off, and ``throttled`` answers every call ``503 SlowDown``. The clock is
+``SERVER_EPOCH`` plus the running backend's clock, stamped in whole seconds like S3's ``Date``
+and ``LastModified``, so under trio's MockClock minutes of S3 time pass in milliseconds. The
+fake knows nothing of the fleet's documents: the fleet tests read them.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class FakeS3:
         self.versions: dict[str, list[bytes]] = {}
         self.send_date = send_date
         self.down = False
+        self.throttled = False  # every call answered 503 SlowDown, as an overloaded bucket does
         self.calls = 0
 
     def stamp(self) -> float:
@@ -77,6 +79,8 @@ class FakeS3:
         self.calls += 1
         if self.down:
             raise EndpointConnectionError(endpoint_url="http://fake-s3")
+        if self.throttled:
+            raise self._error("SlowDown", 503, "S3")
         assert bucket == self.bucket
 
     async def put_object(

@@ -27,6 +27,7 @@ import anyio
 from .._aws import create_client
 from .._sender import error_code
 from ..config import FleetConfig, ProducerConfig
+from ..errors import TIMEOUT
 from ._allocation import Allocator, ObservedReport
 from ._clock import ServerClock
 from ._documents import (
@@ -47,6 +48,7 @@ __all__ = (
     "CLOCK_TARGET",
     "CLOSE_TIMEOUT",
     "LEFTOVER_LEASES",
+    "STRAIN_CODES",
     "READ_CONCURRENCY",
     "MAX_STRETCH",
     "READ_PHASE",
@@ -78,6 +80,24 @@ MAX_STRETCH = 12.0
 STRAINED_READS = 0.25
 CALM_READS = 0.1
 STRETCH_STEP = 1.5
+#: The answers by which a store says it is overloaded: throttles, 5xx and timeouts. A member
+#: (not the allocator: it stretches the fleet's interval, :meth:`Member._adapt`) whose calls
+#: get one in a cycle waits STRETCH_STEP times longer for its next, up to MAX_STRETCH sync
+#: intervals, and shrinks back by as much after a cycle without: a store too slow for the
+#: allocator to tell the fleet to stretch (its reads are refused too) gets fewer calls anyway.
+STRAIN_CODES = frozenset(
+    {
+        "SlowDown",
+        "ServiceUnavailable",
+        "InternalError",
+        "RequestTimeout",
+        "Throttling",
+        "ThrottlingException",
+        "ProvisionedThroughputExceededException",
+        "RequestLimitExceeded",
+        "InternalServerError",
+    }
+)
 #: S3's clock is known well enough once a member's uncertainty about it is below this.
 CLOCK_TARGET = 0.1
 #: After the holder's lease would expire, a contender looks again this much later, and a
@@ -91,6 +111,11 @@ TAKEOVER_SPREAD = 0.25
 RETRY_SOON = 0.25
 
 ClientFactory = Callable[[], AbstractAsyncContextManager[Any]]
+
+
+def is_strain(code: str) -> bool:
+    """Whether an error code says the store is overloaded (see :data:`STRAIN_CODES`)."""
+    return code in STRAIN_CODES or code == TIMEOUT or code.startswith("HTTP5")
 
 
 @dataclass(slots=True)
@@ -159,6 +184,8 @@ class Member(abc.ABC):
         self._next_sweep = -math.inf  # local time to look for leftover presence objects
         self._close_deadline: float | None = None  # local time by which closing must end
         self.s3_errors = 0
+        self._strained_calls = 0  # calls the store refused as overloaded (STRAIN_CODES)
+        self._backoff = 1.0  # this member's own stretch of its interval while they come
         self.last_error: str | None = None
         self._logged: set[str] = set()
         self._stopping = False
@@ -203,6 +230,8 @@ class Member(abc.ABC):
         else:
             code, message = error_code(exc)
         self.s3_errors += 1
+        if is_strain(code):
+            self._strained_calls += 1
         self.last_error = f"{operation}: {code}: {message}"
         # once per kind of failure: an outage fails every call of a cycle, every cycle
         if code in self._logged:
@@ -665,8 +694,34 @@ class Member(abc.ABC):
     async def _cleanup(self, store: Store) -> None:
         await self._release(store)
 
+    @property
+    def cycle_period(self) -> float:
+        """The time from one cycle's start to the next (before jitter): the fleet's interval
+        (:attr:`period`), or this member's own longer one while the store refuses its calls
+        as overloaded (:data:`STRAIN_CODES`). The allocator keeps to the fleet's: its lease
+        is renewed once an interval."""
+        if self.holds_lease:
+            return self.period
+        return max(self.period, self.fleet.sync_interval * self._backoff)
+
+    def _back_off(self, strained: bool) -> None:
+        """Stretch this member's own interval after a cycle in which the store refused a
+        call as overloaded; shrink it back after one without."""
+        if strained and not self.holds_lease:
+            backoff = min(MAX_STRETCH, self._backoff * STRETCH_STEP)
+        else:
+            backoff = max(1.0, self._backoff / STRETCH_STEP)
+        if backoff != self._backoff:
+            logger.debug(
+                "fleet %s: the store %s: this member syncs every %.1f s at least",
+                self.worker_id,
+                "refuses calls" if backoff > self._backoff else "answers",
+                self.fleet.sync_interval * backoff,
+            )
+        self._backoff = backoff
+
     def _interval(self) -> float:
-        return self.period * self._random.uniform(0.9, 1.1)
+        return self.cycle_period * self._random.uniform(0.9, 1.1)
 
     def _next_start(self, start: float) -> float:
         """When the cycle after the one that began at ``start`` begins."""
@@ -688,7 +743,7 @@ class Member(abc.ABC):
         failures: set[str] = set()  # kinds of exception logged since the last clean cycle
         while not self._stopping:
             start = anyio.current_time()
-            errors = self.s3_errors
+            errors, strained = self.s3_errors, self._strained_calls
             with anyio.CancelScope() as scope:
                 self._cycle_scope = scope
                 try:
@@ -709,6 +764,7 @@ class Member(abc.ABC):
             self._cycle_scope = None
             if self.s3_errors == errors:
                 self._recovered()
+            self._back_off(self._strained_calls != strained)
             now = anyio.current_time()
             wake = self._next_start(start)
             if self._lease_wake is not None and self._lease_wake < wake:
@@ -777,11 +833,11 @@ class Member(abc.ABC):
             target = max(CLOCK_TARGET, 2 * store.round_trip)
             at = self._clock.probe_time(now)
             if width is None or width <= target or probe is None or at is None:
-                await anyio.sleep(self.period)
+                await anyio.sleep(self.cycle_period)
                 continue
             await anyio.sleep(max(0.0, at - now))
             await self._rewrite(store, probe)
-            await anyio.sleep(self.period)
+            await anyio.sleep(self.cycle_period)
 
     async def _rewrite(self, store: Store, probe: tuple[str, bytes]) -> None:
         """Rewrite the object :meth:`_probe` named, for :meth:`_calibrate`."""

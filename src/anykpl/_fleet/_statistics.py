@@ -36,7 +36,8 @@ class FleetStatistics:
         last_error: the last of them (``"operation: code: message"``), or ``None``.
         generation: the generation of the grant applied last, or ``None``.
         sync_interval: the interval it keeps to now: the configured one, or longer while the
-            store is slow (the allocator asks it of the fleet).
+            store is slow (the allocator asks it of the fleet, or the member backs off while
+            the store refuses its calls as overloaded).
         rank: its rank in the bootstrap budget (the reports it listed after writing its own),
             or ``None`` before it listed.
         requests: the store requests it made since the start, by kind (``"GetObject"``,

@@ -127,7 +127,7 @@ class FleetWorker(Member):
             s3_errors=self.s3_errors,
             last_error=self.last_error,
             generation=self._state.generation,
-            sync_interval=self.period,
+            sync_interval=self.cycle_period,
             rank=self._state.rank,
             requests=dict(sorted(self.requests.items())),
             requests_per_minute=self.requests_per_minute() if math.isfinite(now) else {},
@@ -416,8 +416,8 @@ class FleetWorker(Member):
             return start + self._interval() / 2
         document = self._phase_source
         offsets = self._clock.offsets(start)
-        if self.holds_lease or document is None or offsets is None:
-            return super()._next_start(start)
+        if self.holds_lease or document is None or offsets is None or self.cycle_period > period:
+            return super()._next_start(start)  # (backing off: no phase to keep)
         issued = document.issued_at - (offsets[0] + offsets[1]) / 2  # local time
         if document.expires_at - offsets[0] <= start:  # no allocator alive
             return super()._next_start(start)
