@@ -2,7 +2,9 @@
 simulated store that is slow, fails and throttles.
 
 Every member is a real :class:`~anykpl._fleet.FleetWorker` (the code a producer runs), each
-with its own demand (``--offer`` records/s, spread ±33 %), all in one trio run on
+with its own demand (``--offer`` records/s, spread ±33 %: its callers offer that much, and its
+producer admits it while its backlog is under ``max_outstanding_time`` of what it sends, and
+holds the callers back beyond, as a producer's admission does), all in one trio run on
 ``trio.testing.MockClock(autojump_threshold=0)``: minutes of fleet time pass in seconds, and
 nothing here is timed by the wall clock. The store is :class:`SimulatedStore`, an S3 bucket in
 memory with S3's conditional writes and whole-second ``Date`` and ``LastModified``, that
@@ -67,6 +69,9 @@ EPOCH = 1_800_000_000.0
 BUCKET = "fleet"
 GRANTS = "anykpl-fleet/grants.json"
 CONFIG = ProducerConfig(region="us-east-1", aws_access_key_id="k", aws_secret_access_key="s")
+#: A member's producer admits records while its backlog is under this many seconds of what it
+#: sends (``max_outstanding_time``: half the default ``record_ttl``).
+HELD_SECONDS = CONFIG.record_ttl / 2
 
 
 class _Body:
@@ -307,8 +312,10 @@ class Member:
         self.offer = offer
         self.ledger = ledger
         self.rate = 0.0
-        self.offered = 0.0
+        self.offered = 0.0  # records admitted so far
         self.backlog = 0.0
+        self.held = False  # callers wait for room
+        self.waits = 0  # the times they began to
         self.since = 0.0
         self.worker = FleetWorker(
             FleetConfig(
@@ -326,15 +333,27 @@ class Member:
         self.worker._random = random.Random(args.seed * 100_003 + index)
 
     def _advance(self) -> None:
+        """Its callers offer ``offer`` records/s; the producer admits them while its backlog
+        (admitted, not yet sent) is under ``max_outstanding_time`` of what it sends, and holds
+        the callers back beyond that (as a producer's admission does); it sends at ``rate``."""
         now = anyio.current_time()
         elapsed = now - self.since
         self.since = now
-        self.offered += self.offer * elapsed
-        self.backlog = max(0.0, self.backlog + (self.offer - self.rate) * elapsed)
+        arriving = self.backlog + self.offer * elapsed
+        backlog = max(0.0, arriving - self.rate * elapsed)
+        limit = HELD_SECONDS * self.rate
+        held = backlog > limit
+        self.waits += held or self.held  # (callers waited in this stretch of time)
+        self.held = held
+        admitted = self.offer * elapsed - max(0.0, backlog - limit)
+        self.offered += max(0.0, admitted)
+        self.backlog = min(backlog, limit)
 
     def demand(self) -> FleetDemand:
         self._advance()
-        return FleetDemand(int(self.offered), int(self.offered) * 100, int(self.backlog), 0)
+        return FleetDemand(
+            int(self.offered), int(self.offered) * 100, int(self.backlog), 0, self.waits, self.held
+        )
 
     def apply(self, records: float | None, nbytes: float | None) -> None:
         self._advance()

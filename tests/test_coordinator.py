@@ -27,6 +27,7 @@ from anykpl._fleet import (
     WorkerEntry,
     parse_grants,
     parse_lease,
+    parse_report,
 )
 from anykpl._fleet import _member as fleet_member
 from anykpl._producer import STOPPED
@@ -261,6 +262,29 @@ class TestOnMockClock:
         assert [s.mode for s in stats] == ["granted"] * 4
         assert sum(1 for s in stats if s.role == "allocator") == 1
         assert {s.fleet_size for s in stats} == {4}
+        check_every_generation(s3)
+
+    async def test_a_worker_that_holds_its_callers_back_gets_its_share_at_once(self) -> None:
+        # Starting on a small budget rate, a producer admits little and holds a small backlog
+        # (admission keeps it to what the shard sends in max_outstanding_time): its callers
+        # waiting for room are what says it wants more. It asks for the whole cap, and the
+        # first grants share the cap equally with a worker whose backlog says as much.
+        s3 = FakeS3()
+        held, busy = Member(s3, "held"), Member(s3, "busy")
+        waits = 0
+
+        def demand() -> FleetDemand:
+            nonlocal waits
+            waits += 1
+            return FleetDemand(0, 0, 0, 0, admission_waits=waits, admission_waiting=1)
+
+        held.worker._demand = demand
+        async with running(busy, held):
+            await anyio.sleep(3 * INTERVAL)
+            rates = [busy.rate, held.rate]
+            report = parse_report(s3.objects["anykpl-fleet/workers/held.json"][0])
+        assert rates == pytest.approx([GRANTABLE / 2] * 2)
+        assert report.wants.records_per_second == CAP
         check_every_generation(s3)
 
     async def test_demand_moves_capacity_without_the_sum_ever_exceeding_the_cap(self) -> None:
@@ -554,7 +578,9 @@ class TestOnMockClock:
             assert bucket.records_per_second == STOPPED  # before any S3 call: nothing
             for i in range(50):
                 await producer.submit("stream", b"x" * 100, partition_key=str(i))
-            await anyio.sleep(2 * INTERVAL)
+            # (the submits waited for room before the first grant: it asked for the whole cap
+            # then, and for what it admits once they no longer wait)
+            await anyio.sleep(4 * INTERVAL)
             stats = producer.statistics().fleet
             assert stats is not None
             assert (stats.mode, stats.role, stats.worker_id) == ("granted", "allocator", "producer")
@@ -573,6 +599,31 @@ class TestOnMockClock:
         assert b'"backlog"' in report
         assert "anykpl-fleet/workers/producer.json" not in s3.objects  # deleted on close
         assert s3.holder() is None
+
+    async def test_a_producer_whose_submits_wait_for_room_asks_for_the_whole_cap(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        s3 = FakeS3()
+        monkeypatch.setattr(fleet_member, "create_client", lambda *a, **k: s3.factory()())
+        config = CONFIG.replace(fleet=fleet("producer"), record_max_buffered_time=0.05)
+        async with Producer(config, transport=FakeKinesis()) as producer:
+
+            async def saturate() -> None:
+                i = 0
+                while True:
+                    await producer.submit("stream", b"x" * 100, partition_key=str(i % 7))
+                    i += 1
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(saturate)
+                await anyio.sleep(3 * INTERVAL)
+                stats = producer.statistics().fleet
+                report = parse_report(s3.objects["anykpl-fleet/workers/producer.json"][0])
+                tg.cancel_scope.cancel()
+        assert stats is not None
+        assert report.wants.records_per_second == CAP
+        # alone in the fleet: all that may be granted
+        assert (stats.mode, stats.records_per_second) == ("granted", pytest.approx(GRANTABLE))
 
     # -- review fixes -----------------------------------------------------------------------
 

@@ -996,6 +996,18 @@ def test_demand_is_an_ewma_of_admissions_plus_the_backlog() -> None:
     assert wants == pytest.approx(Rates(150.0 + 20, 15_000.0 + 2000))
 
 
+def test_callers_waiting_for_room_say_the_worker_is_held() -> None:
+    # Admission holds a shard's backlog to what the shard sends in max_outstanding_time: at a
+    # small rate the backlog is small, and only the waiting callers say that it wants more.
+    estimator = DemandEstimator(sync_interval=1.0)
+    estimator.update(FleetDemand(0, 0, 0, 0, admission_waits=1, admission_waiting=1), 0.0)
+    assert estimator.held  # waiting now, at the first sample already
+    estimator.update(FleetDemand(5, 500, 2, 200, admission_waits=40, admission_waiting=0), 1.0)
+    assert estimator.held  # 39 waits began since the last sample
+    estimator.update(FleetDemand(9, 900, 2, 200, admission_waits=40, admission_waiting=0), 2.0)
+    assert not estimator.held  # none since
+
+
 def test_demand_samples_at_the_same_instant_do_not_divide_by_zero() -> None:
     estimator = DemandEstimator(sync_interval=1.0)
     estimator.update(FleetDemand(0, 0, 0, 0), 1.0)

@@ -46,6 +46,10 @@ class Admission:
         self._not_open = not_open
         self._closed = False
         self._room: anyio.Event | None = None
+        #: the waits for room begun so far, and those under way (a fleet worker's sign that
+        #: its producer holds callers back)
+        self.waits = 0
+        self.waiting = 0
 
     def close(self) -> None:
         """The producer is closing: every wait ends with ``ProducerClosedError``, and so does
@@ -86,6 +90,8 @@ class Admission:
             backlog.waits += 1
         timeout = None if recovered else self.timeout
         limit = math.inf if timeout is None else max(0.0, timeout - waited)
+        self.waits += 1
+        self.waiting += 1
         try:
             with anyio.fail_after(limit):
                 while not intake.has_room(record, stream, recovered):
@@ -100,5 +106,7 @@ class Admission:
                 f"no room for the record within admission_timeout={timeout} s "
                 f"({intake.no_room_reason(record, stream)})"
             ) from None
+        finally:
+            self.waiting -= 1
         if self._closed:
             raise self._not_open()

@@ -828,7 +828,14 @@ class Producer(anyio.AsyncContextManagerMixin):
         # the queued bytes are not tracked record by record (that would cost on the hot path):
         # the mean size of what was offered stands in for them
         mean_size = offered_bytes / offered_records if offered_records else 0.0
-        return FleetDemand(offered_records, offered_bytes, backlog, int(backlog * mean_size))
+        return FleetDemand(
+            offered_records,
+            offered_bytes,
+            backlog,
+            int(backlog * mean_size),
+            self._admission.waits,
+            self._admission.waiting,
+        )
 
     def _apply_fleet_rates(
         self, records_per_second: float | None, bytes_per_second: float | None

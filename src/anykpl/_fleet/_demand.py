@@ -26,6 +26,11 @@ class FleetDemand(NamedTuple):
     admitted_bytes: int
     backlog_records: int
     backlog_bytes: int
+    #: the times a caller began to wait for room at admission so far, and the callers waiting
+    #: now (backpressure): a producer that holds its callers back wants more than it admits,
+    #: however little it admits
+    admission_waits: int = 0
+    admission_waiting: int = 0
 
 
 class DemandEstimator:
@@ -34,10 +39,14 @@ class DemandEstimator:
     The offered load is what the producer *admitted* per second — not what it sent, which its
     grant caps. When backpressure holds callers back, admissions follow sending, and then the
     backlog (records admitted and not yet finished, up to ``max_outstanding_records``) is what
-    says the worker wants more.
+    says the worker wants more. But admission holds a shard's backlog to what the shard
+    delivers in ``max_outstanding_time`` at the rate it sends now: at a small rate (a member
+    starting on its bootstrap share), a small backlog. So :attr:`held` says that callers waited for
+    room since the last sample: the worker then wants all it can get (the caller says how
+    much that is: :class:`~anykpl._fleet._worker.FleetWorker` reports its cap).
     """
 
-    __slots__ = ("_last", "_last_at", "_sampled", "offered", "sync_interval")
+    __slots__ = ("_last", "_last_at", "_sampled", "held", "offered", "sync_interval")
 
     def __init__(self, sync_interval: float) -> None:
         self.sync_interval = sync_interval
@@ -45,6 +54,9 @@ class DemandEstimator:
         self._last_at = 0.0
         self._sampled = False
         self.offered = (0.0, 0.0)
+        #: whether callers waited for room at admission since the sample before the last, or
+        #: wait now
+        self.held = False
 
     def update(self, demand: FleetDemand, now: float) -> tuple[Rates, Rates]:
         """Take a sample at local time ``now``; return ``(offered, wants)`` per second."""
@@ -60,6 +72,8 @@ class DemandEstimator:
             self.offered = (records, nbytes)
             self._sampled = True
         if last is None or now > self._last_at:
+            began = last is not None and demand.admission_waits > last.admission_waits
+            self.held = began or demand.admission_waiting > 0
             self._last, self._last_at = demand, now
         wants_records = self.offered[0] + max(0, demand.backlog_records) / self.sync_interval
         wants_bytes = self.offered[1] + max(0, demand.backlog_bytes) / self.sync_interval

@@ -294,6 +294,15 @@ class FleetWorker(Member):
         now = anyio.current_time()
         demand = self._demand()
         offered, wants = self._estimator.update(demand, now)
+        if self._estimator.held:
+            # callers wait for room: it would send whatever it gets (the grant is max-min fair:
+            # those that want less get what they want first)
+            wants = Rates(
+                *(
+                    mine if cap is None or mine is None else max(mine, cap)
+                    for mine, cap in zip(wants, self._state.cap, strict=True)
+                )
+            )
         mode, rates = self._state.rates(now)
         if self._mode is not None and self._applied is not None:
             mode, rates = self._mode, self._applied  # what it applies, not what it should
@@ -406,6 +415,7 @@ class FleetWorker(Member):
         (k + phase) × sync_interval`` between a half and one and a half periods after this
         start, where ``phase`` is drawn for each cycle from U(0.2, 0.8): a thousand workers
         spread their calls over most of the period instead of calling the store all at once.
+        A worker without a grant draws it from U(0.15, 0.35): it reads a new grant sooner.
         Its second cycle only comes half a period after its first, whatever the phase.
         """
         period = self.period
@@ -421,9 +431,13 @@ class FleetWorker(Member):
         issued = document.issued_at - (offsets[0] + offsets[1]) / 2  # local time
         if document.expires_at - offsets[0] <= start:  # no allocator alive
             return super()._next_start(start)
-        aligned = issued + period / 2
+        # a worker waiting for a grant (new, or back from the safe rate) reads early in the
+        # period: its grant comes in the allocator's next document, and each of its reads
+        # that falls later leaves it on its budget rate for longer
+        phase, spread = (0.5, 0.3) if self._state.mode(start) == "granted" else (0.25, 0.1)
+        aligned = issued + phase * period
         aligned += math.ceil((start + period / 2 - aligned) / period) * period
-        return aligned + period * self._random.uniform(-0.3, 0.3)
+        return aligned + period * self._random.uniform(-spread, spread)
 
     async def _cleanup(self, store: Store) -> None:
         # the lease first: a successor can take over at once (what follows may run out of time)
