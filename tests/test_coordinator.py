@@ -17,7 +17,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from anykpl import FleetConfig, Producer, ProducerConfig
+from anykpl import FleetConfig, Producer, ProducerConfig, errors
 from anykpl._fleet import (
     FleetAllocator,
     FleetDemand,
@@ -701,6 +701,38 @@ class TestOnMockClock:
             with anyio.fail_after(10 * INTERVAL):
                 results = [await p for p in pendings]
         assert all(r.success for r in results)
+
+    async def test_records_held_by_a_fleet_rate_of_nothing_still_expire(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # A member that cannot reach the store sends nothing (its rate is zero), and its
+        # shards wait for the fleet's tokens without end: their records must still end when
+        # their TTL passes, and the calls waiting for room with them (a benchmark's producer
+        # cut off from the store hung in submit for good).
+        s3 = FakeS3()
+        s3.down = True
+        monkeypatch.setattr(fleet_member, "create_client", lambda *a, **k: s3.factory()())
+        kinesis = FakeKinesis()
+        config = CONFIG.replace(
+            fleet=fleet("producer", elect=False),
+            record_max_buffered_time=0.05,
+            record_ttl=5.0,
+            max_outstanding_records=10,
+        )
+        async with Producer(config, transport=kinesis) as producer:
+            # twice as many records as may be outstanding: two TTLs, and a third for the rest
+            with anyio.fail_after(5 * config.record_ttl):
+                pendings = [
+                    await producer.submit("stream", b"x" * 100, partition_key=str(i % 3))
+                    for i in range(20)
+                ]
+                codes = []
+                for pending in pendings:
+                    with pytest.raises(errors.RecordFailedError) as failed:
+                        await pending.wait()
+                    codes.append(failed.value.error_code)
+        assert kinesis.requests == []
+        assert set(codes) == {errors.EXPIRED}
 
     async def test_a_grant_of_zero_never_reaches_the_producer(
         self, monkeypatch: pytest.MonkeyPatch

@@ -348,6 +348,29 @@ def test_the_shared_bucket_binds_every_shard_and_they_take_turns() -> None:
     assert limiter.token_levels(now)[SHARD][0] == pytest.approx(500, abs=1)
 
 
+def test_records_that_wait_for_a_shared_bucket_at_no_rate_still_expire() -> None:
+    # a fleet member that may send nothing (STOPPED): its shards are blocked for good, and
+    # their records end when their TTL passes all the same
+    shared = TokenBucket(1e-9, 1e-9, 0.0, burst=1.0)
+    shared.empty(0.0)
+    limiter = Limiter(rate_limit_percent=100, shared=shared)
+    records = [make_kinesis_record(shard=SHARD, deadline=0.1) for _ in range(5)]
+    for kr in records:
+        kr.expiration = 2.0
+    limiter.put(records, 0.0, [])
+    now, expired = 0.0, []
+    while now < 5.0 and len(expired) < len(records):
+        out, gone, wake = _drain(limiter, now)
+        assert out == []
+        expired.extend(gone)
+        if len(expired) < len(records):
+            assert wake <= now + 1.0  # it wakes to look for expiries
+            now = max(wake, now + MIN_REFILL_WAIT)
+    assert sorted(map(id, expired)) == sorted(map(id, records))
+    assert 2.0 <= now <= 2.5
+    assert limiter.queued == 0
+
+
 def test_a_quiet_tenant_does_not_wait_behind_a_noisy_one() -> None:
     limiter = Limiter(rate_limit_percent=1)  # 10 records/s: the shard is the bottleneck
     noisy = [tenant_record("noisy", deadline=0.0) for _ in range(100)]

@@ -338,7 +338,18 @@ class Limiter:
                     continue
                 wake = min(limiter.blocked_until, limiter.next_expiry_scan)
             else:
-                wake = limiter.blocked_until
+                # blocked (for its tokens, or a pace) as long as a shared bucket at no rate
+                # at all may hold it: its records still expire when their TTL passes
+                queue = limiter.queue
+                if now >= limiter.next_expiry_scan:
+                    before = len(queue)
+                    queue.expire(now, expired)
+                    limiter.next_expiry_scan = now + EXPIRY_SCAN_INTERVAL
+                    released += before - len(queue)
+                    if not queue:
+                        done.append(shard)
+                        continue
+                wake = min(limiter.blocked_until, limiter.next_expiry_scan)
             if rising:
                 # a cut shard wakes to raise its rate even if it needs no tokens before then
                 wake = min(wake, now + 4 * MIN_REFILL_WAIT)
