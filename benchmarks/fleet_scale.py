@@ -352,7 +352,14 @@ class Member:
     def demand(self) -> FleetDemand:
         self._advance()
         return FleetDemand(
-            int(self.offered), int(self.offered) * 100, int(self.backlog), 0, self.waits, self.held
+            int(self.offered),
+            int(self.offered) * 100,
+            int(self.backlog),
+            0,
+            admission_waits=self.waits,
+            admission_waiting=self.held,
+            fleet_refusals=self.waits,  # (what holds it back is its fleet rate)
+            fleet_holding=self.held,
         )
 
     def apply(self, records: float | None, nbytes: float | None) -> None:

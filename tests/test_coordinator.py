@@ -276,7 +276,7 @@ class TestOnMockClock:
         def demand() -> FleetDemand:
             nonlocal waits
             waits += 1
-            return FleetDemand(0, 0, 0, 0, admission_waits=waits, admission_waiting=1)
+            return FleetDemand(0, 0, 0, 0, waits, 1, fleet_refusals=waits, fleet_holding=True)
 
         held.worker._demand = demand
         async with running(busy, held):
@@ -408,6 +408,56 @@ class TestOnMockClock:
         assert down.sync_interval == INTERVAL
         assert after.sync_interval == INTERVAL
         assert "ConnectionError" in (after.last_error or "")
+
+    async def test_a_granted_worker_backs_off_no_further_than_keeps_its_report_fresh(
+        self,
+    ) -> None:
+        # while its grant may be in force, its report must stay younger than a lease: an
+        # allocator taking over without a readable grants.json learns from those reports
+        s3 = FakeS3()
+        members = [Member(s3, f"w{i}") for i in range(2)]
+        async with running(*members):
+            await anyio.sleep(3 * INTERVAL)
+            s3.throttled = True
+            await anyio.sleep(2.5 * INTERVAL)
+            stats = [m.worker.statistics() for m in members]
+            s3.throttled = False
+        worker = next(s for s in stats if s.role == "worker")
+        allocator = next(s for s in stats if s.role == "allocator")
+        assert worker.mode == "granted"
+        assert worker.sync_interval == pytest.approx(fleet_member.FRESH_REPORTS * LEASE)
+        assert allocator.sync_interval == INTERVAL  # the allocator keeps to the interval
+
+    async def test_a_standby_allocator_does_not_back_off(self) -> None:
+        # it must see the lease run out in time, and there are only a few
+        s3 = FakeS3()
+        s3.throttled = True
+        standby = FleetAllocator(
+            fleet(), CONFIG, allocator_id="standby", client_factory=s3.factory()
+        )
+        async with running(standby):
+            await anyio.sleep(10 * INTERVAL)
+            assert not standby.holds_lease
+            assert standby.cycle_period == INTERVAL
+        assert standby.s3_errors >= 10
+
+    @pytest.mark.parametrize(
+        ("code", "strained"),
+        [
+            ("SlowDown", True),
+            ("ProvisionedThroughputExceededException", True),
+            ("Timeout", True),
+            ("503", True),  # a 5xx without a body: botocore names it by its status
+            ("HTTP500", True),
+            ("404", False),
+            ("PreconditionFailed", False),
+            ("ConnectionError", False),
+        ],
+    )
+    async def test_which_errors_say_the_store_is_overloaded(
+        self, code: str, strained: bool
+    ) -> None:
+        assert fleet_member.is_strain(code) == strained
 
     async def test_a_worker_that_never_reaches_s3_ends_at_the_safe_rate(self) -> None:
         s3 = FakeS3()
@@ -600,12 +650,17 @@ class TestOnMockClock:
         assert "anykpl-fleet/workers/producer.json" not in s3.objects  # deleted on close
         assert s3.holder() is None
 
-    async def test_a_producer_whose_submits_wait_for_room_asks_for_the_whole_cap(
+    async def test_a_producer_tells_its_worker_when_the_fleet_rate_holds_its_callers(
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
+        # what the worker's demand is made of (see DemandEstimator.held): the callers waiting
+        # for room at admission, and the records the fleet's bucket holds back
         s3 = FakeS3()
         monkeypatch.setattr(fleet_member, "create_client", lambda *a, **k: s3.factory()())
-        config = CONFIG.replace(fleet=fleet("producer"), record_max_buffered_time=0.05)
+        # a cap of 100 records/s binds before anything else here (the fake Kinesis takes more)
+        config = CONFIG.replace(
+            fleet=fleet("producer", records_per_second=100.0), record_max_buffered_time=0.05
+        )
         async with Producer(config, transport=FakeKinesis()) as producer:
 
             async def saturate() -> None:
@@ -617,13 +672,18 @@ class TestOnMockClock:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(saturate)
                 await anyio.sleep(3 * INTERVAL)
+                before = producer._fleet_demand()
+                await anyio.sleep(INTERVAL)
+                after = producer._fleet_demand()
                 stats = producer.statistics().fleet
-                report = parse_report(s3.objects["anykpl-fleet/workers/producer.json"][0])
                 tg.cancel_scope.cancel()
+            await anyio.sleep(2 * INTERVAL)  # nothing waits now
+            idle = producer._fleet_demand()
+        assert after.admission_waits > before.admission_waits > 0
+        assert after.fleet_refusals > before.fleet_refusals > 0
         assert stats is not None
-        assert report.wants.records_per_second == CAP
-        # alone in the fleet: all that may be granted
-        assert (stats.mode, stats.records_per_second) == ("granted", pytest.approx(GRANTABLE))
+        assert (stats.mode, stats.records_per_second) == ("granted", pytest.approx(96.0))
+        assert (idle.admission_waiting, idle.fleet_holding) == (0, False)
 
     # -- review fixes -----------------------------------------------------------------------
 

@@ -996,16 +996,23 @@ def test_demand_is_an_ewma_of_admissions_plus_the_backlog() -> None:
     assert wants == pytest.approx(Rates(150.0 + 20, 15_000.0 + 2000))
 
 
-def test_callers_waiting_for_room_say_the_worker_is_held() -> None:
+def test_callers_waiting_for_room_while_the_fleet_rate_binds_say_the_worker_is_held() -> None:
     # Admission holds a shard's backlog to what the shard sends in max_outstanding_time: at a
-    # small rate the backlog is small, and only the waiting callers say that it wants more.
+    # small rate the backlog is small, and only the waiting callers say that it wants more —
+    # when the fleet's bucket is what holds the records back, not Kinesis.
     estimator = DemandEstimator(sync_interval=1.0)
-    estimator.update(FleetDemand(0, 0, 0, 0, admission_waits=1, admission_waiting=1), 0.0)
-    assert estimator.held  # waiting now, at the first sample already
-    estimator.update(FleetDemand(5, 500, 2, 200, admission_waits=40, admission_waiting=0), 1.0)
-    assert estimator.held  # 39 waits began since the last sample
-    estimator.update(FleetDemand(9, 900, 2, 200, admission_waits=40, admission_waiting=0), 2.0)
-    assert not estimator.held  # none since
+
+    def sample(at: float, waits: int, waiting: int, refusals: int, holding: bool) -> bool:
+        demand = FleetDemand(0, 0, 0, 0, waits, waiting, refusals, holding)
+        estimator.update(demand, at)
+        return estimator.held
+
+    assert sample(0.0, 1, 1, 0, True)  # waiting now, at the first sample already
+    assert sample(1.0, 40, 0, 3, False)  # 39 waits and 3 refusals since the last sample
+    assert not sample(2.0, 40, 0, 3, False)  # none since
+    assert not sample(3.0, 90, 1, 3, False)  # waiting, but for Kinesis: the fleet lets it go
+    assert not sample(4.0, 90, 0, 9, True)  # the fleet binds, but nobody waits
+    assert sample(5.0, 91, 0, 9, True)
 
 
 def test_demand_samples_at_the_same_instant_do_not_divide_by_zero() -> None:

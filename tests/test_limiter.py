@@ -369,6 +369,8 @@ def test_records_that_wait_for_a_shared_bucket_at_no_rate_still_expire() -> None
     assert sorted(map(id, expired)) == sorted(map(id, records))
     assert 2.0 <= now <= 2.5
     assert limiter.queued == 0
+    # the head's reservation of the shared bucket was never used: given back, no debt left
+    assert shared.time_until(1, 1, now) == pytest.approx(1e9, rel=0.01)
 
 
 def test_a_quiet_tenant_does_not_wait_behind_a_noisy_one() -> None:

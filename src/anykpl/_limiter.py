@@ -131,6 +131,8 @@ class _ShardLimiter:
         "pace",
         "queue",
         "shared",
+        "shared_blocked",
+        "shared_refusals",
     )
 
     def __init__(
@@ -156,6 +158,10 @@ class _ShardLimiter:
         # shard last released a record
         self.pace = 0.0
         self.active_at = -math.inf
+        # the records the shared (fleet) bucket refused so far, and whether it holds the
+        # shard now: a fleet worker's sign that the fleet's rate is what holds it back
+        self.shared_refusals = 0
+        self.shared_blocked = False
 
     def admit(self, item: QueuedRecord, now: float) -> bool:
         """Take the tokens for ``item``'s record from the shard's bucket and the shared one,
@@ -185,7 +191,10 @@ class _ShardLimiter:
         ):
             bucket.refund(1, size)
             kr.shared_paid = True  # it goes once its shard's tokens are there, after the wait
+            self.shared_refusals += 1
+            self.shared_blocked = True
         else:
+            self.shared_blocked = False
             counters = self.counters
             users = len(kr.records)
             counters.records_sent += 1
@@ -294,6 +303,7 @@ class Limiter:
         next_wake = math.inf
         done: list[str] = []
         released = 0
+        first_expired = len(expired)
         pace = self.pace
         waiting: list[str] | set[str] = self._waiting
         if self.shared is not None and len(waiting) > 1:
@@ -357,6 +367,12 @@ class Limiter:
         for shard in done:
             self._waiting.discard(shard)
         self.queued -= released
+        shared = self.shared
+        if shared is not None:
+            for kr in expired[first_expired:]:
+                if kr.shared_paid:  # its reservation of the shared bucket was never used
+                    shared.refund(1, kr.size)
+                    kr.shared_paid = False
         return next_wake
 
     # -- pacing at capacity ---------------------------------------------------------------
@@ -577,6 +593,15 @@ class Limiter:
         return None
 
     # -- introspection --------------------------------------------------------------------
+
+    def shared_holds(self) -> tuple[int, bool]:
+        """The records the shared (fleet) bucket refused so far, and whether it holds back a
+        shard with records now."""
+        refusals, holding = 0, False
+        for lim in self._shards.values():
+            refusals += lim.shared_refusals
+            holding = holding or (lim.shared_blocked and len(lim.queue) > 0)
+        return refusals, holding
 
     def queue_depths(self) -> dict[str, int]:
         depths = {shard: len(lim.queue) for shard, lim in self._shards.items()}

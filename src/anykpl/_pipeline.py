@@ -369,11 +369,13 @@ class Pipeline:
         metrics.observe("UserRecordsPut", stream, None, None, failed, 0, 0, 0)  # KPL's zeros
         self.finish(records, False)
 
-    def demand(self) -> tuple[int, int, int]:
+    def demand(self) -> tuple[int, int, int, int, bool]:
         """(Kinesis records, their bytes) offered to the Limiter so far, retries included,
-        and the Kinesis records waiting in it now: the fleet worker's view of the load."""
+        the Kinesis records waiting in it now, and the records the fleet's bucket refused so
+        far and whether it holds a shard back now: the fleet worker's view of the load."""
         limiter = self.limiter
-        return limiter.offered_records, limiter.offered_bytes, limiter.queued
+        refusals, holding = limiter.shared_holds()
+        return limiter.offered_records, limiter.offered_bytes, limiter.queued, refusals, holding
 
     def statistics(self, now: float | None) -> StreamStatistics:
         """A frozen snapshot of the stream's stages (token levels only with ``now``)."""

@@ -818,23 +818,31 @@ class Producer(anyio.AsyncContextManagerMixin):
     def _fleet_demand(self) -> FleetDemand:
         """The fleet worker's view of the load, in the units of the grants (Kinesis records
         and their bytes, as the service counts them): what every stream's Limiter was offered
-        so far, retries included, and what waits in them now."""
-        offered_records = offered_bytes = backlog = 0
+        so far, retries included, and what waits in them now; and whether callers wait for
+        room while the fleet's bucket holds records back (the fleet's rate, not Kinesis, is
+        what holds the producer back)."""
+        offered_records = offered_bytes = backlog = refusals = 0
+        holding = False
         for pipeline in self._pipelines.values():
-            records, nbytes, queued = pipeline.demand()
+            records, nbytes, queued, refused, held = pipeline.demand()
             offered_records += records
             offered_bytes += nbytes
             backlog += queued
+            refusals += refused
+            holding = holding or held
         # the queued bytes are not tracked record by record (that would cost on the hot path):
         # the mean size of what was offered stands in for them
         mean_size = offered_bytes / offered_records if offered_records else 0.0
+        admission = self._admission
         return FleetDemand(
             offered_records,
             offered_bytes,
             backlog,
             int(backlog * mean_size),
-            self._admission.waits,
-            self._admission.waiting,
+            admission_waits=admission.waits,
+            admission_waiting=admission.waiting,
+            fleet_refusals=refusals,
+            fleet_holding=holding,
         )
 
     def _apply_fleet_rates(

@@ -27,10 +27,14 @@ class FleetDemand(NamedTuple):
     backlog_records: int
     backlog_bytes: int
     #: the times a caller began to wait for room at admission so far, and the callers waiting
-    #: now (backpressure): a producer that holds its callers back wants more than it admits,
-    #: however little it admits
+    #: now (backpressure)
     admission_waits: int = 0
     admission_waiting: int = 0
+    #: the records the fleet's bucket refused so far, and whether it holds records back now:
+    #: a producer whose callers wait while the fleet's rate holds it back wants more than it
+    #: admits, however little it admits (one that Kinesis holds back would not send more)
+    fleet_refusals: int = 0
+    fleet_holding: bool = False
 
 
 class DemandEstimator:
@@ -42,7 +46,8 @@ class DemandEstimator:
     says the worker wants more. But admission holds a shard's backlog to what the shard
     delivers in ``max_outstanding_time`` at the rate it sends now: at a small rate (a member
     starting on its bootstrap share), a small backlog. So :attr:`held` says that callers waited for
-    room since the last sample: the worker then wants all it can get (the caller says how
+    room since the last sample while the fleet's bucket held records back (the fleet's rate,
+    not Kinesis, held the producer back): the worker then wants all it can get (the caller says how
     much that is: :class:`~anykpl._fleet._worker.FleetWorker` reports its cap).
     """
 
@@ -54,8 +59,8 @@ class DemandEstimator:
         self._last_at = 0.0
         self._sampled = False
         self.offered = (0.0, 0.0)
-        #: whether callers waited for room at admission since the sample before the last, or
-        #: wait now
+        #: whether callers waited for room at admission since the previous sample (or wait
+        #: now) while the fleet's bucket held records back
         self.held = False
 
     def update(self, demand: FleetDemand, now: float) -> tuple[Rates, Rates]:
@@ -72,8 +77,13 @@ class DemandEstimator:
             self.offered = (records, nbytes)
             self._sampled = True
         if last is None or now > self._last_at:
-            began = last is not None and demand.admission_waits > last.admission_waits
-            self.held = began or demand.admission_waiting > 0
+            # (the counts start with the producer: before the first sample, from zero)
+            waits, refusals = (
+                (0, 0) if last is None else (last.admission_waits, last.fleet_refusals)
+            )
+            waited = demand.admission_waits > waits or demand.admission_waiting > 0
+            fleet = demand.fleet_refusals > refusals or demand.fleet_holding
+            self.held = waited and fleet
             self._last, self._last_at = demand, now
         wants_records = self.offered[0] + max(0, demand.backlog_records) / self.sync_interval
         wants_bytes = self.offered[1] + max(0, demand.backlog_bytes) / self.sync_interval

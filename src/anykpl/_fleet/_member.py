@@ -47,8 +47,10 @@ from ._worker_state import LEFTOVER_LEASES
 __all__ = (
     "CLOCK_TARGET",
     "CLOSE_TIMEOUT",
+    "FRESH_REPORTS",
     "LEFTOVER_LEASES",
     "STRAIN_CODES",
+    "is_strain",
     "READ_CONCURRENCY",
     "MAX_STRETCH",
     "READ_PHASE",
@@ -98,6 +100,10 @@ STRAIN_CODES = frozenset(
         "InternalServerError",
     }
 )
+#: A member applying a grant syncs at least this often, in leases (jitter included, within
+#: a lease): the reports younger than a lease are what an allocator that takes over without a
+#: readable grants.json learns the grants in force from.
+FRESH_REPORTS = 0.6
 #: S3's clock is known well enough once a member's uncertainty about it is below this.
 CLOCK_TARGET = 0.1
 #: After the holder's lease would expire, a contender looks again this much later, and a
@@ -114,8 +120,15 @@ ClientFactory = Callable[[], AbstractAsyncContextManager[Any]]
 
 
 def is_strain(code: str) -> bool:
-    """Whether an error code says the store is overloaded (see :data:`STRAIN_CODES`)."""
-    return code in STRAIN_CODES or code == TIMEOUT or code.startswith("HTTP5")
+    """Whether an error code says the store is overloaded (see :data:`STRAIN_CODES`): a named
+    one, a timeout, or a bare 5xx status (an error without a body: botocore names it by its
+    status, ``"503"``, or :func:`~anykpl._sender.error_code` as ``"HTTP503"``)."""
+    status = code.removeprefix("HTTP")
+    return (
+        code in STRAIN_CODES
+        or code == TIMEOUT
+        or (len(status) == 3 and status.isdigit() and status.startswith("5"))
+    )
 
 
 @dataclass(slots=True)
@@ -146,6 +159,9 @@ class Member(abc.ABC):
     """What workers and the standalone allocator share: S3, errors, the lease, allocating."""
 
     _role_name = "member"
+    #: whether it stretches its own interval while the store refuses its calls (a standby
+    #: allocator does not: it must see the lease run out in time)
+    _backs_off = True
 
     def __init__(
         self,
@@ -376,6 +392,7 @@ class Member(abc.ABC):
         self._lease_etag = etag
         self._lease_wake = None
         self._taking_over = True
+        self._backoff = 1.0  # (the allocator keeps to the fleet's interval)
         logger.info("fleet %s: now the allocator", self.worker_id)
         return "acquired"
 
@@ -702,12 +719,22 @@ class Member(abc.ABC):
         is renewed once an interval."""
         if self.holds_lease:
             return self.period
-        return max(self.period, self.fleet.sync_interval * self._backoff)
+        own = self.fleet.sync_interval * self._backoff
+        if self._granted():
+            # its report must stay fresh (younger than a lease) while its grant may be in
+            # force: an allocator that takes over without a readable grants.json learns what
+            # is in force from the fresh reports alone
+            own = min(own, FRESH_REPORTS * self._lease * self.stretch)
+        return max(self.period, own)
+
+    def _granted(self) -> bool:
+        """Whether this member applies a grant now (a worker's, see FleetWorker)."""
+        return False
 
     def _back_off(self, strained: bool) -> None:
         """Stretch this member's own interval after a cycle in which the store refused a
         call as overloaded; shrink it back after one without."""
-        if strained and not self.holds_lease:
+        if strained and not self.holds_lease and self._backs_off:
             backoff = min(MAX_STRETCH, self._backoff * STRETCH_STEP)
         else:
             backoff = max(1.0, self._backoff / STRETCH_STEP)

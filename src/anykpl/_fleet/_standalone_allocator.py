@@ -34,6 +34,7 @@ class FleetAllocator(Member):
     """
 
     _role_name = "standby"
+    _backs_off = False  # (a few standbys: they must see the lease run out in time)
 
     def __init__(
         self,

@@ -319,6 +319,9 @@ class FleetWorker(Member):
             backlog=(max(0, demand.backlog_records), max(0, demand.backlog_bytes)),
         )
 
+    def _granted(self) -> bool:
+        return self._state.mode(anyio.current_time()) == "granted"
+
     def _allocated(self, document: GrantsDocument) -> None:
         self._receive(document)  # the allocator's own grant applies at once
 
@@ -404,8 +407,8 @@ class FleetWorker(Member):
         return at
 
     def _locked_start(self, start: float) -> float:
-        """Between a fifth and four fifths of a period after the allocator's, when one is
-        alive.
+        """Between a fifth and four fifths of a period after the allocator's (a worker
+        without a grant: early in it), when one is alive.
 
         Capacity a worker gives up can be granted to others only once its report says it
         applied the reduction. A worker whose cycles fall just after the allocator's would
