@@ -409,24 +409,25 @@ class TestOnMockClock:
         assert after.sync_interval == INTERVAL
         assert "ConnectionError" in (after.last_error or "")
 
-    async def test_a_granted_worker_backs_off_no_further_than_keeps_its_report_fresh(
-        self,
-    ) -> None:
-        # while its grant may be in force, its report must stay younger than a lease: an
-        # allocator taking over without a readable grants.json learns from those reports
+    async def test_a_granted_worker_keeps_to_the_interval(self) -> None:
+        # A worker applying a grant reports every interval: a report an interval and a quarter
+        # old gets it no new grant, and one older than a lease is not counted by an allocator
+        # that takes over without a readable grants.json. Only workers without a grant back
+        # off (or a fleet interval the allocator stretched).
         s3 = FakeS3()
         members = [Member(s3, f"w{i}") for i in range(2)]
         async with running(*members):
             await anyio.sleep(3 * INTERVAL)
-            s3.throttled = True
-            await anyio.sleep(2.5 * INTERVAL)
-            stats = [m.worker.statistics() for m in members]
-            s3.throttled = False
-        worker = next(s for s in stats if s.role == "worker")
-        allocator = next(s for s in stats if s.role == "allocator")
-        assert worker.mode == "granted"
-        assert worker.sync_interval == pytest.approx(fleet_member.FRESH_REPORTS * LEASE)
-        assert allocator.sync_interval == INTERVAL  # the allocator keeps to the interval
+            worker = next(m.worker for m in members if not m.worker.holds_lease)
+            worker._back_off(strained=True)
+            worker._back_off(strained=True)
+            stats = worker.statistics()
+            assert worker._backoff == 1.0
+            worker._state.grant = None  # (as if it had never been granted)
+            worker._back_off(strained=True)
+            unlocked = worker.cycle_period
+        assert (stats.mode, stats.sync_interval) == ("granted", INTERVAL)
+        assert unlocked == pytest.approx(fleet_member.STRETCH_STEP * INTERVAL)
 
     async def test_a_standby_allocator_does_not_back_off(self) -> None:
         # it must see the lease run out in time, and there are only a few

@@ -68,7 +68,7 @@ def test_members_joining_faster_than_a_slow_store_serves_never_exceed_the_cap() 
     assert result["longest_interval"] > INTERVAL
     # once stretched, the fleet asks no more than the store serves
     assert result["requests_per_second_last_minute"] <= 50
-    # and the fleet sends what it may by the end: 0.93-0.96 of the cap over the last minute
-    # in 40 runs (the grants share 0.96)
+    # and the fleet sends what it may by the end: 0.92-0.96 of the cap over the last minute
+    # in 16 runs (the grants share 0.96)
     assert result["final_applied_over_cap"] >= 0.9
     assert result["mean_applied_over_cap_last_minute"] >= 0.85

@@ -47,7 +47,6 @@ from ._worker_state import LEFTOVER_LEASES
 __all__ = (
     "CLOCK_TARGET",
     "CLOSE_TIMEOUT",
-    "FRESH_REPORTS",
     "LEFTOVER_LEASES",
     "STRAIN_CODES",
     "is_strain",
@@ -83,10 +82,11 @@ STRAINED_READS = 0.25
 CALM_READS = 0.1
 STRETCH_STEP = 1.5
 #: The answers by which a store says it is overloaded: throttles, 5xx and timeouts. A member
-#: (not the allocator: it stretches the fleet's interval, :meth:`Member._adapt`) whose calls
-#: get one in a cycle waits STRETCH_STEP times longer for its next, up to MAX_STRETCH sync
-#: intervals, and shrinks back by as much after a cycle without: a store too slow for the
-#: allocator to tell the fleet to stretch (its reads are refused too) gets fewer calls anyway.
+#: without a grant (not the allocator: it stretches the fleet's interval, :meth:`Member._adapt`)
+#: whose calls get one in a cycle waits STRETCH_STEP times longer for its next, up to
+#: MAX_STRETCH sync intervals, and shrinks back by as much after a cycle without: a store too
+#: slow for the allocator to tell the fleet to stretch (its reads are refused too) gets fewer
+#: calls anyway.
 STRAIN_CODES = frozenset(
     {
         "SlowDown",
@@ -100,10 +100,6 @@ STRAIN_CODES = frozenset(
         "InternalServerError",
     }
 )
-#: A member applying a grant syncs at least this often, in leases (jitter included, within
-#: a lease): the reports younger than a lease are what an allocator that takes over without a
-#: readable grants.json learns the grants in force from.
-FRESH_REPORTS = 0.6
 #: S3's clock is known well enough once a member's uncertainty about it is below this.
 CLOCK_TARGET = 0.1
 #: After the holder's lease would expire, a contender looks again this much later, and a
@@ -717,15 +713,12 @@ class Member(abc.ABC):
         (:attr:`period`), or this member's own longer one while the store refuses its calls
         as overloaded (:data:`STRAIN_CODES`). The allocator keeps to the fleet's: its lease
         is renewed once an interval."""
-        if self.holds_lease:
+        if self.holds_lease or self._granted():
+            # a worker applying a grant reports every interval: a report older than an
+            # interval and a quarter gets it no new grant, and one older than a lease is
+            # not counted by an allocator that takes over without a readable grants.json
             return self.period
-        own = self.fleet.sync_interval * self._backoff
-        if self._granted():
-            # its report must stay fresh (younger than a lease) while its grant may be in
-            # force: an allocator that takes over without a readable grants.json learns what
-            # is in force from the fresh reports alone
-            own = min(own, FRESH_REPORTS * self._lease * self.stretch)
-        return max(self.period, own)
+        return max(self.period, self.fleet.sync_interval * self._backoff)
 
     def _granted(self) -> bool:
         """Whether this member applies a grant now (a worker's, see FleetWorker)."""
@@ -734,7 +727,7 @@ class Member(abc.ABC):
     def _back_off(self, strained: bool) -> None:
         """Stretch this member's own interval after a cycle in which the store refused a
         call as overloaded; shrink it back after one without."""
-        if strained and not self.holds_lease and self._backs_off:
+        if strained and self._backs_off and not (self.holds_lease or self._granted()):
             backoff = min(MAX_STRETCH, self._backoff * STRETCH_STEP)
         else:
             backoff = max(1.0, self._backoff / STRETCH_STEP)

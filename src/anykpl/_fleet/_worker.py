@@ -436,8 +436,11 @@ class FleetWorker(Member):
             return super()._next_start(start)
         # a worker waiting for a grant (new, or back from the safe rate) reads early in the
         # period: its grant comes in the allocator's next document, and each of its reads
-        # that falls later leaves it on its budget rate for longer
-        phase, spread = (0.5, 0.3) if self._state.mode(start) == "granted" else (0.25, 0.1)
+        # that falls later leaves it on its budget rate for longer — unless the store is slow
+        # (the fleet's interval stretched): a thousand such reads in a third of the period
+        # would be refused
+        waiting = self._state.mode(start) != "granted" and self.stretch == 1.0
+        phase, spread = (0.25, 0.1) if waiting else (0.5, 0.3)
         aligned = issued + phase * period
         aligned += math.ceil((start + period / 2 - aligned) / period) * period
         return aligned + period * self._random.uniform(-spread, spread)
