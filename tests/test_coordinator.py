@@ -72,6 +72,12 @@ def fleet(worker_id: str | None = None, **overrides: Any) -> FleetConfig:
     return FleetConfig(**options)
 
 
+def fleet_producer(monkeypatch: pytest.MonkeyPatch, s3: FakeS3, **overrides: Any) -> ProducerConfig:
+    """The configuration of a producer named "producer" whose fleet worker talks to ``s3``."""
+    monkeypatch.setattr(fleet_member, "create_client", lambda *a, **k: s3.factory()())
+    return CONFIG.replace(fleet=fleet("producer", **overrides), record_max_buffered_time=0.05)
+
+
 class Member:
     """A FleetWorker with a constant, large demand, and what it applied."""
 
@@ -619,10 +625,7 @@ class TestOnMockClock:
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         s3 = FakeS3()
-        monkeypatch.setattr(fleet_member, "create_client", lambda *a, **k: s3.factory()())
-        config = CONFIG.replace(
-            fleet=fleet("producer", bytes_per_second=50_000.0), record_max_buffered_time=0.05
-        )
+        config = fleet_producer(monkeypatch, s3, bytes_per_second=50_000.0)
         async with Producer(config, transport=FakeKinesis()) as producer:
             bucket = producer._fleet_bucket
             assert bucket is not None
@@ -657,11 +660,8 @@ class TestOnMockClock:
         # what the worker's demand is made of (see DemandEstimator.held): the callers waiting
         # for room at admission, and the records the fleet's bucket holds back
         s3 = FakeS3()
-        monkeypatch.setattr(fleet_member, "create_client", lambda *a, **k: s3.factory()())
         # a cap of 100 records/s binds before anything else here (the fake Kinesis takes more)
-        config = CONFIG.replace(
-            fleet=fleet("producer", records_per_second=100.0), record_max_buffered_time=0.05
-        )
+        config = fleet_producer(monkeypatch, s3, records_per_second=100.0)
         async with Producer(config, transport=FakeKinesis()) as producer:
 
             async def saturate() -> None:
@@ -742,11 +742,8 @@ class TestOnMockClock:
         # would have let through (a megabyte, for all it knows)
         s3 = FakeS3()
         s3.down = True
-        monkeypatch.setattr(fleet_member, "create_client", lambda *a, **k: s3.factory()())
         kinesis = FakeKinesis()
-        config = CONFIG.replace(
-            fleet=fleet("producer", elect=False), record_max_buffered_time=0.05, record_ttl=60.0
-        )
+        config = fleet_producer(monkeypatch, s3, elect=False).replace(record_ttl=60.0)
         async with Producer(config, transport=kinesis) as producer:
             pendings = [
                 await producer.submit("stream", b"x" * 1000, partition_key=str(i)) for i in range(5)
@@ -772,13 +769,9 @@ class TestOnMockClock:
         # cut off from the store hung in submit for good).
         s3 = FakeS3()
         s3.down = True
-        monkeypatch.setattr(fleet_member, "create_client", lambda *a, **k: s3.factory()())
         kinesis = FakeKinesis()
-        config = CONFIG.replace(
-            fleet=fleet("producer", elect=False),
-            record_max_buffered_time=0.05,
-            record_ttl=5.0,
-            max_outstanding_records=10,
+        config = fleet_producer(monkeypatch, s3, elect=False).replace(
+            record_ttl=5.0, max_outstanding_records=10
         )
         async with Producer(config, transport=kinesis) as producer:
             # twice as many records as may be outstanding: two TTLs, and a third for the rest
