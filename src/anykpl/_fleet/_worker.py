@@ -45,6 +45,9 @@ RECENT_GRANTS = 1.5
 #: A worker whose report was overwritten by someone else this many times in a row says that
 #: another process shares its worker_id.
 OVERWRITTEN_REPORTS = 3
+#: A new worker's first reports (this many) fall early in the allocator's period while it
+#: waits for its first grant (see FleetWorker._locked_start).
+EARLY_READS = 4
 #: What a leaving worker applies before it marks itself as left: nothing.
 LEFT = Rates(0.0, 0.0)
 
@@ -418,7 +421,8 @@ class FleetWorker(Member):
         (k + phase) × sync_interval`` between a half and one and a half periods after this
         start, where ``phase`` is drawn for each cycle from U(0.2, 0.8): a thousand workers
         spread their calls over most of the period instead of calling the store all at once.
-        A worker without a grant draws it from U(0.15, 0.35): it reads a new grant sooner.
+        A new worker waiting for its first grant draws it from U(0.15, 0.35): it reads the
+        grant sooner.
         Its second cycle only comes half a period after its first, whatever the phase.
         """
         period = self.period
@@ -434,12 +438,18 @@ class FleetWorker(Member):
         issued = document.issued_at - (offsets[0] + offsets[1]) / 2  # local time
         if document.expires_at - offsets[0] <= start:  # no allocator alive
             return super()._next_start(start)
-        # a worker waiting for a grant (new, or back from the safe rate) reads early in the
-        # period: its grant comes in the allocator's next document, and each of its reads
-        # that falls later leaves it on its budget rate for longer — unless the store is slow
-        # (the fleet's interval stretched): a thousand such reads in a third of the period
-        # would be refused
-        waiting = self._state.mode(start) != "granted" and self.stretch == 1.0
+        # a new worker waiting for its first grant reads early in the period: its grant comes
+        # in the allocator's next document, and each of its reads that falls later leaves it
+        # on its budget rate for longer. Not for long (a worker that never gets a grant, as
+        # one of two processes that share a worker_id, would always report before the other:
+        # the allocator would not see their reports alternate), and not while the store is
+        # slow (the fleet's interval stretched): a thousand such reads in a third of the
+        # period would be refused.
+        waiting = (
+            self._sequence <= EARLY_READS
+            and self._state.mode(start) != "granted"
+            and self.stretch == 1.0
+        )
         phase, spread = (0.25, 0.1) if waiting else (0.5, 0.3)
         aligned = issued + phase * period
         aligned += math.ceil((start + period / 2 - aligned) / period) * period
