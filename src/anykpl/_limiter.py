@@ -131,7 +131,6 @@ class _ShardLimiter:
         "pace",
         "queue",
         "shared",
-        "shared_blocked",
         "shared_refusals",
     )
 
@@ -158,10 +157,15 @@ class _ShardLimiter:
         # shard last released a record
         self.pace = 0.0
         self.active_at = -math.inf
-        # the records the shared (fleet) bucket refused so far, and whether it holds the
-        # shard now: a fleet worker's sign that the fleet's rate is what holds it back
+        # the records the shared (fleet) bucket refused so far: a fleet worker's sign that the
+        # fleet's rate is what holds it back
         self.shared_refusals = 0
-        self.shared_blocked = False
+
+    def scan_expiries(self, now: float, expired: list[KinesisRecord]) -> None:
+        """Move the queued records whose TTL has passed into ``expired`` (an O(n) scan: at
+        most every EXPIRY_SCAN_INTERVAL)."""
+        self.queue.expire(now, expired)
+        self.next_expiry_scan = now + EXPIRY_SCAN_INTERVAL
 
     def admit(self, item: QueuedRecord, now: float) -> bool:
         """Take the tokens for ``item``'s record from the shard's bucket and the shared one,
@@ -192,9 +196,7 @@ class _ShardLimiter:
             bucket.refund(1, size)
             kr.shared_paid = True  # it goes once its shard's tokens are there, after the wait
             self.shared_refusals += 1
-            self.shared_blocked = True
         else:
-            self.shared_blocked = False
             counters = self.counters
             users = len(kr.records)
             counters.records_sent += 1
@@ -337,8 +339,7 @@ class Limiter:
                     # tokens: scan for expiries at most every EXPIRY_SCAN_INTERVAL (the KPL's
                     # limiter checks on every 25 ms poll; an O(n) scan per drain would be too
                     # costly).
-                    queue.expire(now, expired)
-                    limiter.next_expiry_scan = now + EXPIRY_SCAN_INTERVAL
+                    limiter.scan_expiries(now, expired)
                 if controller is not None and controller.sampling and len(out) > start:
                     self._split(limiter, out, start)
                 left = len(queue)
@@ -353,8 +354,7 @@ class Limiter:
                 queue = limiter.queue
                 if now >= limiter.next_expiry_scan:
                     before = len(queue)
-                    queue.expire(now, expired)
-                    limiter.next_expiry_scan = now + EXPIRY_SCAN_INTERVAL
+                    limiter.scan_expiries(now, expired)
                     released += before - len(queue)
                     if not queue:
                         done.append(shard)
@@ -594,14 +594,14 @@ class Limiter:
 
     # -- introspection --------------------------------------------------------------------
 
-    def shared_holds(self) -> tuple[int, bool]:
-        """The records the shared (fleet) bucket refused so far, and whether it holds back a
-        shard with records now."""
-        refusals, holding = 0, False
-        for lim in self._shards.values():
-            refusals += lim.shared_refusals
-            holding = holding or (lim.shared_blocked and len(lim.queue) > 0)
-        return refusals, holding
+    def shared_holds(self, now: float) -> tuple[int, bool]:
+        """The records the shared (fleet) bucket refused so far, and whether it holds records
+        back now (records wait, and it has no token for one)."""
+        shared = self.shared
+        if shared is None:
+            return 0, False
+        refusals = sum(lim.shared_refusals for lim in self._shards.values())
+        return refusals, self.queued > 0 and shared.time_until(1, 1, now) > 0.0
 
     def queue_depths(self) -> dict[str, int]:
         depths = {shard: len(lim.queue) for shard, lim in self._shards.items()}

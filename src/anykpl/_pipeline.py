@@ -369,12 +369,12 @@ class Pipeline:
         metrics.observe("UserRecordsPut", stream, None, None, failed, 0, 0, 0)  # KPL's zeros
         self.finish(records, False)
 
-    def demand(self) -> tuple[int, int, int, int, bool]:
+    def demand(self, now: float) -> tuple[int, int, int, int, bool]:
         """(Kinesis records, their bytes) offered to the Limiter so far, retries included,
         the Kinesis records waiting in it now, and the records the fleet's bucket refused so
         far and whether it holds a shard back now: the fleet worker's view of the load."""
         limiter = self.limiter
-        refusals, holding = limiter.shared_holds()
+        refusals, holding = limiter.shared_holds(now)
         return limiter.offered_records, limiter.offered_bytes, limiter.queued, refusals, holding
 
     def statistics(self, now: float | None) -> StreamStatistics:

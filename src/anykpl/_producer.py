@@ -823,8 +823,9 @@ class Producer(anyio.AsyncContextManagerMixin):
         what holds the producer back)."""
         offered_records = offered_bytes = backlog = refusals = 0
         holding = False
+        now = self._clock()
         for pipeline in self._pipelines.values():
-            records, nbytes, queued, refused, held = pipeline.demand()
+            records, nbytes, queued, refused, held = pipeline.demand(now)
             offered_records += records
             offered_bytes += nbytes
             backlog += queued

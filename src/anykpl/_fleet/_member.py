@@ -98,6 +98,7 @@ STRAIN_CODES = frozenset(
         "ProvisionedThroughputExceededException",
         "RequestLimitExceeded",
         "InternalServerError",
+        TIMEOUT,
     }
 )
 #: S3's clock is known well enough once a member's uncertainty about it is below this.
@@ -117,14 +118,10 @@ ClientFactory = Callable[[], AbstractAsyncContextManager[Any]]
 
 def is_strain(code: str) -> bool:
     """Whether an error code says the store is overloaded (see :data:`STRAIN_CODES`): a named
-    one, a timeout, or a bare 5xx status (an error without a body: botocore names it by its
-    status, ``"503"``, or :func:`~anykpl._sender.error_code` as ``"HTTP503"``)."""
+    one, or a bare 5xx status (an error without a body: botocore names it by its status,
+    ``"503"``, or :func:`~anykpl._sender.error_code` as ``"HTTP503"``)."""
     status = code.removeprefix("HTTP")
-    return (
-        code in STRAIN_CODES
-        or code == TIMEOUT
-        or (len(status) == 3 and status.isdigit() and status.startswith("5"))
-    )
+    return code in STRAIN_CODES or (len(status) == 3 and status.isdigit() and status[0] == "5")
 
 
 @dataclass(slots=True)
@@ -713,21 +710,20 @@ class Member(abc.ABC):
         (:attr:`period`), or this member's own longer one while the store refuses its calls
         as overloaded (:data:`STRAIN_CODES`). The allocator keeps to the fleet's: its lease
         is renewed once an interval."""
-        if self.holds_lease or self._granted():
-            # a worker applying a grant reports every interval: a report older than an
-            # interval and a quarter gets it no new grant, and one older than a lease is
-            # not counted by an allocator that takes over without a readable grants.json
+        if self._keeps_to_interval():
             return self.period
         return max(self.period, self.fleet.sync_interval * self._backoff)
 
-    def _granted(self) -> bool:
-        """Whether this member applies a grant now (a worker's, see FleetWorker)."""
-        return False
+    def _keeps_to_interval(self) -> bool:
+        """Whether this member keeps to the fleet's interval whatever the store answers: the
+        allocator (its lease is renewed once an interval), and a member that does not back
+        off (:attr:`_backs_off`). A worker applying a grant does too (see FleetWorker)."""
+        return self.holds_lease or not self._backs_off
 
     def _back_off(self, strained: bool) -> None:
         """Stretch this member's own interval after a cycle in which the store refused a
         call as overloaded; shrink it back after one without."""
-        if strained and self._backs_off and not (self.holds_lease or self._granted()):
+        if strained and not self._keeps_to_interval():
             backoff = min(MAX_STRETCH, self._backoff * STRETCH_STEP)
         else:
             backoff = max(1.0, self._backoff / STRETCH_STEP)

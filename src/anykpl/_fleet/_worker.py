@@ -322,8 +322,12 @@ class FleetWorker(Member):
             backlog=(max(0, demand.backlog_records), max(0, demand.backlog_bytes)),
         )
 
-    def _granted(self) -> bool:
-        return self._state.mode(anyio.current_time()) == "granted"
+    def _keeps_to_interval(self) -> bool:
+        # a worker applying a grant reports every interval: a report older than an interval
+        # and a quarter gets it no new grant, and one older than a lease is not counted by an
+        # allocator that takes over without a readable grants.json
+        granted = self._state.mode(anyio.current_time()) == "granted"
+        return granted or super()._keeps_to_interval()
 
     def _allocated(self, document: GrantsDocument) -> None:
         self._receive(document)  # the allocator's own grant applies at once
