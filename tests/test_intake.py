@@ -44,6 +44,23 @@ async def test_under_a_mock_clock_the_backend_clock_follows_it() -> None:
     assert clock() == anyio.current_time()
 
 
+def test_on_a_standard_asyncio_loop_the_clock_is_monotonic_itself() -> None:
+    """The standard loops' ``time()`` is ``time.monotonic()``: called directly. A loop whose
+    clock was replaced (a test's fake clock) is asked as it is."""
+    import asyncio
+    import time
+
+    async def clocks() -> tuple[object, float]:
+        standard = _backend_clock()
+        loop = asyncio.get_running_loop()
+        loop.time = lambda: 12.5  # type: ignore[method-assign]
+        return standard, _backend_clock()()
+
+    standard, replaced = asyncio.run(clocks())
+    assert standard is time.monotonic
+    assert replaced == 12.5
+
+
 # -- admission per shard (pure: no event loop, the clock passed in) ---------------------------
 
 SHARDS = 4
