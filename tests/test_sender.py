@@ -21,12 +21,15 @@ from anykpl._sender import (
     _BodyPieces,
     _BodySlot,
     _BotocoreTransport,
+    _DirectPutRecords,
     _PutRecordsSerializer,
+    _Route,
     error_code,
     put_records_body,
     put_records_body_parts,
     run_sender,
 )
+from anykpl._sender import _host as signed_host
 
 
 def _client_error(code: str, status: int, message: str = "m") -> be.ClientError:
@@ -466,3 +469,135 @@ def test_transport_installs_the_serializer_when_botocore_has_one(botocore_kinesi
     assert isinstance(client._serializer, _PutRecordsSerializer)
     bare = object()
     _BotocoreTransport(bare)  # another botocore, without the attribute: left alone
+
+
+# -- direct PutRecords: what the SDK sent first, signed here afterwards -----------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "token"),
+    [
+        ("https://kinesis.us-east-1.amazonaws.com/", None),
+        ("https://kinesis.us-east-1.amazonaws.com:443/", "the session token"),
+        ("http://127.0.0.1:4567/", None),
+        ("http://[::1]:4567/", "t"),
+        ("https://123456789012.data-kinesis.eu-west-1.amazonaws.com/", None),
+    ],
+)
+def test_a_direct_request_is_signed_as_botocore_signs_it(
+    url: str, token: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Same headers, same body, same moment: the same Authorization header as botocore's
+    SigV4 signer writes, and the same token header."""
+    import datetime
+
+    import botocore.auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    moment = datetime.datetime(2026, 11, 27, 16, 5, 9)
+    monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda: moment)
+    credentials = Credentials("AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", token)
+    body = put_records_body(
+        {"StreamName": "s", "Records": [{"Data": b"\x00\xff" * 300, "PartitionKey": "k"}]}
+    )
+    region = "eu-west-1" if "eu-west-1" in url else "us-east-1"
+    headers = {
+        "X-Amz-Target": "Kinesis_20131202.PutRecords",
+        "Content-Type": "application/x-amz-json-1.1",
+        "User-Agent": "Botocore/1.0  anykpl   (spaces  folded)",
+    }
+    request = AWSRequest(method="POST", url=url, headers=dict(headers), data=body)
+    botocore.auth.SigV4Auth(credentials, "kinesis", region).add_auth(request)
+
+    route = _Route(url, signed_host(url), headers, region, "kinesis")
+    signed = route.sign(memoryview(body), credentials, "20261127T160509Z")
+    assert signed["Authorization"] == request.headers["Authorization"]
+    assert signed["X-Amz-Date"] == request.headers["X-Amz-Date"]
+    assert signed.get("X-Amz-Security-Token") == request.headers.get("X-Amz-Security-Token")
+    assert signed["Content-Length"] == str(len(body))
+
+
+class _SdkRequest:
+    def __init__(self, url: str, headers: dict[str, Any], method: str = "POST") -> None:
+        self.url = url
+        self.headers = headers
+        self.method = method
+
+
+_SIGNED = (
+    b"AWS4-HMAC-SHA256 Credential=AKID/20261127/eu-west-1/kinesis/aws4_request, "
+    b"SignedHeaders=content-type;host;x-amz-date;x-amz-target, Signature=00"
+)
+
+
+def test_a_route_is_learned_from_a_plain_sigv4_post_only() -> None:
+    """The route keeps the SDK's URL and its lasting headers, and the scope's region and
+    service; a request unlike a plain SigV4 POST to an endpoint's root leaves the stream
+    with the SDK."""
+    direct = _DirectPutRecords(client=None, credentials=object(), send=None, output_shape=None)
+    headers = {
+        "X-Amz-Target": b"Kinesis_20131202.PutRecords",
+        "Content-Type": b"application/x-amz-json-1.1",
+        "User-Agent": b"Botocore/1.0",
+        "X-Amz-Date": b"20261127T000000Z",
+        "X-Amz-Security-Token": b"t",
+        "Content-Length": b"12",
+        "amz-sdk-invocation-id": b"1",
+        "amz-sdk-request": b"attempt=1; max=1",
+        "Authorization": _SIGNED,
+    }
+    direct.learn("s", _SdkRequest("https://kinesis.eu-west-1.amazonaws.com/", headers))
+    route = direct.routes["s"]
+    assert (route.url, route.host, route.region, route.service) == (
+        "https://kinesis.eu-west-1.amazonaws.com/",
+        "kinesis.eu-west-1.amazonaws.com",
+        "eu-west-1",
+        "kinesis",
+    )
+    assert route.headers == {
+        "X-Amz-Target": "Kinesis_20131202.PutRecords",
+        "Content-Type": "application/x-amz-json-1.1",
+        "User-Agent": "Botocore/1.0",
+    }
+    refused = [
+        _SdkRequest("https://kinesis.eu-west-1.amazonaws.com/prefix/", headers),
+        _SdkRequest("https://kinesis.eu-west-1.amazonaws.com/?x=1", headers),
+        _SdkRequest("https://kinesis.eu-west-1.amazonaws.com/", headers, method="GET"),
+        _SdkRequest(
+            "https://kinesis.eu-west-1.amazonaws.com/",
+            {**headers, "Authorization": b"AWS4-ECDSA-P256-SHA256 Credential=AKID/x"},
+        ),
+        _SdkRequest("https://kinesis.eu-west-1.amazonaws.com/", {**headers, "Authorization": b"x"}),
+    ]
+    for index, request in enumerate(refused):
+        direct.learn(f"refused-{index}", request)
+    assert list(direct.routes) == ["s"]
+
+
+@pytest.mark.anyio
+async def test_a_client_without_credentials_sends_everything_through_the_sdk() -> None:
+    """Unsigned requests (no credentials): no direct route is ever learned."""
+    from aiobotocore.config import AioConfig
+    from aiobotocore.session import AioSession
+    from botocore import UNSIGNED
+
+    async with AioSession().create_client(
+        "kinesis", region_name="us-east-1", config=AioConfig(signature_version=UNSIGNED)
+    ) as client:
+        assert _BotocoreTransport(client)._direct is None
+
+
+def test_lambdas_trace_id_is_read_for_each_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As botocore's recursion-detection handler: only in Lambda, quoted as botocore quotes it."""
+    from anykpl._sender import _trace_header
+
+    monkeypatch.delenv("AWS_LAMBDA_FUNCTION_NAME", raising=False)
+    monkeypatch.setenv("_X_AMZN_TRACE_ID", "Root=1-a")
+    assert _trace_header() is None
+    monkeypatch.setenv("AWS_LAMBDA_FUNCTION_NAME", "f")
+    assert _trace_header() == "Root=1-a"
+    monkeypatch.setenv("_X_AMZN_TRACE_ID", "Root=1-b;Parent=x y")
+    assert _trace_header() == "Root=1-b;Parent=x%20y"
+    monkeypatch.setenv("_X_AMZN_TRACE_ID", "")
+    assert _trace_header() is None

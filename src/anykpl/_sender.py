@@ -16,12 +16,18 @@ pipeline with a fake that throttles, fails or hangs on demand.
 from __future__ import annotations
 
 import binascii
+import datetime
+import hashlib
+import hmac
+import inspect
 import json
 import logging
+import os
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from typing import Any, Final, Protocol
+from urllib.parse import quote, urlsplit
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -366,6 +372,310 @@ class _PutRecordsSerializer:
         return request
 
 
+# -- PutRecords without the SDK's per-request machinery ------------------------------------
+#
+# botocore spends about 1.5 ms of CPU on each call besides the body and the network: its
+# events, the endpoint rules, the User-Agent built twice, parameter validation and a general
+# SigV4 signer (docs/architecture.md, "The Sender"). A firehose sends a PutRecords request
+# every few milliseconds, so that was a sixth of the producer's CPU. The first PutRecords of
+# each stream still goes through the SDK whole; what it sent (the URL, the headers, the
+# signing scope) is learned from it, and the stream's later requests are built from that,
+# signed with the client's own credentials (refreshed as the SDK refreshes them) and sent
+# through the client's own HTTP session (its connection pool, proxies, timeouts, TLS settings
+# and error mapping). Errors are parsed by botocore's parser into the same ClientError.
+
+# The requests the client's HTTP session sent in this task (set around an SDK PutRecords call
+# by the transport, appended to by the session's ``send`` as :meth:`_DirectPutRecords.for_client`
+# wraps it): only a request that really went to the network teaches a route, not one that a
+# ``before-send`` hook answered (a stub, moto's in-process mock)
+_learned_route: ContextVar[list[Any] | None] = ContextVar("anykpl_learned_route", default=None)
+
+#: Headers a direct request sets afresh (or leaves out): the rest of what the SDK sent is sent
+#: as it was, and signed.
+_PER_REQUEST_HEADERS: Final = frozenset(
+    {
+        "authorization",
+        "x-amz-date",
+        "x-amz-security-token",
+        "x-amz-content-sha256",
+        "content-length",
+        "transfer-encoding",
+        "amz-sdk-invocation-id",
+        "amz-sdk-request",
+        "host",
+        "x-amzn-trace-id",  # Lambda's, per invocation (:func:`_trace_header`)
+    }
+)
+#: The error codes of a request whose signature the service refused (Kinesis answers
+#: ``InvalidSignatureException``; other endpoints, moto's server among them, answer
+#: ``SignatureDoesNotMatch``)
+_SIGNATURE_CODES: Final = frozenset(
+    {"InvalidSignatureException", "SignatureDoesNotMatch", "IncompleteSignatureException"}
+)
+#: Headers SigV4 leaves unsigned (botocore's ``SIGNED_HEADERS_BLACKLIST``)
+_UNSIGNED_HEADERS: Final = frozenset(
+    {
+        "baggage",
+        "connection",
+        "expect",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "traceparent",
+        "tracestate",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "user-agent",
+        "x-amzn-trace-id",
+    }
+)
+
+
+class _Route:
+    """How one stream's PutRecords requests are sent: what the SDK sent for its first."""
+
+    __slots__ = ("headers", "host", "region", "service", "url")
+
+    def __init__(self, url: str, host: str, headers: dict[str, str], region: str, service: str):
+        self.url = url
+        self.host = host
+        self.headers = headers
+        self.region = region
+        self.service = service
+
+    def sign(
+        self,
+        body: memoryview | bytes,
+        credentials: Any,
+        amz_date: str,
+        keys: dict[tuple[str, str], bytes] | None = None,
+    ) -> dict[str, str]:
+        """The request's headers, signed with SigV4; ``keys``: signing keys by (secret, day),
+        kept by the caller for the next requests."""
+        headers = dict(self.headers)
+        headers["X-Amz-Date"] = amz_date
+        token = credentials.token
+        if token:
+            headers["X-Amz-Security-Token"] = token
+        # what botocore signs: the headers so far (its Content-Length comes after signing)
+        signed = {name.lower(): " ".join(value.split()) for name, value in headers.items()}
+        for name in _UNSIGNED_HEADERS.intersection(signed):
+            del signed[name]
+        signed["host"] = self.host
+        names = sorted(signed)
+        signed_names = ";".join(names)
+        canonical_headers = "".join(f"{name}:{signed[name]}\n" for name in names)
+        payload_hash = hashlib.sha256(body).hexdigest()
+        canonical = f"POST\n/\n\n{canonical_headers}\n{signed_names}\n{payload_hash}"
+        day = amz_date[:8]
+        scope = f"{day}/{self.region}/{self.service}/aws4_request"
+        canonical_hash = hashlib.sha256(canonical.encode()).hexdigest()
+        to_sign = f"AWS4-HMAC-SHA256\n{amz_date}\n{scope}\n{canonical_hash}"
+        secret = credentials.secret_key
+        key = None if keys is None else keys.get((secret, day))
+        if key is None:
+            key = _signing_key(secret, day, self.region, self.service)
+            if keys is not None:
+                if len(keys) >= 4:  # a new day, or new credentials: the old keys go
+                    keys.clear()
+                keys[(secret, day)] = key
+        signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+        headers["Authorization"] = (
+            f"AWS4-HMAC-SHA256 Credential={credentials.access_key}/{scope}, "
+            f"SignedHeaders={signed_names}, Signature={signature}"
+        )
+        headers["Content-Length"] = str(len(body))
+        return headers
+
+
+def _signing_key(secret: str, day: str, region: str, service: str) -> bytes:
+    key = hmac.new(f"AWS4{secret}".encode(), day.encode(), hashlib.sha256).digest()
+    for part in (region, service, "aws4_request"):
+        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+    return key
+
+
+def _trace_header() -> str | None:
+    """Lambda's trace id for ``X-Amzn-Trace-Id``, as botocore's
+    ``add_recursion_detection_header`` sends it: read for every request, since it changes with
+    every invocation."""
+    if "AWS_LAMBDA_FUNCTION_NAME" not in os.environ:
+        return None
+    trace_id = os.environ.get("_X_AMZN_TRACE_ID")
+    return quote(trace_id, safe="-=;:+&[]{}\"',") if trace_id else None
+
+
+def _amz_date() -> str:
+    """Now, as SigV4's ``X-Amz-Date`` (what botocore signs with)."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def _host(url: str) -> str:
+    """The ``Host`` SigV4 signs for ``url``, as botocore derives it: lower case, the default
+    port left out, IPv6 in brackets."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    if parts.port is not None and parts.port != {"http": 80, "https": 443}.get(parts.scheme):
+        host = f"{host}:{parts.port}"
+    return host
+
+
+class _DirectPutRecords:
+    """PutRecords requests built and signed here and sent through the client's HTTP session
+    (see the section's comment). ``routes`` holds what each stream's first request showed."""
+
+    def __init__(self, client: Any, credentials: Any, send: Any, output_shape: Any) -> None:
+        self._client = client
+        self._credentials = credentials
+        self._send = send  # the session's own send, not the wrapper that teaches routes
+        self._output_shape = output_shape
+        self._parser: Any = None
+        self._keys: dict[tuple[str, str], bytes] = {}
+        self.routes: dict[str, _Route] = {}
+
+    @classmethod
+    def for_client(cls, client: Any) -> _DirectPutRecords | None:
+        """``None`` where the client is not one this was written for (every request then goes
+        through the SDK)."""
+        try:
+            credentials = client._request_signer._credentials
+            session = client._endpoint.http_session
+            output_shape = client.meta.service_model.operation_model("PutRecords").output_shape
+        except Exception:  # pragma: no cover - another botocore's internals
+            return None
+        send = getattr(session, "send", None)
+        if credentials is None or not callable(send):
+            return None  # unsigned requests, or an HTTP session unlike aiobotocore's
+        send = getattr(send, "_anykpl_send", send)  # another transport on the client wrapped it
+
+        async def send_and_learn(request: Any) -> Any:
+            sent = _learned_route.get()
+            if sent is not None:
+                sent.append(request)
+            return await send(request)
+
+        send_and_learn._anykpl_send = send  # type: ignore[attr-defined]
+        try:
+            session.send = send_and_learn
+        except (AttributeError, TypeError):  # pragma: no cover - a session with slots
+            return None
+        return cls(client, credentials, send, output_shape)
+
+    def learn(self, stream: str, request: Any) -> None:
+        """Keep the route of the SDK's ``request`` for ``stream`` if it is a plain SigV4 POST
+        to the root of an HTTP(S) endpoint; otherwise the stream stays with the SDK."""
+        try:
+            url = str(request.url)
+            parts = urlsplit(url)
+            headers = {
+                str(k): v.decode() if isinstance(v, bytes) else str(v)
+                for k, v in request.headers.items()
+            }
+        except Exception:  # pragma: no cover - another botocore's request
+            return
+        authorization = next((v for k, v in headers.items() if k.lower() == "authorization"), "")
+        prefix = "AWS4-HMAC-SHA256 Credential="
+        if (
+            str(getattr(request, "method", "")).upper() != "POST"
+            or parts.scheme not in ("http", "https")
+            or parts.path not in ("", "/")
+            or parts.query
+            or not authorization.startswith(prefix)
+        ):
+            return
+        scope = authorization[len(prefix) :].split(",", 1)[0].split("/")
+        if len(scope) != 5 or scope[4] != "aws4_request":
+            return
+        kept = {k: v for k, v in headers.items() if k.lower() not in _PER_REQUEST_HEADERS}
+        self.routes[stream] = _Route(url, _host(url), kept, scope[2], scope[3])
+
+    async def send(self, route: _Route, body: memoryview, payload: Any) -> Mapping[str, Any]:
+        """Sign ``body`` and send it (as ``payload``, the same bytes in the form the session
+        sends); the parsed response, or the SDK's exceptions."""
+        from botocore.awsrequest import AWSPreparedRequest
+        from botocore.exceptions import ClientError, NoCredentialsError
+
+        credentials = self._credentials.get_frozen_credentials()
+        if inspect.isawaitable(credentials):
+            credentials = await credentials
+        if credentials is None or credentials.access_key is None:
+            raise NoCredentialsError()
+        headers = route.sign(body, credentials, _amz_date(), self._keys)
+        trace = _trace_header()
+        if trace is not None:
+            headers["X-Amzn-Trace-Id"] = trace  # unsigned, as botocore leaves it
+        request = AWSPreparedRequest("POST", route.url, headers, payload, False)
+        response = await self._send(request)
+        content = await response.content
+        status = response.status_code
+        if status == 200:
+            try:
+                parsed: Any = json.loads(content)
+            except ValueError:
+                parsed = None
+            if _well_formed(parsed):
+                answer: dict[str, Any] = parsed
+                answer["ResponseMetadata"] = _metadata(status, response.headers)
+                return answer
+        read = self._parse(status, response.headers, content)
+        if status >= 300:
+            # as the SDK raises it: the modelled exception for the code, or ClientError
+            code = read.get("Error", {}).get("Code")
+            try:
+                error_class = self._client.exceptions.from_code(code)
+            except Exception:  # pragma: no cover - another botocore's client
+                error_class = ClientError
+            raise error_class(read, "PutRecords")
+        return read
+
+    def _parse(self, status: int, headers: Mapping[str, str], content: bytes) -> dict[str, Any]:
+        """The response as botocore's JSON parser reads it (errors above all)."""
+        if self._parser is None:
+            from botocore.parsers import create_parser
+
+            self._parser = create_parser("json")
+        parsed: dict[str, Any] = self._parser.parse(
+            {"status_code": status, "headers": headers, "body": content}, self._output_shape
+        )
+        parsed.setdefault("ResponseMetadata", {}).update(_metadata(status, headers))
+        return parsed
+
+
+def _well_formed(parsed: Any) -> bool:
+    """A PutRecords answer the Retrier can read as it is: a list of entries, each an object
+    (anything else is left to botocore's parser, which drops nulls as the SDK's answers do)."""
+    if type(parsed) is not dict:
+        return False
+    records = parsed.get("Records")
+    return type(records) is list and all(type(entry) is dict for entry in records)
+
+
+def _signature_refused(exc: BaseException) -> bool:
+    """The service refused a request's signature (:data:`_SIGNATURE_CODES`)."""
+    if not _is_client_error(exc):
+        return False
+    code, message = error_code(exc)
+    return code in _SIGNATURE_CODES or (code == "403" and "SignatureDoesNotMatch" in message)
+
+
+def _is_client_error(exc: BaseException) -> bool:
+    from botocore.exceptions import ClientError
+
+    return isinstance(exc, ClientError)
+
+
+def _metadata(status: int, headers: Mapping[str, str]) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"HTTPStatusCode": status, "HTTPHeaders": dict(headers)}
+    request_id = headers.get("x-amzn-requestid")
+    if request_id:
+        metadata["RequestId"] = request_id
+    return metadata
+
+
 class _BotocoreTransport:
     def __init__(self, client: Any, *, body_pieces: bool = False, aiohttp: bool = False) -> None:
         """Bodies are written into kept buffers (:class:`_BodyBuffers`); ``body_pieces``:
@@ -373,6 +683,8 @@ class _BotocoreTransport:
         a payload that aiohttp does not warn about (:func:`_view_payload`)."""
         self._client = client
         self._bodies = _BodyBuffers()
+        self._body_pieces = body_pieces
+        self._aiohttp = aiohttp
         if body_pieces:
             client.meta.events.register(
                 "before-send.kinesis.PutRecords",
@@ -390,18 +702,68 @@ class _BotocoreTransport:
             # botocore keeps its serializer in a private attribute; without it (another
             # botocore), requests are botocore's own
             client._serializer = _PutRecordsSerializer(serializer)
+        self._direct = _DirectPutRecords.for_client(client)
 
     async def put_records(self, stream: str, records: list[dict[str, Any]]) -> Mapping[str, Any]:
+        direct = self._direct
+        if direct is not None:
+            route = direct.routes.get(stream)
+            if route is not None:
+                return await self._put_records_direct(direct, route, stream, records)
         slot = self._bodies.take()
         token = _body_slot.set(slot)
+        learning = None if direct is None else _learned_route.set([])
+        answered = False
         try:
             response: Mapping[str, Any] = await self._client.put_records(
                 **stream_parameters(stream), Records=records
             )
+            answered = True
+        except Exception as exc:
+            # the service answered (with an error): the route reached it
+            answered = _is_client_error(exc)
+            raise
         finally:
             _body_slot.reset(token)
             self._bodies.give(slot)
+            if learning is not None:
+                sent = _learned_route.get()
+                _learned_route.reset(learning)
+                if direct is not None and answered and sent:
+                    direct.learn(stream, sent[-1])
         return response
+
+    async def _put_records_direct(
+        self, direct: _DirectPutRecords, route: _Route, stream: str, records: list[dict[str, Any]]
+    ) -> Mapping[str, Any]:
+        slot = self._bodies.take()
+        try:
+            body = slot.write(
+                put_records_body_parts({**stream_parameters(stream), "Records": records})
+            )
+            payload: Any = body
+            if self._body_pieces:
+                payload = _BodyPieces(body)
+            elif self._aiohttp and body.nbytes > _AIOHTTP_LARGE_BODY:
+                payload = _view_payload(body) or body
+            try:
+                return await direct.send(route, body, payload)
+            except Exception as exc:
+                if not _signature_refused(exc):
+                    raise
+                refused = exc
+        finally:
+            self._bodies.give(slot)
+        # the service refused a signature made here: from now on every request goes through
+        # the SDK, this one first (if the SDK's is refused too, its error is the outcome)
+        code, _ = error_code(refused)
+        logger.warning(
+            "a PutRecords request signed by anykpl was refused (%s); every request goes "
+            "through the SDK from now on",
+            code,
+        )
+        self._direct = None
+        return await self.put_records(stream, records)
 
     async def list_shards(self, **kwargs: Any) -> Mapping[str, Any]:
         response: Mapping[str, Any] = await self._client.list_shards(**kwargs)
