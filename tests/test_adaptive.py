@@ -333,6 +333,25 @@ def test_a_storm_after_a_long_clean_history_is_recovered_within_three_seconds() 
     assert c.fraction(last + 3.0) >= 0.9
 
 
+def test_cuts_stop_at_the_rate_the_limiter_applies_anyway() -> None:
+    """While the Limiter's deadline floor holds the shard at a rate (``support``), throttles
+    cut no lower: the shard sends that rate whatever the controller says. Cut to the bottom
+    instead, the climb after a storm started far below what had been sent (a storm that ended
+    0.2 s after the last cut took 2.7-3.1 s to recover in tests/integration/test_delivery.py;
+    1.9 s now)."""
+    c, last = _storm_then_clean(10.0, 0.0)  # a clean history: a good rate to climb back to
+    c.support = 0.32
+    now = last
+    while now < last + 3.0:  # a storm: half of every round throttled
+        now = feed(c, now, now + 0.25, 10, 5)
+        assert c.fraction(now) >= 0.32
+    assert c.cuts >= 3
+    assert c.fraction(now) == pytest.approx(0.32)
+    c.support = 0.0  # the queue drained: the floor is gone, the climb starts from 0.32
+    feed(c, now, now + 3.0, 10, 0)
+    assert c.fraction(now + 3.0) >= 0.9
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_a_shard_that_accepts_half_the_ceiling_throttles_little(seed: int) -> None:
     """A lone producer whose shard accepts only half of its ceiling (what sharing it with an

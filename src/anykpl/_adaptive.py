@@ -241,6 +241,7 @@ class RateController:
         "increase",
         "noise",
         "records_ceiling",
+        "support",
         "throttled",
         "verdict",
         "window",
@@ -261,6 +262,9 @@ class RateController:
         self.decrease = decrease
         self.increase = increase
         self.floor = floor
+        #: the least fraction the Limiter applies anyway (its deadline floor): a cut below it
+        #: would not lower what the shard sends, only what the climb back starts from
+        self.support = 0.0
         self.window = window
         # the curve: the latest segment rules now, the one before says what the fraction was
         # for requests sent before the latest change
@@ -353,7 +357,7 @@ class RateController:
 
     def _set(self, now: float, low: float, *, flat: bool = False) -> None:
         """Change the rate to ``low`` at ``now``; it grows from there unless ``flat``."""
-        low = max(low, self.floor)
+        low = max(low, self.floor, self.support)
         good = self._good if now - self._good_at <= GOOD_MEMORY else 0.0
         increase = 0.0 if flat else self.increase
         segment = _Segment(now, low, GOOD_SHARE * good, self._probe_delay, increase)

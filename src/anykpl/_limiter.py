@@ -491,6 +491,11 @@ class Limiter:
         if now >= limiter.next_need_at:
             limiter.next_need_at = now + EXPIRY_SCAN_INTERVAL
             limiter.need = self._deadline_need(limiter, now)
+            if limiter.controller is not None:
+                # the controller cuts no lower than what the shard sends anyway: throttles
+                # while the floor holds the rate up say nothing about lower rates, and its
+                # climb back, once the queue has drained, starts from the rate really sent
+                limiter.controller.support = limiter.need
         return fraction if fraction > limiter.need else limiter.need
 
     def _deadline_need(self, limiter: _ShardLimiter, now: float) -> float:
