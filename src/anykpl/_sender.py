@@ -31,6 +31,9 @@ from urllib.parse import quote, urlsplit
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from botocore.auth import SIGNED_HEADERS_BLACKLIST
+from botocore.awsrequest import AWSPreparedRequest
+from botocore.exceptions import ClientError, NoCredentialsError
 
 from . import errors
 from ._aws import create_client, http_backend
@@ -281,22 +284,27 @@ class _AsyncPieces:
         raise StopAsyncIteration
 
 
+def _sendable(body: memoryview, *, pieces: bool) -> Any:
+    """A kept body (a view), signed, in the form its HTTP client sends it: for httpx in pieces
+    (:class:`_BodyPieces`); for aiohttp as it is, or over 1 MiB as a payload of its own
+    (:func:`_view_payload`), without aiohttp's warning for such bodies."""
+    if pieces:
+        return _BodyPieces(body)
+    if body.nbytes > _AIOHTTP_LARGE_BODY:
+        return _view_payload(body) or body
+    return body
+
+
 def _send_body_in_pieces(request: Any, **kwargs: Any) -> None:
-    """botocore's ``before-send`` hook on an httpx transport's PutRecords requests: a kept
-    body (a view), already signed, goes out in pieces (:class:`_BodyPieces`)."""
+    """botocore's ``before-send`` hook on an httpx transport's PutRecords requests."""
     if isinstance(request.body, memoryview):
-        request.body = _BodyPieces(request.body)
+        request.body = _sendable(request.body, pieces=True)
 
 
 def _send_body_as_view(request: Any, **kwargs: Any) -> None:
-    """botocore's ``before-send`` hook on an aiohttp transport's PutRecords requests: a kept
-    body (a view) over 1 MiB goes to aiohttp as a payload of its own (:func:`_view_payload`),
-    as it is, without aiohttp's warning for such bodies."""
-    body = request.body
-    if isinstance(body, memoryview) and body.nbytes > _AIOHTTP_LARGE_BODY:
-        payload = _view_payload(body)
-        if payload is not None:
-            request.body = payload
+    """botocore's ``before-send`` hook on an aiohttp transport's PutRecords requests."""
+    if isinstance(request.body, memoryview):
+        request.body = _sendable(request.body, pieces=False)
 
 
 #: aiohttp's ``TOO_LARGE_BYTES_BODY``: a bytes body bigger than this gets a ResourceWarning
@@ -412,25 +420,8 @@ _PER_REQUEST_HEADERS: Final = frozenset(
 _SIGNATURE_CODES: Final = frozenset(
     {"InvalidSignatureException", "SignatureDoesNotMatch", "IncompleteSignatureException"}
 )
-#: Headers SigV4 leaves unsigned (botocore's ``SIGNED_HEADERS_BLACKLIST``)
-_UNSIGNED_HEADERS: Final = frozenset(
-    {
-        "baggage",
-        "connection",
-        "expect",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "traceparent",
-        "tracestate",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "user-agent",
-        "x-amzn-trace-id",
-    }
-)
+#: Headers SigV4 leaves unsigned: botocore's own list
+_UNSIGNED_HEADERS: Final = frozenset(SIGNED_HEADERS_BLACKLIST)
 
 
 class _Route:
@@ -596,9 +587,6 @@ class _DirectPutRecords:
     async def send(self, route: _Route, body: memoryview, payload: Any) -> Mapping[str, Any]:
         """Sign ``body`` and send it (as ``payload``, the same bytes in the form the session
         sends); the parsed response, or the SDK's exceptions."""
-        from botocore.awsrequest import AWSPreparedRequest
-        from botocore.exceptions import ClientError, NoCredentialsError
-
         credentials = self._credentials.get_frozen_credentials()
         if inspect.isawaitable(credentials):
             credentials = await credentials
@@ -663,8 +651,6 @@ def _signature_refused(exc: BaseException) -> bool:
 
 
 def _is_client_error(exc: BaseException) -> bool:
-    from botocore.exceptions import ClientError
-
     return isinstance(exc, ClientError)
 
 
@@ -741,11 +727,11 @@ class _BotocoreTransport:
             body = slot.write(
                 put_records_body_parts({**stream_parameters(stream), "Records": records})
             )
-            payload: Any = body
-            if self._body_pieces:
-                payload = _BodyPieces(body)
-            elif self._aiohttp and body.nbytes > _AIOHTTP_LARGE_BODY:
-                payload = _view_payload(body) or body
+            payload = (
+                _sendable(body, pieces=self._body_pieces)
+                if self._body_pieces or self._aiohttp
+                else body
+            )
             try:
                 return await direct.send(route, body, payload)
             except Exception as exc:
