@@ -137,6 +137,33 @@ async def test_a_cancelled_loop_over_done_records_ends(anyio_backend_name: str) 
 
 
 @pytest.mark.anyio
+@pytest.mark.autojump  # trio only
+@pytest.mark.parametrize("layout", ["known", "unknown"])
+async def test_under_trio_a_done_record_checks_for_cancellation(
+    layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the check reads the task's cancel status where trio's layout is the one known here
+    # (the trio installed must be such a one), and asks trio's public function otherwise
+    import trio
+
+    records_module._find_trio()
+    assert records_module._trio[2] is True
+    if layout == "unknown":
+        monkeypatch.setattr(
+            records_module,
+            "_trio",
+            [records_module._PublicTrioContext(trio), trio, False],
+        )
+    record = resolved_record()
+    with anyio.CancelScope() as scope:
+        assert (await record).success  # not cancelled: returns the result
+        scope.cancel()
+        await record
+        pytest.fail("a cancelled await of a done record returned")
+    assert scope.cancelled_caught
+
+
+@pytest.mark.anyio
 async def test_a_loop_over_done_records_lets_other_tasks_run() -> None:
     # a done record's await checks for cancellation only, but one in RESOLVED_YIELD_EVERY
     # yields, so a long loop over done handles cannot starve the other tasks
