@@ -74,6 +74,17 @@ def package(session: nox.Session) -> None:
 
 
 @nox.session
+def wheels(session: nox.Session) -> None:
+    """The release wheels of this machine's platform ([tool.cibuildwheel] in pyproject.toml;
+    Linux wheels need Docker or Podman), then the pure wheel, in wheelhouse/."""
+    session.install("cibuildwheel", "build")
+    session.run("cibuildwheel", "--output-dir", "wheelhouse", *session.posargs)
+    session.run(
+        "python", "-m", "build", "--wheel", "--outdir", "wheelhouse", env={"ANYKPL_PURE": "1"}
+    )
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     session.install("-e", ".[bench]")
     session.run("anykpl", "bench", *session.posargs)

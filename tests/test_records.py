@@ -164,6 +164,26 @@ async def test_under_trio_a_done_record_checks_for_cancellation(
 
 
 @pytest.mark.anyio
+async def test_a_cancelled_wait_for_a_pending_record_or_batch_warns_of_nothing() -> None:
+    # with warnings as errors (pytest's filterwarnings here): the compiled build's coroutines
+    # passed a cancellation on with throw()'s three-argument form, deprecated since Python
+    # 3.12, so these coroutines are interpreted ones (anykpl._awaiting)
+    record = make_record()
+    counter = records_module.BatchCounter()
+    counter.remaining = 1
+    for wait in (lambda: record, record.wait, record._wait_done, counter.wait):
+        with anyio.move_on_after(0.01) as scope:
+            await wait()
+        assert scope.cancelled_caught
+    assert not record.done()
+    record._add_attempt(AttemptRecord(0.0, 0.1, True, None, ""))
+    record._resolve(True)
+    assert (await record).success
+    counter.record_done(True)
+    await counter.wait()
+
+
+@pytest.mark.anyio
 async def test_a_loop_over_done_records_lets_other_tasks_run() -> None:
     # a done record's await checks for cancellation only, but one in RESOLVED_YIELD_EVERY
     # yields, so a long loop over done handles cannot starve the other tasks

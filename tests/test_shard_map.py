@@ -11,7 +11,8 @@ import pytest
 
 from anykpl import _shard_map
 from anykpl._limits import MAX_HASH_KEY as MAX_HASH
-from anykpl._shard_map import ShardMap, ShardMapState, run_shard_map, shard_number
+from anykpl._shard_map import ShardMap, ShardMapState, shard_number
+from anykpl._shard_refresh import run_shard_map
 
 from .fakes import FakeKinesis, even_ranges
 

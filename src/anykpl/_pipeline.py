@@ -43,7 +43,8 @@ from ._metrics import Metrics
 from ._records import AttemptRecord, KinesisRecord, PendingRecord, ShardBacklog
 from ._retrier import Retrier, RetryBudget, StatisticSet
 from ._sender import Outcome, Transport, error_code, run_sender
-from ._shard_map import ShardMap, run_shard_map
+from ._shard_map import ShardMap
+from ._shard_refresh import run_shard_map
 from ._statistics import ShardStatistics, StreamStatistics
 from ._token_bucket import TokenBucket
 from .config import ProducerConfig

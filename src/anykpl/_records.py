@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import anyio
 
-from . import errors
+from . import _awaiting, errors
 from ._compat import mypyc_attr
 from ._wire import AggregateBuilder
 
@@ -150,17 +150,28 @@ class BatchCounter:
                     # as a record's hook: the stage resolving the batch must go on
                     logger.exception("the completion hook of a batch failed")
 
-    async def wait(self) -> None:
-        """Wait until no record of the batch is pending."""
+    def wait(self) -> Awaitable[None]:
+        """Wait until no record of the batch is pending (``await counter.wait()``)."""
         if self.remaining:
-            event = self._event
-            if event is None:
-                event = self._event = anyio.Event()
-            await event.wait()
-        else:
-            checkpoint = resolved_checkpoint()
-            if checkpoint is not None:
-                await checkpoint
+            return _awaiting.batch_done(self)
+        return _awaiting.checkpoint_or_nothing(resolved_checkpoint())
+
+    def _waiter(self) -> anyio.Event:
+        """The event set when no record of the batch is pending (made on first use); only
+        while some is."""
+        event = self._event
+        if event is None:
+            event = self._event = anyio.Event()
+        return event
+
+
+def _ready(record: PendingRecord) -> Generator[Any, None, RecordResult]:
+    """``await`` of a record that is done, where nothing is to be awaited first: a generator
+    that ends at its first step with the record's result (or raises its failure). Compiled
+    like the rest of this module, which is safe because it never suspends: nothing can be
+    thrown into it (see ``_awaiting``)."""
+    yield from ()  # a generator, and no step of its own
+    return record.result()
 
 
 #: Awaiting a handle whose result is already there does what awaiting a done future does in
@@ -387,26 +398,30 @@ class PendingRecord:
             raise errors.RecordFailedError(result)
         return result
 
-    async def wait(self) -> RecordResult:
-        """Wait until the record is terminal; same as ``await pending``."""
-        if self._state == _PENDING:
-            await self._wait_done()
-        else:
-            checkpoint = resolved_checkpoint()
-            if checkpoint is not None:
-                await checkpoint
-        return self.result()
+    def wait(self) -> Awaitable[RecordResult]:
+        """Wait until the record is terminal; same as ``await pending``: ``await
+        pending.wait()`` (it returns the handle itself)."""
+        return self
 
-    async def _wait_done(self) -> None:
+    def _wait_done(self) -> Awaitable[None]:
         """Wait until the record is terminal, without raising its failure."""
-        if self._state == _PENDING:
-            event = self._event
-            if event is None:
-                event = self._event = anyio.Event()
-            await event.wait()
+        return _awaiting.record_done(self)
+
+    def _waiter(self) -> anyio.Event:
+        """The event set when the record becomes terminal (made on first use); only while it
+        is pending."""
+        event = self._event
+        if event is None:
+            event = self._event = anyio.Event()
+        return event
 
     def __await__(self) -> Generator[Any, None, RecordResult]:
-        return self.wait().__await__()
+        if self._state == _PENDING:
+            return _awaiting.record_result(self).__await__()
+        checkpoint = resolved_checkpoint()
+        if checkpoint is not None:
+            return _awaiting.result_after(checkpoint, self).__await__()
+        return _ready(self)
 
     # -- used by the pipeline -------------------------------------------------------------
 
