@@ -12,6 +12,10 @@ serves ``--store-rate`` requests per second from one queue (a request waits its 
 ``--latency`` ± a quarter), answers ``503 SlowDown`` at once when its queue is more than
 ``--throttle-after`` seconds deep, and fails ``--error-rate`` of the requests with a 500.
 
+Each member's monotonic clock may be its own (``--skew`` s of offset and ``--drift`` parts per
+million of rate, either way, drawn per member): staleness is judged by the store's clock,
+which the members learn from its ``Date`` and ``LastModified`` stamps.
+
 The run: ``--members`` join evenly over ``--join`` s; ``--leave-at`` s after the last join,
 ``--leave`` of them (never the allocator) leave gracefully (their producers close);
 ``--late-at`` s after the last join, ``--late`` more join at once; ``--crash`` s after the
@@ -67,6 +71,8 @@ from anykpl._fleet import DocumentError, FleetDemand, FleetWorker, parse_grants
 #: The store's time when the virtual clock reads 0.
 EPOCH = 1_800_000_000.0
 BUCKET = "fleet"
+TABLE = "fleet"
+PREFIX = "anykpl-fleet"
 GRANTS = "anykpl-fleet/grants.json"
 CONFIG = ProducerConfig(region="us-east-1", aws_access_key_id="k", aws_secret_access_key="s")
 #: A member's producer admits records while its backlog is under this many seconds of what it
@@ -90,6 +96,10 @@ class _Body:
 
 class SimulatedStore:
     """An S3 bucket in memory that serves ``rate`` requests/s from one queue."""
+
+    #: what it answers when its queue is too deep, and when a request fails
+    THROTTLED = ("SlowDown", 503)
+    FAILED = ("InternalError", 500)
 
     def __init__(
         self,
@@ -136,13 +146,13 @@ class SimulatedStore:
         if start - now > self.throttle_after:
             self.refused[operation] += 1
             await anyio.sleep(self.latency)
-            raise self._error("SlowDown", 503, operation)
+            raise self._error(*self.THROTTLED, operation)
         self._busy_until = start + 1.0 / self.rate
         jitter = self.latency * self.random.uniform(-0.25, 0.25)
         await anyio.sleep(self._busy_until - now + self.latency + jitter)
         if self.random.random() < self.error_rate:
             self.refused[operation] += 1
-            raise self._error("InternalError", 500, operation)
+            raise self._error(*self.FAILED, operation)
 
     async def put_object(
         self,
@@ -211,12 +221,130 @@ class SimulatedStore:
         self.objects.pop(Key, None)
         return {"ResponseMetadata": self._metadata(204)}
 
+    def document(self, key: str) -> bytes | None:
+        """The body of object ``key``, if any (what the run measures, not a request)."""
+        found = self.objects.get(key)
+        return None if found is None else found[0]
+
     def factory(self) -> Callable[[], Any]:
         @asynccontextmanager
         async def client() -> AsyncIterator[SimulatedStore]:
             yield self
 
         return client
+
+
+class SimulatedTable(SimulatedStore):
+    """A DynamoDB table in memory, the calls a fleet makes (GetItem, PutItem, DeleteItem,
+    Query) with their condition expressions, dated answers, a page of a Query per MB read,
+    and items of at most 400 KB; served as :class:`SimulatedStore` serves requests, throttled
+    with ``ThrottlingException``."""
+
+    THROTTLED = ("ThrottlingException", 400)
+    FAILED = ("InternalServerError", 500)
+    PAGE_BYTES = 1 << 20
+    ITEM_BYTES = 400 * 1024
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.items: dict[tuple[str, str], dict[str, Any]] = {}
+
+    @staticmethod
+    def _size(item: dict[str, Any]) -> int:
+        return sum(len(name) + len(next(iter(value.values()))) for name, value in item.items())
+
+    def _check(self, key: tuple[str, str], condition: str | None, values: Any, op: str) -> None:
+        existing = self.items.get(key)
+        if condition is None:
+            return
+        if condition == "attribute_not_exists(sk)":
+            ok = existing is None
+        elif condition == "etag = :etag":
+            ok = existing is not None and existing["etag"]["S"] == values[":etag"]["S"]
+        else:
+            raise self._error("ValidationException", 400, op)
+        if not ok:
+            raise self._error("ConditionalCheckFailedException", 400, op)
+
+    async def put_item(
+        self,
+        *,
+        TableName: str,
+        Item: dict[str, Any],
+        ConditionExpression: str | None = None,
+        ExpressionAttributeValues: Any = None,
+    ) -> dict[str, Any]:
+        await self._serve("PutItem")
+        if self._size(Item) > self.ITEM_BYTES:
+            raise self._error("ValidationException", 400, "PutItem")
+        key = (Item["pk"]["S"], Item["sk"]["S"])
+        self._check(key, ConditionExpression, ExpressionAttributeValues, "PutItem")
+        self.items[key] = dict(Item)
+        return {"ResponseMetadata": self._metadata()}
+
+    async def get_item(
+        self, *, TableName: str, Key: dict[str, Any], ConsistentRead: bool = False
+    ) -> dict[str, Any]:
+        await self._serve("GetItem")
+        item = self.items.get((Key["pk"]["S"], Key["sk"]["S"]))
+        answer: dict[str, Any] = {"ResponseMetadata": self._metadata()}
+        if item is not None:
+            answer["Item"] = dict(item)
+        return answer
+
+    async def delete_item(
+        self,
+        *,
+        TableName: str,
+        Key: dict[str, Any],
+        ConditionExpression: str | None = None,
+        ExpressionAttributeValues: Any = None,
+    ) -> dict[str, Any]:
+        await self._serve("DeleteItem")
+        key = (Key["pk"]["S"], Key["sk"]["S"])
+        self._check(key, ConditionExpression, ExpressionAttributeValues, "DeleteItem")
+        self.items.pop(key, None)
+        return {"ResponseMetadata": self._metadata()}
+
+    async def query(
+        self,
+        *,
+        TableName: str,
+        KeyConditionExpression: str,
+        ExpressionAttributeValues: Any,
+        ProjectionExpression: str,
+        ConsistentRead: bool = False,
+        ExclusiveStartKey: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        await self._serve("Query")
+        assert KeyConditionExpression == "pk = :pk AND begins_with(sk, :prefix)"
+        pk = ExpressionAttributeValues[":pk"]["S"]
+        prefix = ExpressionAttributeValues[":prefix"]["S"]
+        after = ExclusiveStartKey["sk"]["S"] if ExclusiveStartKey else None
+        names = [name.strip() for name in ProjectionExpression.split(",")]
+        keys = sorted(
+            sk
+            for (p, sk) in self.items
+            if p == pk and sk.startswith(prefix) and (after is None or sk > after)
+        )
+        page: list[dict[str, Any]] = []
+        read = 0
+        last: str | None = None
+        for sk in keys:
+            if read >= self.PAGE_BYTES:
+                last = page[-1]["sk"]["S"]
+                break
+            item = self.items[(pk, sk)]
+            read += self._size(item)  # a page counts what is read, before the projection
+            page.append({name: item[name] for name in names if name in item})
+        answer: dict[str, Any] = {"Items": page, "ResponseMetadata": self._metadata()}
+        if last is not None:
+            answer["LastEvaluatedKey"] = {"pk": {"S": pk}, "sk": {"S": last}}
+        return answer
+
+    def document(self, key: str) -> bytes | None:
+        item = self.items.get((PREFIX, key))
+        return None if item is None else zlib.decompress(item["body"]["B"])
 
 
 def settled_since(
@@ -302,6 +430,24 @@ class Ledger:
         return settled_since(self.members.get(member, []), start, end, lambda rate: rate >= share)
 
 
+def member_clock(index: int, args: Any) -> Callable[[], float] | None:
+    """Member ``index``'s own monotonic clock: the virtual clock with an offset of up to
+    ``--skew`` s either way and a rate off by up to ``--drift`` parts per million (``None``:
+    the virtual clock itself). Its timers still run at the virtual clock's rate: a sleep of
+    an interval is off by drift × interval (5 µs at 1 ppm and 5 s), as a real machine's timers
+    follow its own clock."""
+    if not args.skew and not args.drift:
+        return None
+    draw = random.Random(args.seed * 7_919 + index)
+    offset = draw.uniform(-args.skew, args.skew)
+    rate = 1.0 + draw.uniform(-args.drift, args.drift) * 1e-6
+
+    def clock() -> float:
+        return offset + rate * anyio.current_time()
+
+    return clock
+
+
 class Member:
     """A real FleetWorker with a steady offer, and a backlog when its rate is below it."""
 
@@ -319,7 +465,8 @@ class Member:
         self.since = 0.0
         self.worker = FleetWorker(
             FleetConfig(
-                bucket=BUCKET,
+                bucket=BUCKET if args.store == "s3" else None,
+                table=TABLE if args.store == "dynamodb" else None,
                 records_per_second=args.cap,
                 sync_interval=args.interval,
                 worker_id=f"m{index:05d}",
@@ -328,6 +475,7 @@ class Member:
             self.demand,
             self.apply,
             client_factory=store.factory(),
+            local_clock=member_clock(index, args),
         )
         # the jitter of each member from the seed: a run can be repeated
         self.worker._random = random.Random(args.seed * 100_003 + index)
@@ -369,7 +517,7 @@ class Member:
 
 
 async def simulate(args: Any) -> dict[str, Any]:
-    store = SimulatedStore(
+    store = (SimulatedStore if args.store == "s3" else SimulatedTable)(
         rate=args.store_rate,
         latency=args.latency,
         throttle_after=args.throttle_after,
@@ -404,10 +552,10 @@ async def simulate(args: Any) -> dict[str, Any]:
     async def sample_interval() -> None:
         """The sync interval the allocator asks of the fleet, every virtual second."""
         while True:
-            found = store.objects.get(GRANTS)
+            found = store.document(GRANTS)
             if found is not None:
                 try:
-                    asked = getattr(parse_grants(found[0]), "sync_interval", None) or args.interval
+                    asked = getattr(parse_grants(found), "sync_interval", None) or args.interval
                 except DocumentError:
                     asked = args.interval
                 if not intervals or intervals[-1][1] != asked:
@@ -474,7 +622,10 @@ async def simulate(args: Any) -> dict[str, Any]:
     return {
         "members": args.members,
         "cap": args.cap,
+        "store": args.store,
         "store_rate": args.store_rate,
+        "skew": args.skew,
+        "drift_ppm": args.drift,
         "latency": args.latency,
         "error_rate": args.error_rate,
         "interval": args.interval,
@@ -502,7 +653,7 @@ async def simulate(args: Any) -> dict[str, Any]:
             kind: sum(store.by_second[second, kind] for second in range(int(end) - 60, int(end)))
             for kind in sorted(store.requests)
         },
-        "grants_document_bytes": len(grants_body := store.objects.get(GRANTS, (b"",))[0]),
+        "grants_document_bytes": len(grants_body := store.document(GRANTS) or b""),
         "grants_document_compressed_bytes": len(zlib.compress(grants_body)),
         "refused": dict(store.refused),
         "series": [*series, (end, final)],
@@ -521,6 +672,9 @@ def parse(argv: list[str] | None = None) -> Any:
     parser.add_argument("--cap", type=float, default=5000.0, help="records/s for the fleet")
     parser.add_argument("--offer", type=float, default=30.0, help="records/s per member")
     parser.add_argument("--interval", type=float, default=5.0, help="sync_interval, s")
+    parser.add_argument(
+        "--store", choices=("s3", "dynamodb"), default="s3", help="the store simulated"
+    )
     parser.add_argument("--store-rate", type=float, default=230.0, help="requests/s")
     parser.add_argument("--latency", type=float, default=0.05, help="s per request")
     parser.add_argument("--throttle-after", type=float, default=1.0, help="queue depth, s")
@@ -536,6 +690,12 @@ def parse(argv: list[str] | None = None) -> Any:
     parser.add_argument("--late", type=int, default=0, help="members that join at --late-at")
     parser.add_argument("--late-at", type=float, default=45.0, help="s after the last join")
     parser.add_argument("--duration", type=float, default=150.0, help="s after the last join")
+    parser.add_argument(
+        "--skew", type=float, default=0.0, help="s: each member's clock offset, up to ± this"
+    )
+    parser.add_argument(
+        "--drift", type=float, default=0.0, help="ppm: each member's clock rate, off by up to ±"
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--plot", help="write a plot of the applied sum against the cap")

@@ -1177,3 +1177,51 @@ def test_lease_expiry_trusts_the_holder_only_within_what_last_modified_allows() 
     assert lease_expiry(lease(90.0), 100.0, 15.0) == 115.0  # too early: not before LM + lease
     assert lease_expiry(lease(1e12), 100.0, 15.0) == 116.0  # too late: at most a second more
     assert lease_expiry(None, 100.0, 15.0) == 116.0  # junk: LastModified alone
+
+
+class _DatedTable:
+    """A DynamoDB client whose answers carry a ``Date`` an hour ahead of this machine's."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, dict[str, Any]] = {}
+        self.calls: list[str] = []
+
+    def _metadata(self) -> dict[str, Any]:
+        import email.utils
+        import time
+
+        date = email.utils.formatdate(math.floor(time.time()) + 3600, usegmt=True)
+        return {"ResponseMetadata": {"HTTPStatusCode": 200, "HTTPHeaders": {"date": date}}}
+
+    async def get_item(self, *, TableName: str, Key: Any, ConsistentRead: bool) -> Any:
+        self.calls.append("GetItem")
+        item = self.items.get(Key["sk"]["S"])
+        return {**self._metadata(), **({"Item": item} if item else {})}
+
+    async def put_item(self, *, TableName: str, Item: Any, **conditions: Any) -> Any:
+        self.calls.append("PutItem")
+        self.items[Item["sk"]["S"]] = Item
+        return self._metadata()
+
+
+@pytest.mark.anyio
+async def test_a_dynamodb_write_is_stamped_with_the_stores_time_from_the_first() -> None:
+    # DynamoDB keeps no time on an item: the writer stamps it. A member that has not heard
+    # from the store yet reads first, so that its first report is not stamped with its own
+    # wall clock (here an hour behind the store's)
+    import time
+
+    from anykpl import FleetConfig
+    from anykpl._fleet import ServerClock
+    from anykpl._fleet._dynamodb_store import DynamoDBStore
+
+    client = _DatedTable()
+    store = DynamoDBStore(
+        client, FleetConfig(table="fleet", records_per_second=1), ServerClock(), 5
+    )
+    await store.put(store.key("workers/w.json"), b"{}")
+    assert client.calls == ["GetItem", "PutItem"]
+    modified = float(client.items[store.key("workers/w.json")]["modified"]["N"])
+    assert modified == pytest.approx(time.time() + 3600, abs=3)
+    await store.put(store.key("workers/w.json"), b"{}")
+    assert client.calls == ["GetItem", "PutItem", "PutItem"]  # the clock is known now

@@ -72,3 +72,27 @@ def test_members_joining_faster_than_a_slow_store_serves_never_exceed_the_cap() 
     # in 16 runs (the grants share 0.96)
     assert result["final_applied_over_cap"] >= 0.9
     assert result["mean_applied_over_cap_last_minute"] >= 0.85
+
+
+@pytest.mark.parametrize("store", ["s3", "dynamodb"])
+def test_members_whose_clocks_disagree_hold_the_cap_and_converge(store: str) -> None:
+    # every member's monotonic clock has its own offset (up to a day either way) and rate (up
+    # to the 200 ppm the store's clock allows for): staleness is judged by the store's time,
+    # learnt from its stamps, never by comparing one member's clock with another's; on S3 and
+    # on DynamoDB (simulated: conditional writes, dated answers, pages of a Query)
+    result = simulate(
+        *("--members", "50", "--offer", "400", "--store-rate", "5000"),
+        *("--join", "10", "--leave", "5", "--leave-at", "20", "--crash", "40"),
+        *("--duration", "90", "--skew", "86400", "--drift", "200", "--store", store),
+    )
+    assert result["store"] == store
+    assert result["skew"] == 86400
+    assert result["drift_ppm"] == 200
+    assert result["max_applied_over_cap"] <= 1 + 1e-6
+    assert result["final_applied_over_cap"] == pytest.approx(0.96, abs=0.01)
+    assert result["converged_after_join"] is not None
+    assert result["converged_after_join"] <= 3 * INTERVAL
+    assert result["converged_after_leave"] is not None
+    assert result["converged_after_leave"] <= 3 * INTERVAL
+    assert result["converged_after_crash"] is not None
+    assert result["converged_after_crash"] <= 6 * INTERVAL

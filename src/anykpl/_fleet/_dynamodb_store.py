@@ -13,7 +13,8 @@ conditional create).
 
 DynamoDB has no object timestamps of its own: a writer stamps ``modified`` with the latest
 the store's time can be when it sends the write, so an object is never judged older than it
-is. The store's time is learned from the ``Date`` header of its answers where it sends one;
+is (a member that has not heard from the store yet reads the item first, for a dated
+answer). The store's time is learned from the ``Date`` header of its answers where it sends one;
 where it sends none (moto's server, dynalite), from this machine's wall clock, in whole
 seconds like a ``Date`` header: the members' clocks then need to agree (NTP keeps them
 within milliseconds). ``anykpl fleet-table create`` makes the table (:func:`create_table`).
@@ -27,6 +28,7 @@ import os
 import time
 import zlib
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, Final
 
 import anyio
@@ -72,9 +74,11 @@ class DynamoDBStore:
         clock: ServerClock,
         timeout: float,
         requests: Counter[str] | None = None,
+        now: Callable[[], float] = anyio.current_time,
     ) -> None:
         assert fleet.table is not None
         self._client = client
+        self._now = now  # the member's local clock
         self._table = fleet.table
         self._prefix = fleet.prefix.rstrip("/")
         self._clock = clock
@@ -90,7 +94,7 @@ class DynamoDBStore:
 
     def _observe(self, response: Any, sent_at: float) -> None:
         headers = (response or {}).get("ResponseMetadata", {}).get("HTTPHeaders", {}) or {}
-        received_at = anyio.current_time()
+        received_at = self._now()
         stamp = headers.get("date")
         when: float | None = None
         if stamp:
@@ -107,14 +111,14 @@ class DynamoDBStore:
         """The latest the store's time can be now (a write's stamp: never too early). Before
         the clock is known: this machine's wall clock and a second (not fed to the clock,
         which learns from the store's answers)."""
-        bounds = self._clock.bounds(anyio.current_time())
+        bounds = self._clock.bounds(self._now())
         return time.time() + 1.0 if bounds is None else bounds[1]
 
     async def _call(self, operation: str, kind: str, **kwargs: Any) -> Any:
         from botocore.exceptions import ClientError
 
         assert kind in OPERATIONS
-        sent_at = anyio.current_time()
+        sent_at = self._now()
         self.requests[kind] += 1
         try:
             with anyio.fail_after(self._timeout):
@@ -144,6 +148,10 @@ class DynamoDBStore:
         self, key: str, body: bytes, *, if_match: str | None = None, if_none_match: bool = False
     ) -> str:
         """Write an item; return its new version tag. :class:`Conflict` if a condition fails."""
+        if self._clock.bounds(self._now()) is None:
+            # a member's first call: a dated answer first, so that the write is stamped with
+            # the store's time and not this machine's wall clock (which may be off by hours)
+            await self.get(key)
         etag = os.urandom(12).hex()
         modified = self._latest_now()
         item = {

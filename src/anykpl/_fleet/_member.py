@@ -164,8 +164,13 @@ class Member(abc.ABC):
         member_id: str,
         client_factory: ClientFactory | None,
         on_allocation: Callable[[GrantsDocument], None] | None,
+        local_clock: Callable[[], float] | None = None,
     ) -> None:
         self.fleet = fleet
+        # This machine's monotonic clock (``anyio.current_time``): every local time a member
+        # keeps is read here, never its wall clock, so members' clocks may disagree by any
+        # offset (a simulation gives each its own, with drift: benchmarks/fleet_scale.py).
+        self._now: Callable[[], float] = local_clock or anyio.current_time
         self.config = config
         self.worker_id = member_id
         self._incarnation = os.urandom(8).hex()
@@ -281,14 +286,14 @@ class Member(abc.ABC):
     # -- the lease ------------------------------------------------------------------------
 
     def _server_now(self) -> tuple[float, float] | None:
-        return self._clock.bounds(anyio.current_time())
+        return self._clock.bounds(self._now())
 
     def _follow(self, document: GrantsDocument) -> None:
         """Keep to the interval an unexpired grants document of another allocator asks of
         the fleet (its lease and grants stretch with it: a member taking over must too)."""
         if self.holds_lease:
             return
-        now = anyio.current_time()
+        now = self._now()
         ends = self._clock.earliest_local(document.expires_at, now)
         if ends is not None and ends > now:
             self.period = document.sync_interval or self.fleet.sync_interval
@@ -362,7 +367,7 @@ class Member(abc.ABC):
         now = self._server_now() or now
         if now[0] >= expiry:
             return await self._acquire(store, key, now, if_match=etag)
-        local = anyio.current_time()
+        local = self._now()
         surely = self._clock.surely_local(expiry, local)
         spread = self._random.uniform(0.0, TAKEOVER_SPREAD * self.period)
         self._lease_wake = None if surely is None else surely + _LEASE_MARGIN + spread
@@ -522,9 +527,9 @@ class Member(abc.ABC):
         """Delete the presence objects of standalone allocators gone for long (they rewrite
         theirs every cycle; one stale for :data:`LEFTOVER_LEASES` leases is a leftover). Once
         a lease at most: it costs a LIST."""
-        if anyio.current_time() < self._next_sweep:
+        if self._now() < self._next_sweep:
             return
-        self._next_sweep = anyio.current_time() + self._lease
+        self._next_sweep = self._now() + self._lease
         ok, listing = await self._attempt("list allocators", store.list(store.key("allocators/")))
         now = self._server_now()
         if not ok or now is None:
@@ -549,7 +554,7 @@ class Member(abc.ABC):
     async def _allocate(self, store: Store, grants: GrantsRead | None, status: str | None) -> None:
         if status not in ("held", "acquired") or grants is None:
             return
-        if anyio.current_time() < self._gather_until:
+        if self._now() < self._gather_until:
             return
         if self._taking_over and grants.document is not None:
             # keep to the interval the predecessor asked of the fleet, to begin with
@@ -557,16 +562,16 @@ class Member(abc.ABC):
         # which reports are fresh, and which current, by the interval the fleet keeps to now
         # (a member taking over a stretched fleet must not judge its reports by its own)
         self._allocator.use_interval(self.period, self._allocator.interval)
-        began = anyio.current_time()
+        began = self._now()
         read = await self._read_reports(store)
         now = self._server_now()
         if read is None or now is None:
-            self._adapt(strained=True, took=anyio.current_time() - began)
+            self._adapt(strained=True, took=self._now() - began)
             self._retry_soon = True
             return  # (a takeover is decided at the first cycle whose reads succeed)
         reports, unread = read.reports, frozenset(read.unread)
         left = {w: incarnation for w, (incarnation, _) in read.left.items()}
-        self._adapt(strained=bool(unread) or read.failed > 0, took=anyio.current_time() - began)
+        self._adapt(strained=bool(unread) or read.failed > 0, took=self._now() - began)
         if unread and grants.document is None:
             # no document says what the unread workers may apply: wait for a complete read
             self._retry_soon = True
@@ -582,7 +587,7 @@ class Member(abc.ABC):
                 # them would grant those the whole cap, and taking it back costs a cycle of
                 # acknowledgements. So the first grants wait one cycle — but the fleet size
                 # goes out at once, in a document without grants.
-                self._gather_until = anyio.current_time() + 0.8 * self.fleet.sync_interval
+                self._gather_until = self._now() + 0.8 * self.fleet.sync_interval
                 document = self._allocator.gather(grants.document, reports, now)
             else:
                 document = self._allocator.allocate(grants.document, reports, now, unread, left)
@@ -749,16 +754,16 @@ class Member(abc.ABC):
         """The store requests made per minute since the first cycle, by kind."""
         if self._started_at is None:
             return {}
-        minutes = max(anyio.current_time() - self._started_at, 1e-9) / 60
+        minutes = max(self._now() - self._started_at, 1e-9) / 60
         return {kind: count / minutes for kind, count in sorted(self.requests.items())}
 
     async def _cycles(self, store: Store) -> None:
         assert self._stop_event is not None
         if self._started_at is None:
-            self._started_at = anyio.current_time()
+            self._started_at = self._now()
         failures: set[str] = set()  # kinds of exception logged since the last clean cycle
         while not self._stopping:
-            start = anyio.current_time()
+            start = self._now()
             errors, strained = self.s3_errors, self._strained_calls
             with anyio.CancelScope() as scope:
                 self._cycle_scope = scope
@@ -781,7 +786,7 @@ class Member(abc.ABC):
             if self.s3_errors == errors:
                 self._recovered()
             self._back_off(self._strained_calls != strained)
-            now = anyio.current_time()
+            now = self._now()
             wake = self._next_start(start)
             if self._lease_wake is not None and self._lease_wake < wake:
                 wake = self._lease_wake
@@ -793,10 +798,12 @@ class Member(abc.ABC):
     async def _store(self) -> AsyncIterator[Store]:
         async with self._client_factory() as client:
             if self.fleet.table is None:
-                yield S3Store(client, self.fleet, self._clock, self._call_timeout, self.requests)
+                yield S3Store(
+                    client, self.fleet, self._clock, self._call_timeout, self.requests, self._now
+                )
             else:
                 yield DynamoDBStore(
-                    client, self.fleet, self._clock, self._call_timeout, self.requests
+                    client, self.fleet, self._clock, self._call_timeout, self.requests, self._now
                 )
 
     async def _serve(self) -> None:
@@ -843,7 +850,7 @@ class Member(abc.ABC):
         second to a few milliseconds on a fast network.
         """
         while True:
-            now = anyio.current_time()
+            now = self._now()
             width = self._clock.width(now)
             probe = self._probe(store)
             target = max(CLOCK_TARGET, 2 * store.round_trip)
@@ -864,14 +871,14 @@ class Member(abc.ABC):
         :meth:`aclose` was given less."""
         if self._close_deadline is None:
             return CLOSE_TIMEOUT
-        return max(0.0, min(CLOSE_TIMEOUT, self._close_deadline - anyio.current_time()))
+        return max(0.0, min(CLOSE_TIMEOUT, self._close_deadline - self._now()))
 
     async def aclose(self, *, deadline: float | None = None) -> None:
         """Stop: delete this member's objects (its report; the lease if it holds it), best
-        effort, and return by ``deadline`` (``anyio.current_time()``; default: within
+        effort, and return by ``deadline`` (``self._now()``; default: within
         :data:`CLOSE_TIMEOUT` and half a second more), whatever S3 is doing. What is not
         deleted by then expires on its own: a report goes stale, a lease runs out."""
-        now = anyio.current_time()
+        now = self._now()
         latest = now + CLOSE_TIMEOUT + 0.5
         self._close_deadline = latest if deadline is None else min(latest, deadline)
         bound = max(0.0, self._close_deadline - now)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import email.utils
 import math
 from collections import Counter
+from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any, Final, Protocol
 
@@ -84,8 +85,10 @@ class S3Store:
         clock: ServerClock,
         timeout: float,
         requests: Counter[str] | None = None,
+        now: Callable[[], float] = anyio.current_time,
     ) -> None:
         self._client = client
+        self._now = now  # the member's local clock
         #: the requests made, by kind (shared by the stores a member opens one after another)
         self.requests: Counter[str] = Counter() if requests is None else requests
         self._bucket = fleet.bucket
@@ -109,14 +112,14 @@ class S3Store:
             when = email.utils.parsedate_to_datetime(stamp).timestamp()
         except (TypeError, ValueError, IndexError, OverflowError):
             return
-        received_at = anyio.current_time()
+        received_at = self._now()
         self.round_trip = min(self.round_trip, received_at - sent_at)
         self._clock.observe(when, sent_at, received_at)
 
     async def _call(self, operation: str, *, written: bool = False, **kwargs: Any) -> Any:
         from botocore.exceptions import ClientError
 
-        sent_at = anyio.current_time()
+        sent_at = self._now()
         self.requests[KINDS[operation]] += 1
         try:
             with anyio.fail_after(self._timeout):
@@ -151,7 +154,7 @@ class S3Store:
         """``(body, ETag, LastModified)`` of an object, or ``None`` if there is none."""
         from botocore.exceptions import ClientError
 
-        sent_at = anyio.current_time()
+        sent_at = self._now()
         self.requests["GetObject"] += 1
         try:
             with anyio.fail_after(self._timeout):

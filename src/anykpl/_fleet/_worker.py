@@ -73,6 +73,7 @@ class FleetWorker(Member):
         *,
         client_factory: ClientFactory | None = None,
         on_allocation: Callable[[GrantsDocument], None] | None = None,
+        local_clock: Callable[[], float] | None = None,
     ) -> None:
         super().__init__(
             fleet,
@@ -80,6 +81,7 @@ class FleetWorker(Member):
             member_id=fleet.worker_id or f"worker-{os.urandom(6).hex()}",
             client_factory=client_factory,
             on_allocation=on_allocation,
+            local_clock=local_clock,
         )
         self._demand = demand
         self._apply = apply
@@ -113,7 +115,7 @@ class FleetWorker(Member):
     def statistics(self) -> FleetStatistics:
         """A snapshot: role, mode, the rates applied, the grant's expiry, errors."""
         try:
-            now = anyio.current_time()
+            now = self._now()
         except Exception:  # outside the event loop, after close
             now = math.inf
         mode, rates = self._state.rates(now)
@@ -137,7 +139,7 @@ class FleetWorker(Member):
         )
 
     def _fallback_description(self) -> str:
-        mode, rates = self._state.rates(anyio.current_time())
+        mode, rates = self._state.rates(self._now())
         if self._mode is not None and self._applied is not None:
             mode, rates = self._mode, self._applied
         return (
@@ -149,7 +151,7 @@ class FleetWorker(Member):
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         """Run until cancelled or :meth:`aclose` (started: the bootstrap rate is applied)."""
-        self._state.bootstrap_until = anyio.current_time() + self._lease
+        self._state.bootstrap_until = self._now() + self._lease
         self._done = anyio.Event()
         self._stop_event = anyio.Event()
         self._rate_changed = anyio.Event()
@@ -169,7 +171,7 @@ class FleetWorker(Member):
     def _refresh(self) -> None:
         """Apply the state machine's rate for now, if it changed. Never raises: the rate
         stays as it was if the producer refuses the new one."""
-        now = anyio.current_time()
+        now = self._now()
         mode, rates = self._state.rates(now)
         if self._left:
             rates = LEFT
@@ -205,7 +207,7 @@ class FleetWorker(Member):
         this timer, whatever the S3 calls are doing)."""
         while True:
             self._refresh()
-            now = anyio.current_time()
+            now = self._now()
             change = self._state.next_change(now)
             self._rate_changed = event = anyio.Event()
             delay = math.inf if change is None else max(0.0, change - now)
@@ -226,7 +228,7 @@ class FleetWorker(Member):
                 extra={"document_cap": tuple(document.cap), "cap": tuple(self._state.cap)},
             )
         # even without a new grant: the fleet size, or the time its bootstrap lasts, may change
-        self._state.receive(document, self._clock, anyio.current_time())
+        self._state.receive(document, self._clock, self._now())
         self._follow(document)  # the interval the allocator asks of the fleet
         self._changed()
 
@@ -236,7 +238,7 @@ class FleetWorker(Member):
         grants = await self._read_grants(store)
         self._phase_source = grants.document if grants is not None else None
         if grants is not None and not grants.exists:
-            self._state.no_grants_yet(anyio.current_time())
+            self._state.no_grants_yet(self._now())
             self._changed()
         if grants is not None and grants.document is not None:
             if self._clock.known:
@@ -263,7 +265,7 @@ class FleetWorker(Member):
 
     def _wants_rank(self) -> bool:
         """A listing is due: no rank yet, or outside a grant and not listed for a lease."""
-        now = anyio.current_time()
+        now = self._now()
         if self._state.rank is None:
             return True
         return self._state.needs_rank(now) and now - self._listed_at >= self._lease * self.stretch
@@ -271,7 +273,7 @@ class FleetWorker(Member):
     async def _learn_rank(self, store: Store) -> None:
         """Count the reports in the store, this worker's own included: its rank in the
         bootstrap budget (see :func:`~anykpl._fleet._worker_state.budget_share`)."""
-        sent_at = anyio.current_time()
+        sent_at = self._now()
         ok, listing = await self._attempt("list reports", store.list(store.key("workers/")))
         if not ok:
             return
@@ -294,7 +296,7 @@ class FleetWorker(Member):
         return now[1] - document.issued_at <= RECENT_GRANTS * interval
 
     def _report(self) -> WorkerReport:
-        now = anyio.current_time()
+        now = self._now()
         demand = self._demand()
         offered, wants = self._estimator.update(demand, now)
         if self._estimator.held:
@@ -326,7 +328,7 @@ class FleetWorker(Member):
         # a worker applying a grant reports every interval: a report older than an interval
         # and a quarter gets it no new grant, and one older than a lease is not counted by an
         # allocator that takes over without a readable grants.json
-        granted = self._state.mode(anyio.current_time()) == "granted"
+        granted = self._state.mode(self._now()) == "granted"
         return granted or super()._keeps_to_interval()
 
     def _allocated(self, document: GrantsDocument) -> None:
@@ -356,7 +358,7 @@ class FleetWorker(Member):
             assert self._report_body is not None
             key = store.key(f"workers/{self.worker_id}.json")
             etag, self._report_etag = self._report_etag, None
-            sent_at = anyio.current_time()
+            sent_at = self._now()
             if etag is not None:
                 try:
                     ok, written = await self._attempt(
@@ -375,7 +377,7 @@ class FleetWorker(Member):
                         self._overwritten = 0
                         self._written(written, sent_at)
                     return bool(ok)
-            sent_at = anyio.current_time()
+            sent_at = self._now()
             ok, written = await self._attempt(operation, store.put(key, self._report_body))
             if ok:
                 self._written(written, sent_at)
