@@ -12,6 +12,12 @@ serves ``--store-rate`` requests per second from one queue (a request waits its 
 ``--latency`` ± a quarter), answers ``503 SlowDown`` at once when its queue is more than
 ``--throttle-after`` seconds deep, and fails ``--error-rate`` of the requests with a 500.
 
+With ``--new-cap``, the cap changes ``--cap-change-at`` s after the last join by a rolling
+redeploy over ``--rollout`` s: each member's process closes (its report and any lease
+released) and a new one with the new cap starts under the same ``worker_id``;
+``converged_after_cap_change`` counts from the end of the rollout, and
+``max_applied_over_cap`` is taken over the cap in force (either cap during the rollout).
+
 Each member's monotonic clock may be its own (``--skew`` s of offset and ``--drift`` parts per
 million of rate, either way, drawn per member): staleness is judged by the store's clock,
 which the members learn from its ``Date`` and ``LastModified`` stamps.
@@ -463,22 +469,31 @@ class Member:
         self.held = False  # callers wait for room
         self.waits = 0  # the times they began to
         self.since = 0.0
-        self.worker = FleetWorker(
+        self.store = store
+        self.args = args
+        self.worker = self.make_worker(args.cap)
+
+    def make_worker(self, cap: float, incarnation: int = 0) -> FleetWorker:
+        """The member's worker (a new process of it, for a redeploy: ``incarnation`` > 0)."""
+        args = self.args
+        worker = FleetWorker(
             FleetConfig(
                 bucket=BUCKET if args.store == "s3" else None,
                 table=TABLE if args.store == "dynamodb" else None,
-                records_per_second=args.cap,
+                records_per_second=cap,
                 sync_interval=args.interval,
-                worker_id=f"m{index:05d}",
+                worker_id=f"m{self.index:05d}",
             ),
             CONFIG,
             self.demand,
             self.apply,
-            client_factory=store.factory(),
-            local_clock=member_clock(index, args),
+            client_factory=self.store.factory(),
+            local_clock=member_clock(self.index, args),
         )
-        # the jitter of each member from the seed: a run can be repeated
-        self.worker._random = random.Random(args.seed * 100_003 + index)
+        # the jitter and the incarnation of each member from the seed: a run can be repeated
+        worker._random = random.Random((args.seed * 100_003 + self.index) * 7 + incarnation)
+        worker._incarnation = worker._state.incarnation = f"{args.seed}.{self.index}.{incarnation}"
+        return worker
 
     def _advance(self) -> None:
         """Its callers offer ``offer`` records/s; the producer admits them while its backlog
@@ -533,11 +548,15 @@ async def simulate(args: Any) -> dict[str, Any]:
     late = members[args.members :]
     members = members[: args.members]
     last_join = args.join
+    change_at = last_join + args.cap_change_at if args.new_cap else None
+    changed_at = None if change_at is None else change_at + args.rollout
     leave_at = last_join + args.leave_at if args.leave else None
     late_at = last_join + args.late_at if args.late else None
     crash_at = last_join + args.crash if args.crash is not None and args.crash >= 0 else None
     end = last_join + args.duration
-    events = sorted(t for t in (leave_at, late_at, crash_at) if t is not None)
+    events = sorted(
+        t for t in (leave_at, late_at, crash_at, change_at, changed_at) if t is not None
+    )
     crashed: list[str] = []
     left: list[int] = []
 
@@ -562,6 +581,31 @@ async def simulate(args: Any) -> dict[str, Any]:
                     intervals.append((anyio.current_time(), asked))
             await anyio.sleep(1.0)
 
+    async def redeploy(member: Member, task_group: Any) -> None:
+        """A new process of the member, with the new cap: the old one closes first (its
+        report and any lease released, as a rolling deployment's stop does)."""
+        await member.worker.aclose()
+        member.worker = member.make_worker(args.new_cap, incarnation=1)
+        task_group.start_soon(member.worker.run)
+
+    async def roll_out(task_group: Any) -> None:
+        """The cap changes by a rolling redeploy of every member over ``--rollout`` s."""
+        assert change_at is not None
+        await anyio.sleep_until(change_at)
+        peaks.append(ledger.peak / args.cap)
+        ledger.peak = 0.0
+        staying = [m for m in members if m.index not in left and m.worker.worker_id not in crashed]
+        staying += [m for m in late if m.worker._run_scope is not None]
+        for i, member in enumerate(staying):
+            await anyio.sleep_until(change_at + args.rollout * i / max(1, len(staying)))
+            task_group.start_soon(redeploy, member, task_group)
+        await anyio.sleep_until(change_at + args.rollout)
+        # while it rolls out, either cap may be in force
+        peaks.append(ledger.peak / max(args.cap, args.new_cap))
+        ledger.peak = 0.0
+
+    peaks: list[float] = []
+
     async def leave(member: Member) -> None:
         """A graceful leave: the producer closes, and its worker with it (which applies
         nothing from then on: the ledger hears it from the worker)."""
@@ -569,6 +613,8 @@ async def simulate(args: Any) -> dict[str, Any]:
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(sample_interval)
+        if change_at is not None:
+            tg.start_soon(roll_out, tg)
         for i, member in enumerate(members):
             await anyio.sleep_until(args.join * i / max(1, args.members - 1))
             tg.start_soon(member.worker.run)
@@ -629,7 +675,23 @@ async def simulate(args: Any) -> dict[str, Any]:
         "latency": args.latency,
         "error_rate": args.error_rate,
         "interval": args.interval,
-        "max_applied_over_cap": ledger.peak / args.cap,
+        # over the cap in force: the old one, either during a rollout, the new one after it
+        "max_applied_over_cap": max(
+            [*peaks, ledger.peak / (args.new_cap if changed_at is not None else args.cap)]
+        ),
+        "cap_changed_at": changed_at,
+        "new_cap": args.new_cap,
+        "converged_after_cap_change": (
+            None
+            if changed_at is None
+            else settled_since(
+                series,
+                changed_at,
+                next_event(changed_at),
+                lambda total: abs(total - args.new_cap) <= 0.05 * args.new_cap,
+            )
+        ),
+        "final_applied_over_new_cap": None if changed_at is None else final / args.new_cap,
         "max_applied_at": ledger.peak_at,
         "converged_after_join": ledger.converged_since(last_join, next_event(last_join)),
         "left": len(left),
@@ -696,6 +758,13 @@ def parse(argv: list[str] | None = None) -> Any:
     parser.add_argument(
         "--drift", type=float, default=0.0, help="ppm: each member's clock rate, off by up to ±"
     )
+    parser.add_argument(
+        "--new-cap", type=float, default=0.0, help="records/s: the cap after a rolling redeploy"
+    )
+    parser.add_argument(
+        "--cap-change-at", type=float, default=60.0, help="s after the last join: it starts"
+    )
+    parser.add_argument("--rollout", type=float, default=10.0, help="s the redeploy takes")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--plot", help="write a plot of the applied sum against the cap")
@@ -706,6 +775,9 @@ def run(args: Any) -> dict[str, Any]:
     import trio.testing
 
     clock = trio.testing.MockClock(autojump_threshold=0)
+    # trio reverses each batch of runnable tasks at random (to shake out order assumptions):
+    # seeded here, with each member's incarnation and jitter, so that a run can be repeated
+    trio._core._run._r.seed(args.seed)
     result: dict[str, Any] = anyio.run(
         simulate, args, backend="trio", backend_options={"clock": clock}
     )
