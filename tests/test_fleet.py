@@ -1193,7 +1193,7 @@ class _DatedTable:
         date = email.utils.formatdate(math.floor(time.time()) + 3600, usegmt=True)
         return {"ResponseMetadata": {"HTTPStatusCode": 200, "HTTPHeaders": {"date": date}}}
 
-    async def get_item(self, *, TableName: str, Key: Any, ConsistentRead: bool) -> Any:
+    async def get_item(self, *, TableName: str, Key: Any, **options: Any) -> Any:
         self.calls.append("GetItem")
         item = self.items.get(Key["sk"]["S"])
         return {**self._metadata(), **({"Item": item} if item else {})}

@@ -114,4 +114,4 @@ def test_a_cap_changed_by_a_rolling_redeploy_is_held_and_reached(new_cap: int) -
     assert result["max_applied_over_cap"] <= 1 + 1e-6
     assert result["converged_after_cap_change"] is not None
     assert result["converged_after_cap_change"] <= 4 * INTERVAL  # (not the bar: see above)
-    assert result["final_applied_over_new_cap"] == pytest.approx(0.96, abs=0.01)
+    assert result["final_applied_over_cap"] == pytest.approx(0.96, abs=0.01)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import logging
 import sys
+from typing import Any
 
 import anyio
 import pytest
@@ -181,6 +182,25 @@ async def test_a_cancelled_wait_for_a_pending_record_or_batch_warns_of_nothing()
     assert (await record).success
     counter.record_done(True)
     await counter.wait()
+
+
+@pytest.mark.anyio
+async def test_wait_is_a_coroutine_for_the_tools_that_need_one() -> None:
+    # pending.wait() is a coroutine, as an async method's call is: a task group starts it
+    record = make_record()
+    results: list[object] = []
+
+    async def keep(wait: Any) -> None:
+        results.append(await wait)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(record.wait)
+        tg.start_soon(keep, record.wait())
+        await anyio.sleep(0.01)
+        record._add_attempt(AttemptRecord(0.0, 0.1, True, None, ""))
+        record._resolve(True)
+    assert len(results) == 1
+    assert getattr(results[0], "success", None) is True
 
 
 @pytest.mark.anyio

@@ -23,6 +23,7 @@ __all__ = (
     "checkpoint_or_nothing",
     "record_done",
     "record_result",
+    "record_wait",
     "result_after",
 )
 
@@ -46,6 +47,12 @@ async def checkpoint_or_nothing(checkpoint: Awaitable[None] | None) -> None:
     """Await ``checkpoint``, if any."""
     if checkpoint is not None:
         await checkpoint
+
+
+async def record_wait(record: PendingRecord) -> RecordResult:
+    """``pending.wait()``: a coroutine (for ``create_task``, ``start_soon`` and the like)
+    that is ``await pending``."""
+    return await record
 
 
 async def record_done(record: PendingRecord) -> None:

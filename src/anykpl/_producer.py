@@ -503,7 +503,7 @@ class Producer(anyio.AsyncContextManagerMixin):
             ``tenant_overflow`` is ``"reject"``; nothing was enqueued.
         """
         pending = await self.submit(stream, data, partition_key, explicit_hash_key, tenant=tenant)
-        return await pending.wait()
+        return await pending
 
     async def submit(
         self,

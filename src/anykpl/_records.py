@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from hashlib import md5
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
@@ -398,10 +398,10 @@ class PendingRecord:
             raise errors.RecordFailedError(result)
         return result
 
-    def wait(self) -> Awaitable[RecordResult]:
+    def wait(self) -> Coroutine[Any, Any, RecordResult]:
         """Wait until the record is terminal; same as ``await pending``: ``await
-        pending.wait()`` (it returns the handle itself)."""
-        return self
+        pending.wait()``, a coroutine."""
+        return _awaiting.record_wait(self)
 
     def _wait_done(self) -> Awaitable[None]:
         """Wait until the record is terminal, without raising its failure."""

@@ -70,6 +70,9 @@ __all__ = (
 )
 
 logger = logging.getLogger("anykpl.spool")
+#: A segment's data to disk: ``fdatasync`` where the platform has it, ``fsync`` (which also
+#: syncs the file's metadata) where not (macOS's Python has no ``os.fdatasync``).
+_fdatasync = getattr(os, "fdatasync", os.fsync)
 
 FILE_MAGIC: Final = b"ANYKPLSP"
 VERSION: Final = 1
@@ -474,7 +477,7 @@ class Spool:
     def sync_files(self, fds: list[int], directory: bool) -> None:
         """Sync the segments' data to disk (run in a worker thread: it blocks)."""
         for fd in fds:
-            os.fdatasync(fd)
+            _fdatasync(fd)
         if directory:
             dir_fd = os.open(self.directory, os.O_RDONLY | os.O_CLOEXEC)
             try:

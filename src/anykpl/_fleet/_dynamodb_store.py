@@ -150,8 +150,14 @@ class DynamoDBStore:
         """Write an item; return its new version tag. :class:`Conflict` if a condition fails."""
         if self._clock.bounds(self._now()) is None:
             # a member's first call: a dated answer first, so that the write is stamped with
-            # the store's time and not this machine's wall clock (which may be off by hours)
-            await self.get(key)
+            # the store's time and not this machine's wall clock (which may be off by hours);
+            # only the key is read, whatever the item holds
+            await self._call(
+                "get_item",
+                "GetItem",
+                Key={"pk": {"S": self._prefix}, "sk": {"S": key}},
+                ProjectionExpression="sk",
+            )
         etag = os.urandom(12).hex()
         modified = self._latest_now()
         item = {

@@ -875,11 +875,13 @@ class Member(abc.ABC):
 
     async def aclose(self, *, deadline: float | None = None) -> None:
         """Stop: delete this member's objects (its report; the lease if it holds it), best
-        effort, and return by ``deadline`` (``self._now()``; default: within
+        effort, and return by ``deadline`` (``anyio.current_time()``; default: within
         :data:`CLOSE_TIMEOUT` and half a second more), whatever S3 is doing. What is not
         deleted by then expires on its own: a report goes stale, a lease runs out."""
         now = self._now()
         latest = now + CLOSE_TIMEOUT + 0.5
+        if deadline is not None:  # on the event loop's clock: as a bound on the member's own
+            deadline = now + (deadline - anyio.current_time())
         self._close_deadline = latest if deadline is None else min(latest, deadline)
         bound = max(0.0, self._close_deadline - now)
         self._stopping = True
