@@ -11,7 +11,8 @@ install is an error (CI must run them).
 None can be told which address to listen on (kinesalite's CLI has no host option, kinesis-mock
 and dynalite listen on every interface), so all run under a small ``--require`` preload that
 makes every server listen on 127.0.0.1, on a port the system picks (so parallel runs never race
-for one), and writes the port it got to a file.
+for one), and writes the port it got to a file. The preload also keeps a server alive when a
+client aborts a request mid-way (dynalite died of it, as the real services do not).
 """
 
 from __future__ import annotations
@@ -67,6 +68,19 @@ net.Server.prototype.listen = function (...args) {
   });
   return listen.apply(this, args);
 };
+// A client that closes its connection in the middle of a request (a cancelled call, a killed
+// process) does not stop the service. dynalite rethrows the request's 'aborted' error from its
+// handler (dynalite/index.js: req.on('error', function(err) { throw err })) and dies with it,
+// failing every later test: such an error is logged and the server carries on. Any other
+// uncaught error still stops the emulator.
+process.on('uncaughtException', (err) => {
+  if (err && (err.code === 'ECONNRESET' || err.message === 'aborted')) {
+    console.error(`a client aborted a request (${err.message}); carrying on`);
+    return;
+  }
+  console.error(err);
+  process.exit(70);
+});
 """
 
 

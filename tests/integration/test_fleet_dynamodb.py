@@ -261,3 +261,23 @@ def _none() -> Any:
         mode = None
 
     return Nothing()
+
+
+def test_dynalite_outlives_a_request_its_client_aborts(dynalite: str) -> None:
+    # a request cut off mid-body (what a cancelled call or a killed member leaves behind) used
+    # to stop dynalite, and with it every later test of the module (interop_servers' preload)
+    import socket
+    from urllib.parse import urlsplit
+
+    import boto3
+
+    address = urlsplit(dynalite)
+    with socket.create_connection((address.hostname, address.port), timeout=5) as sock:
+        sock.sendall(
+            b"POST / HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-amz-json-1.0\r\n"
+            b"X-Amz-Target: DynamoDB_20120810.ListTables\r\nContent-Length: 100\r\n\r\n{"
+        )
+        time.sleep(0.2)  # (dynalite is reading the body when the connection goes)
+    time.sleep(0.5)
+    client = boto3.client("dynamodb", endpoint_url=dynalite, region_name=REGION, **CREDENTIALS)
+    assert "TableNames" in client.list_tables()
