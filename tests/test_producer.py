@@ -557,6 +557,32 @@ async def test_wrong_shard_after_a_split_is_retried_into_the_children() -> None:
     assert children <= set(statistics.open_shards)
 
 
+async def test_an_aggregate_that_lands_in_a_child_the_map_has_not_seen_is_stored_once() -> None:
+    """After a split the stale map sends an aggregate of several keys to the parent; the
+    service stores it in a child the map does not know. Every key is in that child's range:
+    the records are delivered there, after the refresh shows the range, and not sent again."""
+    fake = FakeKinesis(shard_count=2)
+    parent_start, parent_end = fake.shards[0].start, fake.shards[0].end
+    async with Producer(transport=fake, **FAST) as producer:
+        await ready(producer)
+        fake.split("shardId-000000000000")
+        lower = "shardId-000000000002"
+        step = ((parent_start + parent_end) // 2 - parent_start) // 10
+        keys = [parent_start + i * step for i in range(10)]
+        pendings = [
+            await producer.submit(STREAM, b"%d" % i, partition_key=f"k{i}", explicit_hash_key=key)
+            for i, key in enumerate(keys)
+        ]
+        with anyio.fail_after(10):
+            results = [await p for p in pendings]
+    assert [r.shard_id for r in results] == [lower] * len(keys)
+    assert all(len(r.attempts) == 1 and r.attempts[0].success for r in results)
+    assert stored(fake) == Counter(b"%d" % i for i in range(len(keys)))
+    for i, result in enumerate(results):
+        assert_stored_where_reported(fake, b"%d" % i, result)
+    assert len(fake.list_shards_calls) >= 2  # refreshed
+
+
 # -- backpressure ------------------------------------------------------------------------------
 
 

@@ -545,6 +545,7 @@ class Pipeline:
 
     def _shard_map_failed(self, exc: BaseException) -> bool:
         """ListShards failed; returns whether to try again on its own (after the backoff)."""
+        self._settle_held(refresh_failed=True)
         code, _ = error_code(exc)
         if errors.is_retriable(code):
             return True
@@ -558,7 +559,19 @@ class Pipeline:
             self.aggregator_send.send_nowait(WAKE)
         return False
 
+    def _settle_held(self, *, refresh_failed: bool = False) -> None:
+        """Decide the outcomes the Retrier holds until the map knows their shard, and send on
+        what it retries (Wrong Shard waits no backoff)."""
+        retrier = self.retrier
+        if retrier.held_records:
+            now = anyio.current_time()
+            retrier.settle_held(now, refresh_failed=refresh_failed)
+            due = retrier.take_due(now)
+            if due:
+                self.aggregator_send.send_nowait(due)
+
     def _shard_map_ready(self) -> None:
+        self._settle_held()
         self.aggregator.map_unavailable = False
         # records waiting under the stream's limit may fit their shards' now
         self._next_backlog_update = -math.inf

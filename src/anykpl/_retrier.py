@@ -27,6 +27,11 @@ Where we differ, and why:
 - **Retry budget**: retries spend from a per-stream budget refilled by successes
   (:class:`RetryBudget`); once it is spent, failed records wait ``retry_backoff_max`` before
   they retry, so a storm of failures cannot multiply the traffic. Nothing is failed for it.
+- **A shard the map has not seen**: an aggregate of several keys that lands in a shard the
+  map does not know yet (a child of a split, under load) waits for the refresh that shows the
+  shard's range, then is delivered or retried by it; the KPL retries it at once, which stores a
+  second copy of every sub-record that was in range. A raw record, or an aggregate of one key,
+  is where the service routed it, known shard or not.
 - **All-or-nothing aggregates**: after KPL #576 the KPL accepts the user records of a
   wrong-shard aggregate whose own keys fall in the actual shard, but a KCL consumer drops the
   *whole* aggregate when any sub-record is out of range. We count an aggregate as delivered only
@@ -158,6 +163,29 @@ class RetryBudget:
         return False
 
 
+class _Held:
+    """A Kinesis record stored in a shard the map does not know yet, with its response."""
+
+    __slots__ = ("actual", "end", "kr", "needed", "sequence_number", "start")
+
+    def __init__(
+        self,
+        kr: KinesisRecord,
+        actual: str,
+        sequence_number: str,
+        start: float,
+        end: float,
+        needed: int,
+    ) -> None:
+        self.kr = kr
+        self.actual = actual
+        self.sequence_number = sequence_number
+        self.start = start
+        self.end = end
+        # the map's update count at which it has been refreshed since this landed
+        self.needed = needed
+
+
 class Retrier:
     """Per-stream outcome handling. Pure apart from the random jitter: the caller passes times
     and moves the retries (see :meth:`take_due`)."""
@@ -195,6 +223,8 @@ class Retrier:
         # Kinesis records for a shard is one step of backoff, not twenty
         self._advanced: set[str | None] = set()
         self._delayed: list[tuple[float, int, list[PendingRecord]]] = []
+        # outcomes stored in a shard the map has not seen (see _hold)
+        self._held: list[_Held] = []
         # records failed for good while handling one outcome: code -> (count, a message)
         self._failed: dict[str, tuple[int, str]] = {}
         self._counter = 0
@@ -394,34 +424,30 @@ class Retrier:
     ) -> None:
         predicted = kr.predicted_shard
         if predicted is not None and predicted != actual:
-            if not self._readable_in(kr, actual):
-                logger.warning(
-                    "Kinesis record predicted for %s landed in %s; this usually means the "
-                    "shard map has changed",
-                    predicted,
-                    actual,
-                    extra={"stream": self.stream, "predicted": predicted, "actual": actual},
-                )
-                if self.shard_map.invalidate(outcome.start, predicted):
-                    self.request_refresh()
-                attempt = AttemptRecord(
-                    outcome.start,
-                    outcome.end,
-                    False,
-                    errors.WRONG_SHARD,
-                    f"record did not end up in expected shard {predicted} (landed in {actual})",
-                )
-                self.count("ErrorsByCode", 1, predicted, errors.WRONG_SHARD)
-                self._retry(
-                    kr.records, attempt, now, shard=predicted, backoff_key=None, backoff=False
-                )
+            readable = self._readable_in(kr, actual)
+            if readable is None:
+                self._hold(kr, actual, sequence_number, outcome)
+                return
+            if not readable:
+                self._wrong_shard(kr, actual, outcome.start, outcome.end, now)
                 return
             # landed in a child shard: the map is stale, help it converge
             if shard_number(predicted) < shard_number(actual) and self.shard_map.invalidate(
                 outcome.start, predicted
             ):
                 self.request_refresh()
-        attempt = AttemptRecord(outcome.start, outcome.end, True, None, None)
+        self._succeed(kr, actual, sequence_number, outcome.start, outcome.end, users)
+
+    def _succeed(
+        self,
+        kr: KinesisRecord,
+        actual: str,
+        sequence_number: str,
+        start: float,
+        end: float,
+        users: dict[str, StatisticSet],
+    ) -> None:
+        attempt = AttemptRecord(start, end, True, None, None)
         # the sizes of the user records delivered at the actual shard, for the response
         sizes = users.get(actual)
         if sizes is None:
@@ -438,16 +464,40 @@ class Retrier:
                 sizes.minimum = float(size)
             if size > sizes.maximum:
                 sizes.maximum = float(size)
-        self._streaks.pop(predicted, None)
+        self._streaks.pop(kr.predicted_shard, None)
         self.finish(kr.records, True)
 
-    def _readable_in(self, kr: KinesisRecord, actual: str) -> bool:
+    def _wrong_shard(
+        self, kr: KinesisRecord, actual: str, start: float, end: float, now: float
+    ) -> None:
+        predicted = kr.predicted_shard
+        logger.warning(
+            "Kinesis record predicted for %s landed in %s; this usually means the "
+            "shard map has changed",
+            predicted,
+            actual,
+            extra={"stream": self.stream, "predicted": predicted, "actual": actual},
+        )
+        if self.shard_map.invalidate(start, predicted):
+            self.request_refresh()
+        attempt = AttemptRecord(
+            start,
+            end,
+            False,
+            errors.WRONG_SHARD,
+            f"record did not end up in expected shard {predicted} (landed in {actual})",
+        )
+        self.count("ErrorsByCode", 1, predicted, errors.WRONG_SHARD)
+        self._retry(kr.records, attempt, now, shard=predicted, backoff_key=None, backoff=False)
+
+    def _readable_in(self, kr: KinesisRecord, actual: str) -> bool | None:
         """Whether every user record of ``kr``, stored in shard ``actual``, is where a reader
-        expects it: in the shard whose hash range holds its hash key. The service routes a
-        Kinesis record by its explicit hash key, so a record whose user records all have that
-        hash key (a raw record, or an aggregate of one key) is always where it belongs, known
-        shard or not; an aggregate of several keys is, if its shard's range holds them all
-        (the KCL drops the sub-records outside the range of the shard it reads).
+        expects it: in the shard whose hash range holds its hash key; ``None`` when that is not
+        known yet. The service routes a Kinesis record by its explicit hash key, so a record
+        whose user records all have that hash key (a raw record, or an aggregate of one key) is
+        always where it belongs, known shard or not; an aggregate of several keys is, if its
+        shard's range holds them all (the KCL drops the sub-records outside the range of the
+        shard it reads), which the map knows once it has seen the shard.
 
         Where we differ: the KPL's retrier.cc retries every record whose shard differs from the
         prediction ("Wrong Shard"). A record that is already readable would then be stored a
@@ -457,7 +507,60 @@ class Retrier:
             start, end = hash_range
             return all(start <= record.hash_key <= end for record in kr.records)
         routed = int(kr.explicit_hash_key)
-        return all(record.hash_key == routed for record in kr.records)
+        if all(record.hash_key == routed for record in kr.records):
+            return True
+        return None
+
+    # -- outcomes from a shard the map has not seen ---------------------------------------
+
+    def _hold(
+        self, kr: KinesisRecord, actual: str, sequence_number: str, outcome: Outcome
+    ) -> None:
+        """An aggregate of several keys stored in a shard the map does not know (a child of a
+        split, under load): whether a reader keeps it depends on that shard's range. Retrying
+        it at once would store needless duplicates of every sub-record that was in range, so it
+        waits for a refresh of the map that started after it landed (:meth:`settle_held`)."""
+        shard_map = self.shard_map
+        # a refresh under way may have listed the shards before this one existed: the one
+        # after it decides
+        needed = shard_map.updates + (2 if shard_map.updating else 1)
+        shard_map.invalidate(outcome.start, kr.predicted_shard)
+        shard_map.want_refresh()
+        self.request_refresh()
+        self._held.append(_Held(kr, actual, sequence_number, outcome.start, outcome.end, needed))
+
+    @property
+    def held_records(self) -> int:
+        """User records stored in a shard the map has not seen yet, waiting for its refresh."""
+        return sum(len(held.kr.records) for held in self._held)
+
+    def settle_held(self, now: float, *, refresh_failed: bool = False) -> None:
+        """Decide the held outcomes whose shard the map now knows: succeeded if its range holds
+        every sub-record, retried as Wrong Shard if not. Once a refresh that started after an
+        outcome (or any refresh, when ``refresh_failed``) has not shown its shard, it is
+        retried (the KPL's behaviour for every such record)."""
+        if not self._held:
+            return
+        updates = self.shard_map.updates
+        users: dict[str, StatisticSet] = {}
+        keep: list[_Held] = []
+        for held in self._held:
+            kr, actual = held.kr, held.actual
+            readable = self._readable_in(kr, actual)
+            if readable:
+                self._succeed(kr, actual, held.sequence_number, held.start, held.end, users)
+            elif readable is False or refresh_failed or updates >= held.needed:
+                self._wrong_shard(kr, actual, held.start, held.end, now)
+            else:
+                keep.append(held)
+        self._held = keep
+        observe = self.observe
+        for shard, sizes in users.items():
+            delivered_users = sizes.count
+            observe(
+                "UserRecordsPut", shard, None, StatisticSet(delivered_users, delivered_users, 1, 1)
+            )
+            observe("UserRecordsDataPut", shard, None, sizes)
 
     def statistics(self) -> RetrierStatistics:
         """A frozen snapshot of the Retrier's counters."""
@@ -580,6 +683,8 @@ class Retrier:
 
     def take_all(self) -> list[PendingRecord]:
         records = [r for item in self._delayed for r in item[2]]
+        records.extend(r for held in self._held for r in held.kr.records)
+        self._held.clear()
         self._delayed.clear()
         self.delayed_records = 0
         return records

@@ -114,6 +114,16 @@ class ShardMap:
 
     # -- updating ------------------------------------------------------------------------
 
+    @property
+    def updating(self) -> bool:
+        """Whether a refresh is under way."""
+        return self.state is ShardMapState.UPDATING
+
+    def want_refresh(self) -> None:
+        """Ask for a refresh without invalidating the map (it keeps predicting until the
+        refresh starts): another one after the refresh under way, if there is one."""
+        self.refresh_requested = True
+
     def begin_update(self) -> bool:
         """Start a refresh; False if one is already running."""
         if self.state is ShardMapState.UPDATING:
