@@ -557,15 +557,21 @@ async def test_wrong_shard_after_a_split_is_retried_into_the_children() -> None:
     assert children <= set(statistics.open_shards)
 
 
-async def test_an_aggregate_that_lands_in_a_child_the_map_has_not_seen_is_stored_once() -> None:
+@pytest.mark.parametrize("list_shards_fails", [False, True])
+async def test_an_aggregate_that_lands_in_a_child_the_map_has_not_seen_is_stored_once(
+    list_shards_fails: bool,
+) -> None:
     """After a split the stale map sends an aggregate of several keys to the parent; the
     service stores it in a child the map does not know. Every key is in that child's range:
-    the records are delivered there, after the refresh shows the range, and not sent again."""
+    the records are delivered there, after the refresh shows the range, and not sent again
+    (also when the first refresh fails with an error worth retrying: they wait for the next)."""
     fake = FakeKinesis(shard_count=2)
     parent_start, parent_end = fake.shards[0].start, fake.shards[0].end
     async with Producer(transport=fake, **FAST) as producer:
         await ready(producer)
         fake.split("shardId-000000000000")
+        if list_shards_fails:
+            fake.list_shards_errors = [client_error("LimitExceededException")]
         lower = "shardId-000000000002"
         step = ((parent_start + parent_end) // 2 - parent_start) // 10
         keys = [parent_start + i * step for i in range(10)]
@@ -581,6 +587,7 @@ async def test_an_aggregate_that_lands_in_a_child_the_map_has_not_seen_is_stored
     for i, result in enumerate(results):
         assert_stored_where_reported(fake, b"%d" % i, result)
     assert len(fake.list_shards_calls) >= 2  # refreshed
+    assert not fake.list_shards_errors  # (the failure happened)
 
 
 # -- backpressure ------------------------------------------------------------------------------

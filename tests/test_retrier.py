@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import math
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -509,6 +511,10 @@ def test_an_aggregate_of_several_keys_in_an_unknown_shard_waits_for_the_map() ->
     assert h.finished == [(records, True)]
     assert [r.result().shard_id for r in records] == [CHILD, CHILD]
     assert [r.result().sub_sequence_number for r in records] == [0, 1]
+    assert [r.result().sequence_number for r in records] == ["77", "77"]
+    (attempt,) = records[0].result().attempts
+    assert attempt.success
+    assert attempt.duration == pytest.approx(0.5)  # the request's (1.0 to 1.5), not the wait
     assert h.retrier.held_records == 0
     assert h.count_of("UserRecordsPut") == 2
 
@@ -545,24 +551,50 @@ def test_a_refresh_under_way_when_the_outcome_came_does_not_decide_it() -> None:
     assert h.retrier.delayed_records == 2
 
 
-def test_a_failed_refresh_retries_what_was_held() -> None:
+def test_a_failed_refresh_retries_only_what_expires_before_the_next_try() -> None:
     h = Harness()
-    records = _held_aggregate(h, 5, 6)
+    soon = [make_record(5, expiration=3.0), make_record(6, expiration=3.0)]
+    h.retrier.handle(
+        outcome([make_kinesis_record(soon, SHARD_0)], [ok(shard=CHILD)], start=1.0), 1.5
+    )
+    late = _held_aggregate(h, 7, 8)  # expiration 30
     assert h.shard_map.begin_update()
     h.shard_map.fail_update()
-    h.retrier.settle_held(2.0, refresh_failed=True)
-    assert codes(records[0]) == codes(records[1]) == [errors.WRONG_SHARD]
+    h.retrier.settle_held(2.0, give_up_before=4.0)
+    assert codes(soon[0]) == codes(soon[1]) == [errors.WRONG_SHARD]
     assert h.retrier.delayed_records == 2
+    assert h.retrier.held_records == 2
+    assert codes(late[0]) == []
+    # a map that will not come (a missing stream): every one goes
+    h.retrier.settle_held(2.5, give_up_before=math.inf)
+    assert codes(late[0]) == codes(late[1]) == [errors.WRONG_SHARD]
+    assert h.retrier.held_records == 0
 
 
-def test_take_all_includes_what_is_held() -> None:
+def test_a_held_record_that_expires_fails_and_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    h = Harness()
+    records = [make_record(5, expiration=2.0), make_record(6, expiration=2.0)]
+    h.retrier.handle(
+        outcome([make_kinesis_record(records, SHARD_0)], [ok(shard=CHILD)], start=1.0), 1.5
+    )
+    with caplog.at_level(logging.WARNING, logger="anykpl.retrier"):
+        h.retrier.settle_held(2.5, give_up_before=math.inf)
+    assert codes(records[0]) == [errors.WRONG_SHARD, errors.EXPIRED]
+    assert h.finished == [(records, False)]
+    assert any("expired (record_ttl)" in message for message in caplog.messages)
+
+
+def test_take_all_includes_what_is_held_with_the_attempt_that_stored_it() -> None:
     h = Harness()
     records = _held_aggregate(h, 5, 6)
     assert h.retrier.take_all() == records
     assert h.retrier.held_records == 0
-    h.retrier.settle_held(2.0, refresh_failed=True)  # nothing left to decide
+    assert codes(records[0]) == codes(records[1]) == [errors.WRONG_SHARD]
+    (attempt,) = records[0]._build_result().attempts
+    assert CHILD in (attempt.error_message or "")
+    h.retrier.settle_held(2.0, give_up_before=math.inf)  # nothing left to decide
     assert h.finished == []
-    assert codes(records[0]) == []
+    assert len(records[0]._build_result().attempts) == 1
 
 
 @pytest.mark.parametrize("count", [1, 3])

@@ -413,6 +413,7 @@ class Pipeline:
             rates={shard: state.rate for shard, state in limiter.shards.items()},
             requests_in_flight=self.in_flight,
             retry_backoff_records=retrier.delayed_records,
+            held_records=self.retrier.held_records,
             outstanding_records=self.outstanding_records,
             outstanding_bytes=self.outstanding_bytes,
             backlog_limit=(self.backlog_records, self.backlog_bytes),
@@ -545,10 +546,12 @@ class Pipeline:
 
     def _shard_map_failed(self, exc: BaseException) -> bool:
         """ListShards failed; returns whether to try again on its own (after the backoff)."""
-        self._settle_held(refresh_failed=True)
         code, _ = error_code(exc)
         if errors.is_retriable(code):
+            # what waits for the map's next try keeps waiting, unless it expires before
+            self._settle_held(give_up_before=anyio.current_time() + self.shard_map.backoff)
             return True
+        self._settle_held(give_up_before=math.inf)
         # A stream that does not exist (or that we may not read) will not get a map: the
         # records waiting for it go now, raw, and fail fast with the service's error code, as
         # do the records that come later. ListShards is tried again only when they come: an
@@ -559,13 +562,13 @@ class Pipeline:
             self.aggregator_send.send_nowait(WAKE)
         return False
 
-    def _settle_held(self, *, refresh_failed: bool = False) -> None:
+    def _settle_held(self, *, give_up_before: float = -math.inf) -> None:
         """Decide the outcomes the Retrier holds until the map knows their shard, and send on
         what it retries (Wrong Shard waits no backoff)."""
         retrier = self.retrier
         if retrier.held_records:
             now = anyio.current_time()
-            retrier.settle_held(now, refresh_failed=refresh_failed)
+            retrier.settle_held(now, give_up_before=give_up_before)
             due = retrier.take_due(now)
             if due:
                 self.aggregator_send.send_nowait(due)

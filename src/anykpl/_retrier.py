@@ -513,9 +513,7 @@ class Retrier:
 
     # -- outcomes from a shard the map has not seen ---------------------------------------
 
-    def _hold(
-        self, kr: KinesisRecord, actual: str, sequence_number: str, outcome: Outcome
-    ) -> None:
+    def _hold(self, kr: KinesisRecord, actual: str, sequence_number: str, outcome: Outcome) -> None:
         """An aggregate of several keys stored in a shard the map does not know (a child of a
         split, under load): whether a reader keeps it depends on that shard's range. Retrying
         it at once would store needless duplicates of every sub-record that was in range, so it
@@ -534,11 +532,13 @@ class Retrier:
         """User records stored in a shard the map has not seen yet, waiting for its refresh."""
         return sum(len(held.kr.records) for held in self._held)
 
-    def settle_held(self, now: float, *, refresh_failed: bool = False) -> None:
+    def settle_held(self, now: float, *, give_up_before: float = -math.inf) -> None:
         """Decide the held outcomes whose shard the map now knows: succeeded if its range holds
         every sub-record, retried as Wrong Shard if not. Once a refresh that started after an
-        outcome (or any refresh, when ``refresh_failed``) has not shown its shard, it is
-        retried (the KPL's behaviour for every such record)."""
+        outcome has not shown its shard, it is retried (the KPL's behaviour for every such
+        record); so is one that expires before ``give_up_before`` (a failed refresh passes the
+        time of its next try: a map that cannot be had for ever does not keep a record from
+        its expiry; ``math.inf`` gives up on every one)."""
         if not self._held:
             return
         updates = self.shard_map.updates
@@ -549,11 +549,13 @@ class Retrier:
             readable = self._readable_in(kr, actual)
             if readable:
                 self._succeed(kr, actual, held.sequence_number, held.start, held.end, users)
-            elif readable is False or refresh_failed or updates >= held.needed:
+            elif readable is False or updates >= held.needed or kr.expiration < give_up_before:
                 self._wrong_shard(kr, actual, held.start, held.end, now)
             else:
                 keep.append(held)
         self._held = keep
+        if self._failed:  # expired on the way to a retry
+            self._log_failures()
         observe = self.observe
         for shard, sizes in users.items():
             delivered_users = sizes.count
@@ -683,7 +685,19 @@ class Retrier:
 
     def take_all(self) -> list[PendingRecord]:
         records = [r for item in self._delayed for r in item[2]]
-        records.extend(r for held in self._held for r in held.kr.records)
+        for held in self._held:
+            # stored, in a shard whose range was never learned: the records keep that attempt
+            attempt = AttemptRecord(
+                held.start,
+                held.end,
+                False,
+                errors.WRONG_SHARD,
+                f"stored in {held.actual}, a shard the map had not listed yet; not known "
+                "whether a reader keeps it",
+            )
+            for record in held.kr.records:
+                record._add_attempt(attempt)
+                records.append(record)
         self._held.clear()
         self._delayed.clear()
         self.delayed_records = 0

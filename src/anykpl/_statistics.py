@@ -137,6 +137,9 @@ class StreamStatistics:
         pace: seconds a record waits at least before its shard sends it, from its admission:
             pacing at capacity (adaptive batching; see docs/batching.md), as last planned
             (every 0.1 s while records flow). 0 when the stream was not at its capacity.
+        held_records: user records stored in a shard the map has not listed yet (after a
+            split, under load), waiting for its refresh to say whether a reader keeps them
+            (see docs/stages/retrier.md).
     """
 
     shard_map_state: str
@@ -154,6 +157,7 @@ class StreamStatistics:
     shards: Mapping[str, ShardStatistics]
     retry_budget_exhausted: int
     pace: float = 0.0
+    held_records: int = 0
 
 
 @dataclass(frozen=True, slots=True)
