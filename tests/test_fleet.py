@@ -393,7 +393,13 @@ def test_generations_continue_after_acknowledgements_even_without_the_document()
     assert doc.generation == 42
 
 
-def test_learning_mode_after_a_takeover_echoes_grants_and_bootstraps_newcomers() -> None:
+def test_a_takeover_with_the_last_document_allocates_as_its_predecessor_would() -> None:
+    """The last grants document bounds every grant that may be in force, so a new allocator
+    that read it needs no learning mode (Doorman learns because its new master cannot know
+    the leases out there): it allocates as the allocator before it would have, reductions at
+    once and increases from free capacity only. A rolling redeploy hands the lease over with
+    every process; a learning mode after each hand-over kept the new processes waiting for
+    their grants (a cap change took 19 s instead of 7.6 s to settle)."""
     old = allocator()
     previous = old.allocate(
         None,
@@ -407,39 +413,24 @@ def test_learning_mode_after_a_takeover_echoes_grants_and_bootstraps_newcomers()
         observed(report("b", wants=10, mode="granted", generation=1, has=775), 4),
         observed(report("c", wants=900), 4),
     ]
-    new.take_over(previous, reports, exact(4.5))
+    assert new.take_over(previous, reports, exact(4.5))  # (grants may be in force)
+    assert not new.learning(exact(4.5))
     doc = new.allocate(previous, reports, exact(4.5))
-    assert doc.learning
-    # echoed, although the demand changed; the newcomer gets its floor: 10 % of what may be
-    # granted over the 3 workers, which must come from free capacity (none) -> no grant yet
-    assert grants_of(doc) == pytest.approx({"a": 125, "b": 775})
-    assert doc.generation == 2
-    # learning lasts until the predecessor's last grants expire (issued at 0 s, for a lease
-    # and its grace)
-    assert new.learning_until == previous.expires_at
-    assert new.learning(exact(LEASE + GRACE - 0.1))
-    later = LEASE + GRACE + 0.1
-    reports = [
-        observed(report("a", wants=900, mode="granted", generation=2, has=125), later),
-        observed(report("b", wants=10, mode="granted", generation=2, has=775), later),
-        observed(report("c", wants=900, has=33.3), later),
-    ]
-    doc = new.allocate(doc, reports, exact(later))
     assert not doc.learning
-    assert grants_of(doc)["b"] == pytest.approx(GRANTABLE * 0.1 / 3)  # its floor
-
-
-def test_learning_mode_bootstraps_newcomers_from_free_capacity() -> None:
-    old = allocator()
-    previous = old.allocate(None, [observed(report("a", wants=100), 0)], exact(0))
-    new = allocator()
+    assert doc.generation == 2
+    assert grants_of(doc) == grants_of(old.allocate(previous, reports, exact(4.5)))
+    # b's reduction applies at once; a and c wait for the capacity it frees (b's 775 is in
+    # force until b acknowledges): the newcomer gets no grant yet
+    assert grants_of(doc) == pytest.approx({"a": 125, "b": GRANTABLE * 0.1 / 3})
+    # b acknowledged: a and c share what is left
     reports = [
-        observed(report("a", mode="granted", generation=1, has=125), 1),
-        observed(report("c", wants=900), 1),
+        observed(report("a", wants=900, mode="granted", generation=2, has=125), 9),
+        observed(report("b", wants=10, mode="granted", generation=2, has=30), 9),
+        observed(report("c", wants=900, has=10), 9),
     ]
-    new.take_over(previous, reports, exact(1.5))
-    doc = new.allocate(previous, reports, exact(1.5))
-    assert grants_of(doc) == pytest.approx({"a": 125, "c": GRANTABLE * 0.1 / 2})
+    doc = new.allocate(doc, reports, exact(9.5))
+    share = (GRANTABLE - GRANTABLE * 0.1 / 3) / 2
+    assert grants_of(doc) == pytest.approx({"a": share, "b": GRANTABLE * 0.1 / 3, "c": share})
 
 
 def test_a_takeover_without_a_readable_document_echoes_what_workers_report() -> None:
@@ -640,7 +631,26 @@ def test_the_sum_of_grants_in_force_never_exceeds_the_cap(run: dict[str, Any]) -
             if step["takeover"]:
                 alloc = allocator(cap=step["cap"], lease=lease)
                 alloc.take_over(latest, list(written.values()), bounds)
+            # what a mark frees in this generation: the grants made for the process that
+            # wrote it (it applies nothing), unless a successor of the id already applies a
+            # grant of its own (the document then no longer says whose grants are whose)
+            freed = set()
+            for w, incarnation in marks.items():
+                entry = latest.workers.get(w) if latest is not None else None
+                successor = written.get(w)
+                if (
+                    entry is not None
+                    and entry.names(incarnation)
+                    and (
+                        successor is None
+                        or successor.report.incarnation == incarnation
+                        or successor.report.generation is None
+                    )
+                ):
+                    freed.add(w)
             doc = alloc.allocate(latest, list(written.values()), bounds, left=dict(marks))
+            for w in freed:
+                released[w] = doc.generation
             for w, incarnation in list(marks.items()):
                 entry = doc.workers.get(w)
                 if entry is None:  # what it had is free; its mark (and report) go

@@ -220,15 +220,17 @@ class Allocator:
     ) -> bool:
         """Start allocating after acquiring the lease; return whether grants may be in force.
 
-        If grants of the previous allocator may still be in force, run in learning mode
-        (Doorman): echo the grants in force and give new workers their bootstrap only, until
-        they have all expired — at ``expires_at`` of the last document, which bounds every
-        grant before it; or, when that document is missing or unreadable while a worker
-        reports a grant (or a report could not be read: it may say so), for one lease.
+        A readable ``previous`` document bounds every grant that may still be in force (each
+        worker's outstanding grants and acknowledgements are in it): the new allocator goes on
+        as the one before it would have, with no learning mode (Doorman learns because its new
+        master cannot know the leases out there). When that document is missing or unreadable
+        while a worker reports a grant (or a report could not be read: it may say so), it runs
+        in learning mode for one lease: it echoes what the workers report applying and gives
+        new workers their bootstrap only.
         """
         granted = bool(unread) or any(r.report.mode == "granted" for r in self.fresh(reports, now))
         if previous is not None and previous.expires_at > now[0]:
-            self.learning_until = previous.expires_at
+            self.learning_until = None
             return True
         if previous is None and granted:
             self.learning_until = now[1] + self.lease
@@ -350,10 +352,15 @@ class Allocator:
             entry = previous.workers.get(worker_id) if previous is not None else None
             earlier = entry.acked if entry is not None else None
             acks[worker_id] = max_of((reported, earlier))
+        # (a successor under the same worker id never applies a grant made for the process
+        # that marked itself as left: that process's grants are free even once the successor
+        # reported, as long as it has applied no grant of its own yet)
         gone = {
             w
             for w, incarnation in left.items()
-            if w in acks and w not in fresh and _made_for(previous, w, incarnation)
+            if w in acks
+            and (w not in fresh or fresh[w].generation is None)
+            and _made_for(previous, w, incarnation)
         }
         held = {w: [] if w in gone else in_force(previous, w, acks[w], now[0]) for w in acks}
         generation = self._generation(previous, fresh.values())

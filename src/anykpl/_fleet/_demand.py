@@ -48,16 +48,20 @@ class DemandEstimator:
     starting on its bootstrap share), a small backlog. So :attr:`held` says that callers waited for
     room since the last sample while the fleet's bucket held records back (the fleet's rate,
     not Kinesis, held the producer back): the worker then wants all it can get (the caller says how
-    much that is: :class:`~anykpl._fleet._worker.FleetWorker` reports its cap).
+    much that is: :class:`~anykpl._fleet._worker.FleetWorker` reports its cap). A sample
+    whose window was held back in part (held in it, or at its start) measured what the rate
+    let through: it is not averaged into the next one, which starts the average afresh.
     """
 
-    __slots__ = ("_last", "_last_at", "_sampled", "held", "offered", "sync_interval")
+    __slots__ = ("_censored", "_last", "_last_at", "_sampled", "held", "offered", "sync_interval")
 
     def __init__(self, sync_interval: float) -> None:
         self.sync_interval = sync_interval
         self._last: FleetDemand | None = None
         self._last_at = 0.0
         self._sampled = False
+        # whether the last sample's admissions were held back, for part of its window at least
+        self._censored = False
         self.offered = (0.0, 0.0)
         #: whether callers waited for room at admission since the previous sample (or wait
         #: now) while the fleet's bucket held records back
@@ -66,11 +70,16 @@ class DemandEstimator:
     def update(self, demand: FleetDemand, now: float) -> tuple[Rates, Rates]:
         """Take a sample at local time ``now``; return ``(offered, wants)`` per second."""
         last = self._last
+        # held back when the window now ending began: what it admitted was partly what the
+        # rate let through
+        was_held = self.held
         if last is not None and now > self._last_at:
             elapsed = now - self._last_at
             records = max(0, demand.admitted_records - last.admitted_records) / elapsed
             nbytes = max(0, demand.admitted_bytes - last.admitted_bytes) / elapsed
-            if self._sampled:
+            # (what it admitted while callers were held back was what its rate let through,
+            # not what it was offered: such a sample is not averaged into the next one)
+            if self._sampled and not self._censored:
                 a = DEMAND_SMOOTHING
                 records = a * records + (1 - a) * self.offered[0]
                 nbytes = a * nbytes + (1 - a) * self.offered[1]
@@ -84,6 +93,7 @@ class DemandEstimator:
             waited = demand.admission_waits > waits or demand.admission_waiting > 0
             fleet = demand.fleet_refusals > refusals or demand.fleet_holding
             self.held = waited and fleet
+            self._censored = self.held or was_held
             self._last, self._last_at = demand, now
         wants_records = self.offered[0] + max(0, demand.backlog_records) / self.sync_interval
         wants_bytes = self.offered[1] + max(0, demand.backlog_bytes) / self.sync_interval

@@ -31,7 +31,7 @@ from ..config import FleetConfig, ProducerConfig
 from ._demand import DemandEstimator, FleetDemand
 from ._documents import GrantsDocument, WorkerReport
 from ._member import ClientFactory, GrantsRead, Member
-from ._rates import Mode, Rates
+from ._rates import Mode, Rates, max_of
 from ._statistics import FleetStatistics
 from ._store import Conflict, Store
 from ._worker_state import WorkerState
@@ -86,6 +86,7 @@ class FleetWorker(Member):
         self._demand = demand
         self._apply = apply
         self._estimator = DemandEstimator(fleet.sync_interval)
+        self._held_before = False  # whether callers were held back at the last report
         self._state = WorkerState(
             worker_id=self.worker_id,
             cap=Rates(fleet.records_per_second, fleet.bytes_per_second),
@@ -299,7 +300,11 @@ class FleetWorker(Member):
         now = self._now()
         demand = self._demand()
         offered, wants = self._estimator.update(demand, now)
-        if self._estimator.held:
+        mode, rates = self._state.rates(now)
+        if self._mode is not None and self._applied is not None:
+            mode, rates = self._mode, self._applied  # what it applies, not what it should
+        held = self._estimator.held
+        if held:
             # callers wait for room: it would send whatever it gets (the grant is max-min fair:
             # those that want less get what they want first)
             wants = Rates(
@@ -308,9 +313,14 @@ class FleetWorker(Member):
                     for mine, cap in zip(wants, self._state.cap, strict=True)
                 )
             )
-        mode, rates = self._state.rates(now)
-        if self._mode is not None and self._applied is not None:
-            mode, rates = self._mode, self._applied  # what it applies, not what it should
+        elif self._held_before:
+            # no longer held back, since the rate it applies now: what it admitted since the
+            # last report was held back for part of the time, so it still wants that rate at
+            # least (the next report, of a whole interval at it, says what it wants)
+            wants = Rates(
+                *(max_of((mine, now_rate)) for mine, now_rate in zip(wants, rates, strict=True))
+            )
+        self._held_before = held
         self._sequence += 1
         return WorkerReport(
             worker_id=self.worker_id,
