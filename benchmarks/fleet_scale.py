@@ -801,8 +801,39 @@ def parse(argv: list[str] | None = None) -> Any:
     return args
 
 
+def share_parsed_grants() -> None:
+    """Parse each stored grants document once for every member of this one process.
+
+    A real member parses the document it reads (a 10,000-member fleet's is 2.5 MB of JSON:
+    tens of milliseconds each interval, see docs/benchmarks.md). Here every member runs in one
+    process and reads the very same ``bytes`` object from the simulated store, so parsing it
+    once per member made the simulation's cost grow with the square of the fleet. The parsed
+    document is immutable; a member gets the same result from the real ``parse_grants`` as
+    before, only computed once per stored version (what a document fails to parse is not
+    kept: each member gets the error).
+    """
+    from anykpl._fleet import _member
+
+    real = _member.parse_grants
+    parsed: dict[int, tuple[bytes, Any]] = {}
+
+    def parse(data: bytes) -> Any:
+        hit = parsed.get(id(data))
+        if hit is not None and hit[0] is data:
+            return hit[1]
+        document = real(data)
+        if len(parsed) >= 8:
+            parsed.clear()
+        parsed[id(data)] = (data, document)  # (the bytes kept alive: their id stays theirs)
+        return document
+
+    _member.parse_grants = parse  # type: ignore[attr-defined]
+
+
 def run(args: Any) -> dict[str, Any]:
     import trio.testing
+
+    share_parsed_grants()
 
     clock = trio.testing.MockClock(autojump_threshold=0)
     # trio reverses each batch of runnable tasks at random (to shake out order assumptions):
