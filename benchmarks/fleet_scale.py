@@ -505,7 +505,10 @@ class Member:
         )
         # the jitter and the incarnation of each member from the seed: a run can be repeated
         worker._random = random.Random((args.seed * 100_003 + self.index) * 7 + incarnation)
-        worker._incarnation = worker._state.incarnation = f"{args.seed}.{self.index}.{incarnation}"
+        # (a grant names the first 6 characters: unique for every process of every member)
+        worker._incarnation = worker._state.incarnation = (
+            f"{incarnation}{self.index:05d}-{args.seed}"
+        )
         return worker
 
     def _advance(self) -> None:

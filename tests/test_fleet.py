@@ -433,6 +433,92 @@ def test_a_takeover_with_the_last_document_allocates_as_its_predecessor_would() 
     assert grants_of(doc) == pytest.approx({"a": share, "b": GRANTABLE * 0.1 / 3, "c": share})
 
 
+@pytest.mark.parametrize("takeover", [True, False])
+def test_grants_of_a_lost_document_are_learnt_through_a_takeover_and_without_one(
+    takeover: bool,
+) -> None:
+    """a, b and c apply 300 each; c reads generation 2, then is cut off from the store (its
+    last report says generation 1), and grants.json is deleted. The grants of the lost
+    document stay in force until they expire (t = 25): whoever allocates next learns for a
+    lease — the allocator that lost it, or a new one — and so does an allocator that takes
+    over from a document written in learning mode (which does not bound what is in force).
+    Neither hands c's share to a and b before c's grant expired."""
+    states = {
+        w: WorkerState(
+            worker_id=w,
+            cap=Rates(CAP, None),
+            lease=LEASE,
+            safe_fraction=0.0,
+            bootstrap_fraction=0.1,
+            started_at=0.0,
+            incarnation=f"{w}00000-x",
+        )
+        for w in "abc"
+    }
+    clocks = {w: known_clock() for w in "abc"}
+    written: dict[str, ObservedReport] = {}
+
+    def write_report(w: str, at: float) -> None:
+        state = states[w]
+        mode, rates = state.rates(at)
+        rep = replace(
+            report(w, mode=mode, generation=state.generation, has=rates.records_per_second),
+            incarnation=state.incarnation or "",
+        )
+        written[w] = observed(rep, at)
+        state.report_written(at)
+        state.learn_rank(3, at)
+
+    def applied(at: float) -> float:
+        return sum(state.rates(at)[1].records_per_second or 0.0 for state in states.values())
+
+    first = allocator()
+    for w in "abc":
+        write_report(w, 0)
+    doc = first.allocate(None, list(written.values()), exact(0))
+    for w in "abc":
+        states[w].receive(doc, clocks[w], 0.5)
+        write_report(w, 1)
+    doc = first.allocate(doc, list(written.values()), exact(5))
+    for w in "abc":
+        states[w].receive(doc, clocks[w], 6)
+    assert applied(6) == pytest.approx(GRANTABLE)
+    for w in "ab":  # c is cut off from here on
+        write_report(w, 6)
+        write_report(w, 8)
+    # t = 7: grants.json is deleted
+    current = first
+    if takeover:  # B takes over (there is no document), then hands over on close to C
+        b = allocator()
+        b.take_over(None, list(written.values()), exact(9))
+        doc = b.allocate(None, list(written.values()), exact(9))
+        assert doc.learning
+        for w in "ab":
+            states[w].receive(doc, clocks[w], 9.5)
+            write_report(w, 10)
+        current = allocator()
+        current.take_over(doc, list(written.values()), exact(11))
+        assert current.learning(exact(11))
+    else:
+        doc = first.allocate(None, list(written.values()), exact(9))
+        assert doc.learning
+        for w in "ab":
+            states[w].receive(doc, clocks[w], 9.5)
+            write_report(w, 10)
+    worst = 0.0
+    at = 11.0
+    while at < 40:
+        doc = current.allocate(doc, list(written.values()), exact(at))
+        for w in "ab":
+            states[w].receive(doc, clocks[w], at + 0.5)
+            write_report(w, at + 1)
+        worst = max(worst, applied(at), applied(at + 1))
+        at += 5
+    assert worst <= CAP + 1e-6
+    # once c's grant expired, its share went to a and b
+    assert states["a"].rates(at)[1].records_per_second == pytest.approx(GRANTABLE / 2, rel=0.05)
+
+
 def test_a_takeover_without_a_readable_document_echoes_what_workers_report() -> None:
     new = allocator()
     reports = [

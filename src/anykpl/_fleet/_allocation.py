@@ -226,17 +226,29 @@ class Allocator:
         master cannot know the leases out there). When that document is missing or unreadable
         while a worker reports a grant (or a report could not be read: it may say so), it runs
         in learning mode for one lease: it echoes what the workers report applying and gives
-        new workers their bootstrap only.
+        new workers their bootstrap only; and a document written in learning mode bounds
+        nothing (the one before it was lost), so it is learnt until it expires. The allocator
+        that finds its own last document gone learns likewise (:meth:`allocate`).
         """
-        granted = bool(unread) or any(r.report.mode == "granted" for r in self.fresh(reports, now))
+        granted = self._granted(reports, now, unread)
         if previous is not None and previous.expires_at > now[0]:
-            self.learning_until = None
+            # (a document of learning mode does not bound what is in force: the one before it
+            # was lost, and the grants in it may be; it is learnt until it expires, which is
+            # after every one of those)
+            self.learning_until = previous.expires_at if previous.learning else None
             return True
         if previous is None and granted:
             self.learning_until = now[1] + self.lease
             return True
         self.learning_until = None
         return False
+
+    def _granted(
+        self, reports: Iterable[ObservedReport], now: tuple[float, float], unread: Collection[str]
+    ) -> bool:
+        """Whether a fresh report says its worker applies a grant (or one could not be read:
+        it may say so)."""
+        return bool(unread) or any(r.report.mode == "granted" for r in self.fresh(reports, now))
 
     def step_down(self) -> None:
         """The lease was lost: a later acquisition is a new takeover."""
@@ -323,6 +335,10 @@ class Allocator:
         is merely gone (deleted as a leftover, or by hand) frees nothing.
         """
         left = left or {}
+        if previous is None and not self.learning(now) and self._granted(reports, now, unread):
+            # the last document is gone (deleted, or unreadable) while grants of it may be in
+            # force: as after a takeover without one, learn for a lease
+            self.learning_until = now[1] + self.lease
         # (a process that marked itself as left applies nothing: its report, if it is still
         # there, no longer counts)
         observed = [
