@@ -809,25 +809,26 @@ def share_parsed_grants() -> None:
 
     A real member parses the document it reads (a 10,000-member fleet's is 2.5 MB of JSON:
     tens of milliseconds each interval, see docs/benchmarks.md). Here every member runs in one
-    process and reads the very same ``bytes`` object from the simulated store, so parsing it
-    once per member made the simulation's cost grow with the square of the fleet. The parsed
-    document is immutable; a member gets the same result from the real ``parse_grants`` as
-    before, only computed once per stored version (what a document fails to parse is not
-    kept: each member gets the error).
+    process and reads the same stored bytes, so parsing them once per member made the
+    simulation's cost grow with the square of the fleet. The parsed document is immutable; a
+    member gets the same result from the real ``parse_grants`` as before, only computed once
+    per stored version (looked up by the bytes: a DynamoDB read decompresses a copy; what
+    fails to parse is not kept, each member gets the error).
     """
     from anykpl._fleet import _member
 
     real = _member.parse_grants
-    parsed: dict[int, tuple[bytes, Any]] = {}
+    parsed: dict[bytes, Any] = {}
 
     def parse(data: bytes) -> Any:
-        hit = parsed.get(id(data))
-        if hit is not None and hit[0] is data:
-            return hit[1]
-        document = real(data)
-        if len(parsed) >= 8:
-            parsed.clear()
-        parsed[id(data)] = (data, document)  # (the bytes kept alive: their id stays theirs)
+        if type(data) is not bytes:
+            return real(data)
+        document = parsed.get(data)
+        if document is None:
+            document = real(data)
+            if len(parsed) >= 8:
+                parsed.clear()
+            parsed[data] = document
         return document
 
     _member.parse_grants = parse  # type: ignore[attr-defined]

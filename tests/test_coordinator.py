@@ -207,6 +207,20 @@ def test_the_report_after_callers_were_held_back_wants_at_least_the_rate_applied
     assert report.wants == Rates(40.0, 4000.0)
 
 
+@pytest.mark.parametrize(
+    ("due", "unread", "strained"),
+    [(0, 0, False), (1000, 10, False), (1000, 50, False), (1000, 51, True), (4, 1, True)],
+)
+def test_a_store_is_strained_when_more_than_a_twentieth_of_the_reads_fail(
+    due: int, unread: int, strained: bool
+) -> None:
+    """The allocator stretches the fleet's interval while the store is strained: a thousand
+    reads with 1 % of errors (a store that answers, with some noise) stretched it to its
+    longest, where the fleet then took minutes to converge."""
+    read = fleet_member.ReportsRead(due=due, unread={f"w{i}" for i in range(unread)})
+    assert read.strained is strained
+
+
 # -- on trio's mock clock -----------------------------------------------------------------
 
 

@@ -79,6 +79,9 @@ MAX_STRETCH = 12.0
 #: left unread) stretches the interval by STRETCH_STEP; one shorter than CALM_READS shrinks it
 #: back by the same step.
 STRAINED_READS = 0.25
+#: The share of the reports' reads that may fail in a cycle before the store counts as
+#: strained (see :attr:`ReportsRead.strained`).
+STRAINED_SHARE = 0.05
 CALM_READS = 0.1
 STRETCH_STEP = 1.5
 #: The answers by which a store says it is overloaded: throttles, 5xx and timeouts. A member
@@ -133,10 +136,21 @@ class ReportsRead:
     unread: set[str] = field(default_factory=set)
     #: reads that failed (the store's errors and timeouts, not junk documents)
     failed: int = 0
+    #: reports due to be read (listed and fresh)
+    due: int = 0
     #: workers that left (``left/<id>.json``): worker id -> (its incarnation, the mark's ETag)
     left: dict[str, tuple[str, str]] = field(default_factory=dict)
     #: the reports read: worker id -> (its incarnation, its ETag)
     tags: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    @property
+    def strained(self) -> bool:
+        """Whether the store failed (or did not answer in time) more than
+        :data:`STRAINED_SHARE` of the reads: it is overloaded, or failing, and fewer calls help
+        either way. Fewer failures are noise that the next cycle's reads absorb (an unread
+        worker keeps its grant meanwhile): a thousand reads with 1 % of errors stretched the
+        fleet's interval to its longest."""
+        return len(self.unread) > STRAINED_SHARE * self.due
 
 
 @dataclass(frozen=True, slots=True)
@@ -451,6 +465,7 @@ class Member(abc.ABC):
             elif not self._allocator.is_stale(last_modified, now):
                 due.append(key)
         self._random.shuffle(due)
+        read.due = len(due)
         limiter = anyio.CapacityLimiter(
             min(MAX_READ_CONCURRENCY, max(READ_CONCURRENCY, len(due) // REPORTS_PER_READER))
         )
@@ -571,7 +586,7 @@ class Member(abc.ABC):
             return  # (a takeover is decided at the first cycle whose reads succeed)
         reports, unread = read.reports, frozenset(read.unread)
         left = {w: incarnation for w, (incarnation, _) in read.left.items()}
-        self._adapt(strained=bool(unread) or read.failed > 0, took=self._now() - began)
+        self._adapt(strained=read.strained, took=self._now() - began)
         if unread and grants.document is None:
             # no document says what the unread workers may apply: wait for a complete read
             self._retry_soon = True
