@@ -350,6 +350,31 @@ def test_a_worker_that_missed_its_reports_gets_no_new_grant() -> None:
     assert grants_of(alloc.allocate(doc, reports, exact(later))) == pytest.approx({"b": 900})
 
 
+def test_a_newcomer_gets_its_share_while_some_report_goes_unread() -> None:
+    """A store that fails some reads leaves a worker or two unread in every cycle: each keeps
+    its grant. The others share only what is left: sharing the whole capacity among them
+    booked the unread worker's grant twice, and the invariant then kept the workers already
+    granted at the larger share and a newcomer at nothing, cycle after cycle."""
+    alloc = allocator()
+    doc = alloc.allocate(None, [observed(report(w), 0) for w in "abc"], exact(1))
+    assert grants_of(doc) == pytest.approx({w: GRANTABLE / 3 for w in "abc"})
+
+    def granted(*workers: str, generation: int, has: float, at: float) -> list[ObservedReport]:
+        return [
+            observed(report(w, mode="granted", generation=generation, has=has), at) for w in workers
+        ]
+
+    # d joins; c's report cannot be read: it keeps its 300, a, b and d share the other 600
+    reports = [*granted("a", "b", generation=1, has=300, at=5), observed(report("d"), 5)]
+    doc = alloc.allocate(doc, reports, exact(6), unread={"c"})
+    assert grants_of(doc)["a"] == pytest.approx(200)
+    assert grants_of(doc)["c"] == pytest.approx(300)
+    # a and b applied their 200; c is unread again: d gets the 200 they freed
+    reports = [*granted("a", "b", generation=2, has=200, at=10), observed(report("d"), 10)]
+    doc = alloc.allocate(doc, reports, exact(11), unread={"c"})
+    assert grants_of(doc) == pytest.approx({"a": 200, "b": 200, "c": 300, "d": 200})
+
+
 def test_a_report_that_could_not_be_read_keeps_its_grant() -> None:
     # a slow store: b's report was listed but not read in time. b keeps its grant (within the
     # invariant) and counts in the fleet; a worker unread and never granted gets nothing

@@ -412,8 +412,14 @@ class Allocator:
                 # worker that missed one report (late, or dead) is held back, not handed to the
                 # others only to be taken back, acknowledgement by acknowledgement, at its next
                 # report (a dead worker's grants in force outlast its fresh report anyway)
+                # (less what the workers whose report could not be read keep: their grants
+                # are echoed below, and sharing the whole capacity over the others as well
+                # booked it twice — the invariant then kept the workers in force at the larger
+                # share, and a newcomer below it, for as long as the store failed some reads)
+                kept = sum(last[i] or 0.0 for last in echoed.values())
                 wants = {w: max((fresh[w].wants[i] or 0.0) * HEADROOM, floor) for w in fresh}
-                targets = {w: t for w, t in water_fill(capacity, wants).items() if w in current}
+                shared = water_fill(max(0.0, capacity - kept), wants)
+                targets = {w: t for w, t in shared.items() if w in current}
             targets.update({w: last[i] or 0.0 for w, last in echoed.items()})
             for w, rate in allocate_dimension(capacity, targets, force, use).items():
                 grants[w][i] = rate
