@@ -255,13 +255,16 @@ async def test_a_throttle_storm_cuts_the_shard_then_ends(
     emulator: tuple[str, EmulatorClient], control: EmulatorClient
 ) -> None:
     stream = new_stream(control)
-    control.storm(stream, duration=0.6, factor=0.0)
     async with kinesis(emulator[0]) as client:
+        # (the storm starts once the client is open: opening it took longer than the storm's
+        # 0.6 s on a loaded machine, and the storm was over before the first request)
+        control.storm(stream, duration=1.5, factor=0.0)
+        started = anyio.current_time()
         response = await client.put_records(StreamName=stream, Records=records(5))
         assert response["FailedRecordCount"] == 5
         shard = next(s for s in control.stats()["shards"] if s["stream"] == stream)
         assert shard["limit_records"] == 0
-        await anyio.sleep(0.8)
+        await anyio.sleep_until(started + 1.7)
         response = await client.put_records(StreamName=stream, Records=records(5))
         assert response["FailedRecordCount"] == 0
 
