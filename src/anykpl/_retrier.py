@@ -363,12 +363,7 @@ class Retrier:
             observe("AllErrors", shard, None, StatisticSet(count, failed, 1.0 - high, 1.0 - low))
             if put:
                 observe("KinesisRecordsDataPut", shard, None, delivered)
-        for shard, sizes in users.items():
-            delivered_users = sizes.count
-            observe(
-                "UserRecordsPut", shard, None, StatisticSet(delivered_users, delivered_users, 1, 1)
-            )
-            observe("UserRecordsDataPut", shard, None, sizes)
+        self._observe_delivered(users)
 
     def _observe_request(self, outcome: Outcome) -> None:
         """The per-request metrics: one statistic set each, per predicted shard for the
@@ -437,6 +432,16 @@ class Retrier:
             ):
                 self.request_refresh()
         self._succeed(kr, actual, sequence_number, outcome.start, outcome.end, users)
+
+    def _observe_delivered(self, users: dict[str, StatisticSet]) -> None:
+        """The user records delivered, per actual shard: their count and their sizes."""
+        observe = self.observe
+        for shard, sizes in users.items():
+            delivered_users = sizes.count
+            observe(
+                "UserRecordsPut", shard, None, StatisticSet(delivered_users, delivered_users, 1, 1)
+            )
+            observe("UserRecordsDataPut", shard, None, sizes)
 
     def _succeed(
         self,
@@ -556,13 +561,7 @@ class Retrier:
         self._held = keep
         if self._failed:  # expired on the way to a retry
             self._log_failures()
-        observe = self.observe
-        for shard, sizes in users.items():
-            delivered_users = sizes.count
-            observe(
-                "UserRecordsPut", shard, None, StatisticSet(delivered_users, delivered_users, 1, 1)
-            )
-            observe("UserRecordsDataPut", shard, None, sizes)
+        self._observe_delivered(users)
 
     def statistics(self) -> RetrierStatistics:
         """A frozen snapshot of the Retrier's counters."""
