@@ -544,6 +544,82 @@ def test_grants_of_a_lost_document_are_learnt_through_a_takeover_and_without_one
     assert states["a"].rates(at)[1].records_per_second == pytest.approx(GRANTABLE / 2, rel=0.05)
 
 
+def test_a_mark_frees_only_the_grants_made_for_the_process_that_left() -> None:
+    # One worker id, two processes one after the other: P leaves (it applies nothing, then
+    # writes its mark), S starts and is granted. P's last report, cut short, lands after S's,
+    # in a cycle whose listing of the marks failed: the entry names P again, while S applies
+    # its own grant. When the mark is read, it frees what was made for P, not S's grant.
+    alloc = allocator()
+    states = {
+        "w": WorkerState(
+            worker_id="w",
+            cap=Rates(CAP, None),
+            lease=LEASE,
+            safe_fraction=0.0,
+            bootstrap_fraction=0.1,
+            started_at=0.0,
+            incarnation="pppppp-1",
+        ),
+        "x": worker_state("x"),
+    }
+    clocks = {w: ServerClock() for w in "wx"}
+    for clock in clocks.values():
+        clock.observe(server_stamp(0), 0, 0)
+    written: dict[str, ObservedReport] = {}
+
+    def write(worker_id: str, at: float) -> ObservedReport:
+        state = states[worker_id]
+        mode, rates = state.rates(at)
+        rep = replace(
+            report(worker_id, 5000.0, mode=mode, generation=state.generation),
+            incarnation=state.incarnation or "xxxxxx-1",
+            has=rates,
+        )
+        written[worker_id] = observed(rep, at)
+        ranked(state, 2, at)
+        return written[worker_id]
+
+    def applied(at: float) -> float:
+        return sum(s.rates(at)[1].records_per_second or 0.0 for s in states.values())
+
+    write("w", 0)
+    write("x", 0)
+    doc = alloc.allocate(None, list(written.values()), exact(0))
+    for w in "wx":
+        states[w].receive(doc, clocks[w], 0.5)
+    late = write("w", 1)  # P's last report (its PUT is cut short)
+    write("x", 1)
+    states["w"] = replace_state = WorkerState(
+        worker_id="w",
+        cap=Rates(CAP, None),
+        lease=LEASE,
+        safe_fraction=0.0,
+        bootstrap_fraction=0.1,
+        started_at=2.0,
+        incarnation="ssssss-2",
+    )
+    clocks["w"] = ServerClock()
+    clocks["w"].observe(server_stamp(2), 2, 2)
+    write("w", 2)  # S's first report; P's mark is written, but not listed below
+    doc = alloc.allocate(doc, list(written.values()), exact(3))
+    for w in "wx":
+        states[w].receive(doc, clocks[w], 3.5)
+    assert replace_state.mode(3.5) == "granted"
+    write("x", 4)
+    written["w"] = observed(late.report, 5)  # P's report lands late
+    doc = alloc.allocate(doc, list(written.values()), exact(6))
+    assert doc.workers["w"].incarnation == "pppppp"  # (the entry names P again)
+    states["x"].receive(doc, clocks["x"], 6.5)
+    write("x", 7)
+    doc = alloc.allocate(doc, list(written.values()), exact(8), left={"w": "pppppp-1"})
+    # S's grant is still in force, and reserved
+    assert doc.total_reserved().records_per_second <= GRANTABLE * (1 + TOLERANCE)
+    assert [o.incarnation for o in doc.workers["w"].outstanding] == ["ssssss"]
+    states["x"].receive(doc, clocks["x"], 8.5)
+    assert applied(8.5) <= CAP * 0.9 * (1 + TOLERANCE)
+    assert parse_grants(doc.to_json()) == doc
+
+
 def test_a_takeover_without_a_readable_document_echoes_what_workers_report() -> None:
     new = allocator()
     reports = [
@@ -1164,9 +1240,27 @@ def test_documents_survive_a_round_trip() -> None:
         workers={
             **doc.workers,
             "gone": WorkerEntry(None, 4, (Outstanding(4, Rates(1.5, None), SERVER_EPOCH),)),
+            # an earlier grant made for another process than the entry's newest
+            "again": WorkerEntry(
+                Rates(2.0, None),
+                5,
+                (
+                    Outstanding(4, Rates(1.5, None), SERVER_EPOCH, "aaaaaa"),
+                    Outstanding(5, Rates(1.0, None), SERVER_EPOCH, None),
+                ),
+                incarnation="bbbbbb",
+            ),
         },
     )
     assert parse_grants(doc.to_json()) == doc
+    # an earlier grant that does not say for whom was made for the entry's process
+    again = json.loads(doc.to_json())["workers"]["again"]
+    assert [o.get("incarnation", "-") for o in again["outstanding"]] == ["aaaaaa", None]
+    del again["outstanding"][0]["incarnation"]
+    raw = json.loads(doc.to_json())
+    raw["workers"]["again"] = again
+    parsed = parse_grants(json.dumps(raw).encode())
+    assert [o.incarnation for o in parsed.workers["again"].outstanding] == ["bbbbbb", None]
 
 
 def valid_report() -> dict[str, Any]:

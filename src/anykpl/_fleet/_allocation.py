@@ -121,7 +121,9 @@ def in_force(
         return []
     candidates = list(entry.outstanding)
     if entry.grant is not None:
-        candidates.append(Outstanding(previous.generation, entry.grant, previous.expires_at))
+        candidates.append(
+            Outstanding(previous.generation, entry.grant, previous.expires_at, entry.incarnation)
+        )
     floor = -1 if acked is None else acked
     return [c for c in candidates if c.generation >= floor and c.expires_at > now_earliest]
 
@@ -368,17 +370,19 @@ class Allocator:
             entry = previous.workers.get(worker_id) if previous is not None else None
             earlier = entry.acked if entry is not None else None
             acks[worker_id] = max_of((reported, earlier))
-        # (a successor under the same worker id never applies a grant made for the process
-        # that marked itself as left: that process's grants are free even once the successor
-        # reported, as long as it has applied no grant of its own yet)
-        gone = {
-            w
-            for w, incarnation in left.items()
-            if w in acks
-            and (w not in fresh or fresh[w].generation is None)
-            and _made_for(previous, w, incarnation)
+        # a process that marked itself as left applies none of the grants made for it, and its
+        # successor under the same worker id never applies one of those: they are free, each
+        # grant by the process it names (an entry names the process of its newest grant; an
+        # earlier grant may be another's — a departed process's late report can put its name
+        # back on the entry while its successor applies a grant of its own)
+        held = {
+            w: [
+                o
+                for o in in_force(previous, w, acks[w], now[0])
+                if not (w in left and o.made_for(left[w]))
+            ]
+            for w in acks
         }
-        held = {w: [] if w in gone else in_force(previous, w, acks[w], now[0]) for w in acks}
         generation = self._generation(previous, fresh.values())
         fleet = max(1, len(fresh) + len(echoed))
         grants: dict[str, list[float | None]] = {w: [None, None] for w in (*current, *echoed)}

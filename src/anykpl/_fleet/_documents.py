@@ -121,6 +121,14 @@ class Outstanding:
     generation: int
     rates: Rates
     expires_at: float
+    #: the start of the incarnation it was made for (``None``: not said): a mark that this
+    #: process left frees it, and only it — a worker id's entry names the process its newest
+    #: grant is for, which need not be the one an earlier grant was for
+    incarnation: str | None = None
+
+    def made_for(self, incarnation: str) -> bool:
+        """Whether this grant says it was made for ``incarnation``."""
+        return self.incarnation is not None and incarnation.startswith(self.incarnation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,6 +261,12 @@ class GrantsDocument:
                                 "generation": o.generation,
                                 "expires_at": o.expires_at,
                                 **_rates_json(o.rates),
+                                # (said only where it is not the entry's, to keep it small)
+                                **(
+                                    {}
+                                    if o.incarnation == e.incarnation
+                                    else {"incarnation": o.incarnation}
+                                ),
                             }
                             for o in e.outstanding
                         ],
@@ -331,11 +345,16 @@ def parse_grants(data: bytes) -> GrantsDocument:
         outstanding_raw = raw.get("outstanding", [])
         if not isinstance(outstanding_raw, list) or len(outstanding_raw) > 256:
             raise DocumentError(f"workers.{worker_id}.outstanding must be a short list")
+        incarnation = _optional_identifier(raw, "incarnation")
         outstanding = tuple(
             Outstanding(
                 generation=_integer(o, "generation"),
                 rates=_rates(o, True, f"{worker_id}.outstanding.", positive=True),
                 expires_at=_number(o, "expires_at"),
+                # (not said: the entry's)
+                incarnation=(
+                    _optional_identifier(o, "incarnation") if "incarnation" in o else incarnation
+                ),
             )
             for o in (_as_object(item, "outstanding") for item in outstanding_raw)
         )
@@ -343,7 +362,7 @@ def parse_grants(data: bytes) -> GrantsDocument:
             grant=grant,
             acked=_integer(raw, "acked", optional=True),
             outstanding=outstanding,
-            incarnation=None if raw.get("incarnation") is None else _identifier(raw, "incarnation"),
+            incarnation=incarnation,
         )
     return GrantsDocument(
         generation=_integer(doc, "generation"),
@@ -427,6 +446,10 @@ def _identifier(doc: Mapping[str, Any], name: str) -> str:
     if not isinstance(value, str) or not _ID.fullmatch(value):
         raise DocumentError(f"{name} must be 1..128 of A-Z a-z 0-9 _ . -, not {value!r}")
     return value
+
+
+def _optional_identifier(doc: Mapping[str, Any], name: str) -> str | None:
+    return None if doc.get(name) is None else _identifier(doc, name)
 
 
 def _short(value: object, limit: int = 40) -> str:
