@@ -150,10 +150,10 @@ async def test_nothing_is_sent_before_the_first_s3_calls(anyio_backend: str) -> 
     applied_at_first_call: list[Any] = []
     enter = s3._enter
 
-    async def first_call(bucket: str) -> None:
+    async def first_call(bucket: str, operation: str = "S3", key: str = "") -> None:
         if not applied_at_first_call:
             applied_at_first_call.append(list(member.applied))
-        await enter(bucket)
+        await enter(bucket, operation, key)
 
     s3._enter = first_call  # type: ignore[method-assign]
     async with anyio.create_task_group() as tg:
@@ -460,6 +460,68 @@ class TestOnMockClock:
         assert down.sync_interval == INTERVAL
         assert after.sync_interval == INTERVAL
         assert "ConnectionError" in (after.last_error or "")
+
+    async def test_an_occasional_internal_error_is_tried_again_within_the_cycle(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        # A store that fails a request in a hundred is not overloaded: a read or a worker's
+        # report that fails with a 500 is tried again at once, so the workers acknowledge
+        # their grants and the allocator reads every report in the same cycle; nothing is
+        # logged, nothing stretched. A throttle is not tried again.
+        s3 = FakeS3()
+        members = [Member(s3, f"w{i}") for i in range(2)]
+        caplog.set_level(logging.INFO, logger="anykpl.fleet")
+        async with running(*members):
+            await anyio.sleep(3 * INTERVAL)
+            s3.failing = [
+                (operation, key, "InternalError", 500)
+                for operation, key in [
+                    ("GetObject", "grants.json"),
+                    ("GetObject", "workers/"),
+                    ("PutObject", "workers/"),
+                    ("ListObjectsV2", "workers/"),
+                ]
+            ]
+            await anyio.sleep(2 * INTERVAL)
+            retried = [m.worker.statistics() for m in members]
+            left_over = list(s3.failing)
+            s3.failing = [("GetObject", "grants.json", "SlowDown", 503)]
+            await anyio.sleep(INTERVAL)
+            throttled = [m.worker.statistics() for m in members]
+        assert not left_over  # (every failure was met)
+        assert sum(s.s3_errors for s in retried) == 4
+        assert [(s.mode, s.sync_interval) for s in retried] == [("granted", INTERVAL)] * 2
+        assert any("InternalError" in (s.last_error or "") for s in retried)
+        failed = [r.__dict__["error_code"] for r in caplog.records if "error_code" in r.__dict__]
+        assert failed == ["SlowDown"]
+        assert sum(s.s3_errors for s in throttled) == 5
+        check_every_generation(s3)
+
+    async def test_retries_stop_when_the_store_fails_much(self) -> None:
+        # the retry budget: five retries, then a tenth of one for each call that succeeded at
+        # its first try (as botocore's retry quota): a store that fails every call gets at most
+        # five retries from a member, however long it fails
+        s3 = FakeS3()
+        member = Member(s3, "w0")
+        async with running(member):
+            await anyio.sleep(3 * INTERVAL)
+            s3.failing = [
+                (operation, "", "InternalError", 500)
+                for operation in ("GetObject", "PutObject", "ListObjectsV2", "DeleteObject")
+                for _ in range(1000)
+            ]
+            before = member.worker.statistics().s3_errors
+            await anyio.sleep(20 * INTERVAL)
+            failed = member.worker.statistics().s3_errors - before
+            budget = member.worker._retry_budget
+            s3.failing = []
+            await anyio.sleep(6 * INTERVAL)
+            after = member.worker.statistics()
+        # a cycle makes at most five calls that fail (the grants, the report, the lease, the
+        # listing of the reports, a listing of the left marks), one per interval or less
+        assert failed <= 20 * 5 + fleet_member.RETRY_BUDGET
+        assert budget < 1
+        assert after.mode == "granted"
 
     async def test_a_granted_worker_keeps_to_the_interval(self) -> None:
         # A worker applying a grant reports every interval: a report an interval and a quarter

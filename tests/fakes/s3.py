@@ -3,7 +3,9 @@
 Objects live in a dict; PUT honours ``IfMatch`` and ``IfNoneMatch: *`` and DELETE honours
 ``IfMatch`` the way S3 does (412 ``PreconditionFailed``, 404 ``NoSuchKey``); every version of
 every object is kept, so a test can check each generation of a document; ``down`` cuts the
-bucket off, and ``throttled`` answers every call ``503 SlowDown``. The clock is
+bucket off, ``throttled`` answers every call ``503 SlowDown``, and ``failing`` fails the next
+call of each operation it names, on a key that contains the text it gives, with its error (a
+store's occasional 500). The clock is
 ``SERVER_EPOCH`` plus the running backend's clock, stamped in whole seconds like S3's ``Date``
 and ``LastModified``, so under trio's MockClock minutes of S3 time pass in milliseconds. The
 fake knows nothing of the fleet's documents: the fleet tests read them.
@@ -55,6 +57,8 @@ class FakeS3:
         self.send_date = send_date
         self.down = False
         self.throttled = False  # every call answered 503 SlowDown, as an overloaded bucket does
+        #: (operation, part of the key, code, status): the next such call fails with that error
+        self.failing: list[tuple[str, str, str, int]] = []
         self.calls = 0
 
     def stamp(self) -> float:
@@ -74,13 +78,17 @@ class FakeS3:
             operation,
         )
 
-    async def _enter(self, bucket: str) -> None:
+    async def _enter(self, bucket: str, operation: str = "S3", key: str = "") -> None:
         await anyio.lowlevel.checkpoint()
         self.calls += 1
         if self.down:
             raise EndpointConnectionError(endpoint_url="http://fake-s3")
         if self.throttled:
             raise self._error("SlowDown", 503, "S3")
+        for index, (failing, part, code, status) in enumerate(self.failing):
+            if failing == operation and part in key:
+                del self.failing[index]
+                raise self._error(code, status, operation)
         assert bucket == self.bucket
 
     async def put_object(
@@ -93,7 +101,7 @@ class FakeS3:
         IfMatch: str | None = None,
         IfNoneMatch: str | None = None,
     ) -> dict[str, Any]:
-        await self._enter(Bucket)
+        await self._enter(Bucket, "PutObject", Key)
         existing = self.objects.get(Key)
         if IfNoneMatch == "*" and existing is not None:
             raise self._error("PreconditionFailed", 412, "PutObject")
@@ -113,7 +121,7 @@ class FakeS3:
         }
 
     async def get_object(self, *, Bucket: str, Key: str) -> dict[str, Any]:
-        await self._enter(Bucket)
+        await self._enter(Bucket, "GetObject", Key)
         if Key not in self.objects:
             raise self._error("NoSuchKey", 404, "GetObject")
         body, etag, stamp = self.objects[Key]
@@ -128,7 +136,7 @@ class FakeS3:
     async def list_objects_v2(
         self, *, Bucket: str, Prefix: str, ContinuationToken: str | None = None
     ) -> dict[str, Any]:
-        await self._enter(Bucket)
+        await self._enter(Bucket, "ListObjectsV2", Prefix)
         keys = sorted(k for k in self.objects if k.startswith(Prefix))
         start = int(ContinuationToken or 0)
         page = keys[start : start + 2]  # small pages, to exercise the paging
@@ -150,7 +158,7 @@ class FakeS3:
     async def delete_object(
         self, *, Bucket: str, Key: str, IfMatch: str | None = None
     ) -> dict[str, Any]:
-        await self._enter(Bucket)
+        await self._enter(Bucket, "DeleteObject", Key)
         existing = self.objects.get(Key)
         if IfMatch is not None and (existing is None or existing[1] != IfMatch):
             raise self._error("PreconditionFailed", 412, "DeleteObject")

@@ -27,7 +27,7 @@ import anyio
 from .._aws import create_client
 from .._sender import error_code
 from ..config import FleetConfig, ProducerConfig
-from ..errors import TIMEOUT
+from ..errors import CONNECTION_ERROR, TIMEOUT
 from ._allocation import Allocator, ObservedReport
 from ._clock import ServerClock
 from ._documents import (
@@ -75,15 +75,16 @@ MAX_READ_CONCURRENCY = 64
 READ_PHASE = 0.5
 #: The longest sync interval a slow store stretches the fleet's to, in configured intervals.
 MAX_STRETCH = 12.0
-#: A read phase longer than this share of the interval (or any failed call in it, or a report
-#: left unread) stretches the interval by STRETCH_STEP; one shorter than CALM_READS shrinks it
-#: back by the same step.
+#: A read phase longer than this share of the interval (or a failed listing, or more than
+#: STRAINED_SHARE of the reports left unread: :attr:`ReportsRead.strained`) stretches the
+#: interval by STRETCH_STEP; one shorter than CALM_READS of it shrinks it back by the same
+#: step: a read phase a fifth shorter than what would stretch the shorter interval again (a
+#: wider band kept a fleet whose listing failed once at the longer interval for good, its
+#: reads taking 0.95 s of 7.5).
 STRAINED_READS = 0.25
-#: The share of the reports' reads that may fail in a cycle before the store counts as
-#: strained (see :attr:`ReportsRead.strained`).
 STRAINED_SHARE = 0.05
-CALM_READS = 0.1
 STRETCH_STEP = 1.5
+CALM_READS = 0.8 * STRAINED_READS / STRETCH_STEP
 #: The answers by which a store says it is overloaded: throttles, 5xx and timeouts. A member
 #: without a grant (not the allocator: it stretches the fleet's interval, :meth:`Member._adapt`)
 #: whose calls get one in a cycle waits STRETCH_STEP times longer for its next, up to
@@ -104,6 +105,19 @@ STRAIN_CODES = frozenset(
         TIMEOUT,
     }
 )
+#: The errors after which a member tries a call again, once, RETRY_PAUSE seconds later (while
+#: its retry budget lasts): a store's occasional internal error or a dropped connection, which
+#: the AWS SDKs retry. Not a throttle nor a timeout: a store that is overloaded gets fewer calls,
+#: not more (see STRAIN_CODES). Only the calls that are safe twice are tried again: the reads,
+#: and a worker's report (its ``If-Match`` fails if the first try went through after all,
+#: and the report is written as after any other conflict).
+TRANSIENT_CODES = frozenset({"InternalError", "InternalServerError", "HTTP500", CONNECTION_ERROR})
+RETRY_PAUSE = (0.02, 0.1)
+#: The retry budget: RETRY_BUDGET retries, and each call that succeeds at its first try earns
+#: RETRY_EARNED of one back: a store that fails more than about a tenth of the calls gets
+#: hardly any retries (as botocore's retry quota).
+RETRY_BUDGET = 5.0
+RETRY_EARNED = 0.1
 #: S3's clock is known well enough once a member's uncertainty about it is below this.
 CLOCK_TARGET = 0.1
 #: After the holder's lease would expire, a contender looks again this much later, and a
@@ -212,6 +226,7 @@ class Member(abc.ABC):
         self._next_sweep = -math.inf  # local time to look for leftover presence objects
         self._close_deadline: float | None = None  # local time by which closing must end
         self.s3_errors = 0
+        self._retry_budget = RETRY_BUDGET
         self._strained_calls = 0  # calls the store refused as overloaded (STRAIN_CODES)
         self._backoff = 1.0  # this member's own stretch of its interval while they come
         self.last_error: str | None = None
@@ -288,7 +303,7 @@ class Member(abc.ABC):
     async def _attempt(self, operation: str, call: Awaitable[Any]) -> tuple[bool, Any]:
         """Await ``call``; on an error, record it and return ``(False, None)``."""
         try:
-            return True, await call
+            result = await call
         except anyio.get_cancelled_exc_class():
             raise
         except Conflict:
@@ -296,6 +311,36 @@ class Member(abc.ABC):
         except Exception as exc:
             self._record_error(operation, exc)
             return False, None
+        self._retry_budget = min(RETRY_BUDGET, self._retry_budget + RETRY_EARNED)
+        return True, result
+
+    async def _attempt_twice(
+        self, operation: str, call: Callable[[], Awaitable[Any]]
+    ) -> tuple[bool, Any]:
+        """:meth:`_attempt` ``call()``, and once more after a transient error
+        (:data:`TRANSIENT_CODES`) while the retry budget lasts: one failed read in a hundred
+        would otherwise cost a worker its acknowledgement for a whole interval, and the
+        allocator a whole cycle."""
+        try:
+            result = await call()
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Conflict:
+            raise
+        except Exception as exc:
+            code, message = error_code(exc)
+            if code not in TRANSIENT_CODES or self._retry_budget < 1:
+                self._record_error(operation, exc)
+                return False, None
+            # counted, but neither logged nor taken as strain unless the retry fails too
+            self._retry_budget -= 1
+            self.s3_errors += 1
+            self.last_error = f"{operation}: {code}: {message}"
+        else:
+            self._retry_budget = min(RETRY_BUDGET, self._retry_budget + RETRY_EARNED)
+            return True, result
+        await anyio.sleep(self._random.uniform(*RETRY_PAUSE))
+        return await self._attempt(operation, call())
 
     # -- the lease ------------------------------------------------------------------------
 
@@ -360,7 +405,7 @@ class Member(abc.ABC):
                 return None
             self._lease_etag = etag
             return "held"
-        ok, found = await self._attempt("read the lease", store.get(key))
+        ok, found = await self._attempt_twice("read the lease", lambda: store.get(key))
         if not ok:
             return None
         if found is None:
@@ -422,7 +467,9 @@ class Member(abc.ABC):
     # -- allocating -----------------------------------------------------------------------
 
     async def _read_grants(self, store: Store) -> GrantsRead | None:
-        ok, found = await self._attempt("read grants", store.get(store.key("grants.json")))
+        ok, found = await self._attempt_twice(
+            "read grants", lambda: store.get(store.key("grants.json"))
+        )
         if not ok:
             return None
         if found is None:
@@ -444,12 +491,14 @@ class Member(abc.ABC):
         at a time, or one per :data:`REPORTS_PER_READER` reports for a large fleet. ``None``
         when the listing fails."""
         prefix = store.key("workers/")
-        ok, listing = await self._attempt("list reports", store.list(prefix))
+        ok, listing = await self._attempt_twice("list reports", lambda: store.list(prefix))
         if not ok:
             return None
         # the marks of workers that left (few, or none): a failed listing only means that
         # what they had is freed a cycle later
-        marked, marks = await self._attempt("list left workers", store.list(store.key("left/")))
+        marked, marks = await self._attempt_twice(
+            "list left workers", lambda: store.list(store.key("left/"))
+        )
         now = self._server_now()
         if now is None:
             return None
@@ -474,7 +523,7 @@ class Member(abc.ABC):
             worker_id = key[len(prefix) : -len(".json")]
             read.unread.add(worker_id)
             async with limiter:
-                ok, found = await self._attempt("read a report", store.get(key))
+                ok, found = await self._attempt_twice("read a report", lambda: store.get(key))
             if not ok:
                 read.failed += 1
                 return
@@ -498,7 +547,7 @@ class Member(abc.ABC):
 
         async def read_mark(key: str, etag: str) -> None:
             async with limiter:
-                ok, found = await self._attempt("read a left mark", store.get(key))
+                ok, found = await self._attempt_twice("read a left mark", lambda: store.get(key))
             if not ok or found is None:
                 return
             try:
@@ -545,7 +594,9 @@ class Member(abc.ABC):
         if self._now() < self._next_sweep:
             return
         self._next_sweep = self._now() + self._lease
-        ok, listing = await self._attempt("list allocators", store.list(store.key("allocators/")))
+        ok, listing = await self._attempt_twice(
+            "list allocators", lambda: store.list(store.key("allocators/"))
+        )
         now = self._server_now()
         if not ok or now is None:
             return

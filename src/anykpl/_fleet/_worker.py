@@ -275,7 +275,9 @@ class FleetWorker(Member):
         """Count the reports in the store, this worker's own included: its rank in the
         bootstrap budget (see :func:`~anykpl._fleet._worker_state.budget_share`)."""
         sent_at = self._now()
-        ok, listing = await self._attempt("list reports", store.list(store.key("workers/")))
+        ok, listing = await self._attempt_twice(
+            "list reports", lambda: store.list(store.key("workers/"))
+        )
         if not ok:
             return
         self._listed_at = sent_at
@@ -371,8 +373,9 @@ class FleetWorker(Member):
             sent_at = self._now()
             if etag is not None:
                 try:
-                    ok, written = await self._attempt(
-                        operation, store.put(key, self._report_body, if_match=etag)
+                    body = self._report_body
+                    ok, written = await self._attempt_twice(
+                        operation, lambda: store.put(key, body, if_match=etag)
                     )
                 except Conflict:
                     # someone else wrote it, or it was deleted (a leftover, by a slow
@@ -388,7 +391,8 @@ class FleetWorker(Member):
                         self._written(written, sent_at)
                     return bool(ok)
             sent_at = self._now()
-            ok, written = await self._attempt(operation, store.put(key, self._report_body))
+            body = self._report_body
+            ok, written = await self._attempt_twice(operation, lambda: store.put(key, body))
             if ok:
                 self._written(written, sent_at)
             return bool(ok)
