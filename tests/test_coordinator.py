@@ -722,7 +722,10 @@ class TestOnMockClock:
                 raise AssertionError("unreachable")
 
             s3.get_object = hung  # type: ignore[method-assign]
-            await anyio.sleep(LEASE + INTERVAL)
+            # (a cycle that read the grants just before may still issue a generation, its
+            # unread report's grant echoed and the interval stretched by the reads that hung:
+            # it lasts a stretched lease and grace, 1.5 × (LEASE + INTERVAL))
+            await anyio.sleep(1.5 * (LEASE + INTERVAL) + INTERVAL)
             stats = member.worker.statistics()
             hang.set()
         assert stats.mode == "safe"

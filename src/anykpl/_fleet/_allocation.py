@@ -136,6 +136,19 @@ def _made_for(previous: GrantsDocument | None, worker_id: str, incarnation: str)
     return entry is None or entry.names(incarnation)
 
 
+def _issued_at(now: tuple[float, float], began: tuple[float, float] | None) -> float:
+    """A document's ``issued_at``: when the reads it was made from began (or ``now``).
+
+    The workers time their reports by it (a phase of the interval after it: see
+    ``FleetWorker._locked_start``), and the allocator's next reads begin an interval after
+    these began: dated by the end of the reads, which take a second for a thousand
+    reports, a worker's window ran past the start of the next reads, and some reports were
+    read a generation late. (The grants expire a lease and a grace after it: no later than
+    if dated when written.)"""
+    bounds = now if began is None else began
+    return (bounds[0] + bounds[1]) / 2
+
+
 def _short(rate: float) -> float:
     """``rate`` rounded down to nine significant digits: a grants document of thousands of
     workers stays small (a DynamoDB item holds 400 KB), and a grant is never rounded up."""
@@ -291,12 +304,13 @@ class Allocator:
         previous: GrantsDocument | None,
         reports: Sequence[ObservedReport],
         now: tuple[float, float],
+        began: tuple[float, float] | None = None,
     ) -> GrantsDocument:
         """A document without grants that tells the fleet's size: written by the first
         allocator of a starting fleet while it waits a cycle for every member's report, so
         that the members' bootstrap rates already share the cap × ``bootstrap_fraction``."""
         fresh = {r.report.worker_id: r.report for r in self.fresh(reports, now)}
-        issued_at = (now[0] + now[1]) / 2
+        issued_at = _issued_at(now, began)
         return GrantsDocument(
             generation=self._generation(previous, fresh.values()),
             allocator=self.allocator_id,
@@ -323,8 +337,12 @@ class Allocator:
         now: tuple[float, float],
         unread: Collection[str] = (),
         left: Mapping[str, str] | None = None,
+        began: tuple[float, float] | None = None,
     ) -> GrantsDocument:
         """The next generation of grants. ``now`` bounds S3's time (earliest, latest).
+
+        ``began``: S3's time when the reads of ``reports`` began (``now`` if not given): the
+        document is issued then (see :func:`_issued_at`).
 
         ``unread``: workers whose fresh report was listed but could not be read in time (a
         slow or failing store): each keeps its grant in ``previous``, within the invariant,
@@ -447,7 +465,7 @@ class Allocator:
             workers[w] = WorkerEntry(
                 grant=grant, acked=acks[w], outstanding=outstanding, incarnation=incarnation
             )
-        issued_at = (now[0] + now[1]) / 2
+        issued_at = _issued_at(now, began)
         return GrantsDocument(
             generation=generation,
             allocator=self.allocator_id,

@@ -629,6 +629,7 @@ class Member(abc.ABC):
         # (a member taking over a stretched fleet must not judge its reports by its own)
         self._allocator.use_interval(self.period, self._allocator.interval)
         began = self._now()
+        began_at = self._server_now()  # (when the reads began: the next ones begin a period later)
         read = await self._read_reports(store)
         now = self._server_now()
         if read is None or now is None:
@@ -654,11 +655,15 @@ class Member(abc.ABC):
                 # acknowledgements. So the first grants wait one cycle — but the fleet size
                 # goes out at once, in a document without grants.
                 self._gather_until = self._now() + 0.8 * self.fleet.sync_interval
-                document = self._allocator.gather(grants.document, reports, now)
+                document = self._allocator.gather(grants.document, reports, now, began_at)
             else:
-                document = self._allocator.allocate(grants.document, reports, now, unread, left)
+                document = self._allocator.allocate(
+                    grants.document, reports, now, unread, left, began_at
+                )
         else:
-            document = self._allocator.allocate(grants.document, reports, now, unread, left)
+            document = self._allocator.allocate(
+                grants.document, reports, now, unread, left, began_at
+            )
         if await self._write_grants(store, grants, document):
             await self._delete_left(store, read, document)
         await self._sweep_presence(store)
@@ -808,6 +813,10 @@ class Member(abc.ABC):
         self._backoff = backoff
 
     def _interval(self) -> float:
+        if self.holds_lease:
+            # the allocator keeps time: the workers time their reports by its documents, to
+            # fall between its reads (a random period would come early for some of them)
+            return self.cycle_period
         return self.cycle_period * self._random.uniform(0.9, 1.1)
 
     def _next_start(self, start: float) -> float:
