@@ -1234,7 +1234,11 @@ def test_documents_survive_a_round_trip() -> None:
         lease=15.0,
     )
     assert parse_lease(lease.to_json()) == lease
-    doc = allocator().allocate(None, [observed(report("a"), 0), observed(report("b"), 0)], exact(0))
+    doc = allocator().allocate(
+        None, [observed(report("a"), 0), observed(report("b"), 0)], exact(1), began=exact(0)
+    )
+    # the next reads begin an interval after these began
+    assert doc.next_allocation_at == SERVER_EPOCH + LEASE / 3
     doc = replace(
         doc,
         workers={
@@ -1261,6 +1265,16 @@ def test_documents_survive_a_round_trip() -> None:
     raw["workers"]["again"] = again
     parsed = parse_grants(json.dumps(raw).encode())
     assert [o.incarnation for o in parsed.workers["again"].outstanding] == ["bbbbbb", None]
+    # in a document of an older version, which never said, for none: a mark frees none
+    del raw["outstanding_named"]
+    parsed = parse_grants(json.dumps(raw).encode())
+    assert [o.incarnation for o in parsed.workers["again"].outstanding] == [None, None]
+    unknown = WorkerEntry(
+        None, None, (Outstanding(1, Rates(100.0, None), SERVER_EPOCH + 100, None),), "aaaaaa"
+    )
+    legacy = replace(parsed, workers={"again": unknown})
+    kept = allocator().allocate(legacy, [], exact(0), left={"again": "aaaaaa-1"})
+    assert kept.workers["again"].outstanding == unknown.outstanding
 
 
 def valid_report() -> dict[str, Any]:

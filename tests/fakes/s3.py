@@ -5,7 +5,7 @@ Objects live in a dict; PUT honours ``IfMatch`` and ``IfNoneMatch: *`` and DELET
 every object is kept, so a test can check each generation of a document; ``down`` cuts the
 bucket off, ``throttled`` answers every call ``503 SlowDown``, and ``failing`` fails the next
 call of each operation it names, on a key that contains the text it gives, with its error (a
-store's occasional 500). The clock is
+store's occasional 500), and ``lost_answers`` answers a PUT that was done with a 500. The clock is
 ``SERVER_EPOCH`` plus the running backend's clock, stamped in whole seconds like S3's ``Date``
 and ``LastModified``, so under trio's MockClock minutes of S3 time pass in milliseconds. The
 fake knows nothing of the fleet's documents: the fleet tests read them.
@@ -59,6 +59,8 @@ class FakeS3:
         self.throttled = False  # every call answered 503 SlowDown, as an overloaded bucket does
         #: (operation, part of the key, code, status): the next such call fails with that error
         self.failing: list[tuple[str, str, str, int]] = []
+        #: parts of keys: the next PUT of such a key is done, but answered with a 500
+        self.lost_answers: list[str] = []
         self.calls = 0
 
     def stamp(self) -> float:
@@ -114,6 +116,10 @@ class FakeS3:
         stamp = self.stamp()
         self.objects[Key] = (bytes(Body), etag, stamp)
         self.versions.setdefault(Key, []).append(bytes(Body))
+        for index, part in enumerate(self.lost_answers):
+            if part in Key:
+                del self.lost_answers[index]
+                raise self._error("InternalError", 500, "PutObject")
         last_modified = formatdate(stamp, usegmt=True)
         return {
             "ETag": etag,

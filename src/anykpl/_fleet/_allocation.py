@@ -136,17 +136,15 @@ def _made_for(previous: GrantsDocument | None, worker_id: str, incarnation: str)
     return entry is None or entry.names(incarnation)
 
 
-def _issued_at(now: tuple[float, float], began: tuple[float, float] | None) -> float:
-    """A document's ``issued_at``: when the reads it was made from began (or ``now``).
-
-    The workers time their reports by it (a phase of the interval after it: see
-    ``FleetWorker._locked_start``), and the allocator's next reads begin an interval after
-    these began: dated by the end of the reads, which take a second for a thousand
-    reports, a worker's window ran past the start of the next reads, and some reports were
-    read a generation late. (The grants expire a lease and a grace after it: no later than
-    if dated when written.)"""
-    bounds = now if began is None else began
-    return (bounds[0] + bounds[1]) / 2
+def _next_allocation(
+    began: tuple[float, float] | None, interval: float, issued_at: float
+) -> float | None:
+    """When the allocator's next reads are due to begin, an interval after these ``began``
+    (``None`` if not known): the workers time their reports to fall between the document's
+    writing and then (``FleetWorker._locked_start``)."""
+    if began is None:
+        return None
+    return max(issued_at, (began[0] + began[1]) / 2 + interval)
 
 
 def _short(rate: float) -> float:
@@ -310,7 +308,7 @@ class Allocator:
         allocator of a starting fleet while it waits a cycle for every member's report, so
         that the members' bootstrap rates already share the cap × ``bootstrap_fraction``."""
         fresh = {r.report.worker_id: r.report for r in self.fresh(reports, now)}
-        issued_at = _issued_at(now, began)
+        issued_at = (now[0] + now[1]) / 2
         return GrantsDocument(
             generation=self._generation(previous, fresh.values()),
             allocator=self.allocator_id,
@@ -325,6 +323,7 @@ class Allocator:
             sync_interval=self.interval,
             bootstrap_fraction=self.bootstrap_fraction,
             leftover_after=LEFTOVER_LEASES * self.configured_lease,
+            next_allocation_at=_next_allocation(began, self.interval, issued_at),
         )
 
     def learning(self, now: tuple[float, float]) -> bool:
@@ -341,8 +340,8 @@ class Allocator:
     ) -> GrantsDocument:
         """The next generation of grants. ``now`` bounds S3's time (earliest, latest).
 
-        ``began``: S3's time when the reads of ``reports`` began (``now`` if not given): the
-        document is issued then (see :func:`_issued_at`).
+        ``began``: S3's time when the reads of ``reports`` began: the next reads begin an
+        interval later (the document's ``next_allocation_at``).
 
         ``unread``: workers whose fresh report was listed but could not be read in time (a
         slow or failing store): each keeps its grant in ``previous``, within the invariant,
@@ -465,7 +464,7 @@ class Allocator:
             workers[w] = WorkerEntry(
                 grant=grant, acked=acks[w], outstanding=outstanding, incarnation=incarnation
             )
-        issued_at = _issued_at(now, began)
+        issued_at = (now[0] + now[1]) / 2
         return GrantsDocument(
             generation=generation,
             allocator=self.allocator_id,
@@ -478,4 +477,5 @@ class Allocator:
             sync_interval=self.interval,
             bootstrap_fraction=self.bootstrap_fraction,
             leftover_after=LEFTOVER_LEASES * self.configured_lease,
+            next_allocation_at=_next_allocation(began, self.interval, issued_at),
         )

@@ -187,6 +187,9 @@ class GrantsDocument:
     bootstrap_fraction: float | None = None
     #: seconds after which the allocator deletes a report as a crashed worker's leftover
     leftover_after: float | None = None
+    #: when the allocator's next reads of the reports are due to begin (``None``: not said):
+    #: the workers time their reports to fall between this document's writing and then
+    next_allocation_at: float | None = None
 
     def grant_for(self, worker_id: str, incarnation: str | None = None) -> Rates | None:
         """``worker_id``'s new grant; with ``incarnation``, only if it was made for that
@@ -251,6 +254,14 @@ class GrantsDocument:
                 "sync_interval": self.sync_interval,
                 "bootstrap_fraction": self.bootstrap_fraction,
                 "leftover_after": self.leftover_after,
+                **(
+                    {}
+                    if self.next_allocation_at is None
+                    else {"next_allocation_at": self.next_allocation_at}
+                ),
+                # (an earlier grant that does not say for which process was made for the
+                # entry's; in a document without this, written before they said, for none)
+                "outstanding_named": True,
                 "workers": {
                     worker_id: {
                         "grant": None if e.grant is None else _rates_json(e.grant),
@@ -329,6 +340,7 @@ def parse_grants(data: bytes) -> GrantsDocument:
     learning = doc.get("learning")
     if not isinstance(learning, bool):
         raise DocumentError("learning must be true or false")
+    named = doc.get("outstanding_named") is True
     raw_workers = _object(doc, "workers")
     workers: dict[str, WorkerEntry] = {}
     for worker_id, raw in raw_workers.items():
@@ -351,9 +363,12 @@ def parse_grants(data: bytes) -> GrantsDocument:
                 generation=_integer(o, "generation"),
                 rates=_rates(o, True, f"{worker_id}.outstanding.", positive=True),
                 expires_at=_number(o, "expires_at"),
-                # (not said: the entry's)
+                # (not said: the entry's, or, in a document of an older version, unknown — a
+                # mark frees none of those)
                 incarnation=(
-                    _optional_identifier(o, "incarnation") if "incarnation" in o else incarnation
+                    _optional_identifier(o, "incarnation")
+                    if "incarnation" in o or not named
+                    else incarnation
                 ),
             )
             for o in (_as_object(item, "outstanding") for item in outstanding_raw)
@@ -376,6 +391,7 @@ def parse_grants(data: bytes) -> GrantsDocument:
         sync_interval=_optional_number(doc, "sync_interval"),
         bootstrap_fraction=_optional_number(doc, "bootstrap_fraction"),
         leftover_after=_optional_number(doc, "leftover_after"),
+        next_allocation_at=_optional_number(doc, "next_allocation_at"),
     )
 
 

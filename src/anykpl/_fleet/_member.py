@@ -108,9 +108,10 @@ STRAIN_CODES = frozenset(
 #: The errors after which a member tries a call again, once, RETRY_PAUSE seconds later (while
 #: its retry budget lasts): a store's occasional internal error or a dropped connection, which
 #: the AWS SDKs retry. Not a throttle nor a timeout: a store that is overloaded gets fewer calls,
-#: not more (see STRAIN_CODES). Only the calls that are safe twice are tried again: the reads,
-#: and a worker's report (its ``If-Match`` fails if the first try went through after all,
-#: and the report is written as after any other conflict).
+#: not more (see STRAIN_CODES). Only the calls that are safe twice are tried again: the reads;
+#: a worker's report (its ``If-Match`` fails if the first try went through after all, and the
+#: report is written as after any other conflict); and a leaving worker's mark and the
+#: deletion of its report (a conflict there leaves the report to the allocator).
 TRANSIENT_CODES = frozenset({"InternalError", "InternalServerError", "HTTP500", CONNECTION_ERROR})
 RETRY_PAUSE = (0.02, 0.1)
 #: The retry budget: RETRY_BUDGET retries, and each call that succeeds at its first try earns
@@ -227,6 +228,9 @@ class Member(abc.ABC):
         self._close_deadline: float | None = None  # local time by which closing must end
         self.s3_errors = 0
         self._retry_budget = RETRY_BUDGET
+        #: calls tried again (:meth:`_attempt_twice`), and whether the last answer was a retry's
+        self.retries = 0
+        self.retried = False
         self._strained_calls = 0  # calls the store refused as overloaded (STRAIN_CODES)
         self._backoff = 1.0  # this member's own stretch of its interval while they come
         self.last_error: str | None = None
@@ -300,8 +304,12 @@ class Member(abc.ABC):
             logger.info("fleet %s: the store answers again", self.worker_id)
             self._logged.clear()
 
-    async def _attempt(self, operation: str, call: Awaitable[Any]) -> tuple[bool, Any]:
-        """Await ``call``; on an error, record it and return ``(False, None)``."""
+    async def _attempt(
+        self, operation: str, call: Awaitable[Any], *, retried: bool = False
+    ) -> tuple[bool, Any]:
+        """Await ``call``; on an error, record it and return ``(False, None)``. A first try
+        that succeeds earns back part of a retry (:data:`RETRY_EARNED`)."""
+        self.retried = retried
         try:
             result = await call
         except anyio.get_cancelled_exc_class():
@@ -311,7 +319,8 @@ class Member(abc.ABC):
         except Exception as exc:
             self._record_error(operation, exc)
             return False, None
-        self._retry_budget = min(RETRY_BUDGET, self._retry_budget + RETRY_EARNED)
+        if not retried:
+            self._retry_budget = min(RETRY_BUDGET, self._retry_budget + RETRY_EARNED)
         return True, result
 
     async def _attempt_twice(
@@ -320,7 +329,11 @@ class Member(abc.ABC):
         """:meth:`_attempt` ``call()``, and once more after a transient error
         (:data:`TRANSIENT_CODES`) while the retry budget lasts: one failed read in a hundred
         would otherwise cost a worker its acknowledgement for a whole interval, and the
-        allocator a whole cycle."""
+        allocator a whole cycle. Not after a first try that took over half the call's
+        timeout: two such would hold the cycle too long. :attr:`retried` tells whether the
+        answer is the retry's (a conflict after a retry may be the first try's doing)."""
+        self.retried = False
+        sent_at = self._now()
         try:
             result = await call()
         except anyio.get_cancelled_exc_class():
@@ -329,18 +342,23 @@ class Member(abc.ABC):
             raise
         except Exception as exc:
             code, message = error_code(exc)
-            if code not in TRANSIENT_CODES or self._retry_budget < 1:
+            if (
+                code not in TRANSIENT_CODES
+                or self._retry_budget < 1
+                or self._now() - sent_at > self._call_timeout / 2
+            ):
                 self._record_error(operation, exc)
                 return False, None
             # counted, but neither logged nor taken as strain unless the retry fails too
             self._retry_budget -= 1
+            self.retries += 1
             self.s3_errors += 1
             self.last_error = f"{operation}: {code}: {message}"
         else:
             self._retry_budget = min(RETRY_BUDGET, self._retry_budget + RETRY_EARNED)
             return True, result
         await anyio.sleep(self._random.uniform(*RETRY_PAUSE))
-        return await self._attempt(operation, call())
+        return await self._attempt(operation, call(), retried=True)
 
     # -- the lease ------------------------------------------------------------------------
 
@@ -629,7 +647,7 @@ class Member(abc.ABC):
         # (a member taking over a stretched fleet must not judge its reports by its own)
         self._allocator.use_interval(self.period, self._allocator.interval)
         began = self._now()
-        began_at = self._server_now()  # (when the reads began: the next ones begin a period later)
+        began_at = self._server_now()  # (the next reads begin a period later)
         read = await self._read_reports(store)
         now = self._server_now()
         if read is None or now is None:

@@ -378,13 +378,19 @@ class FleetWorker(Member):
                         operation, lambda: store.put(key, body, if_match=etag)
                     )
                 except Conflict:
-                    # someone else wrote it, or it was deleted (a leftover, by a slow
-                    # allocator): others may have listed without it
-                    self._state.forget_rank()
-                    self._overwritten += 1
-                    if self._overwritten >= OVERWRITTEN_REPORTS and not self._warned_overwritten:
-                        self._warned_overwritten = True
-                        self._warn_overwritten()
+                    if not self.retried:
+                        # someone else wrote it, or it was deleted (a leftover, by a slow
+                        # allocator): others may have listed without it
+                        self._state.forget_rank()
+                        self._overwritten += 1
+                        if (
+                            self._overwritten >= OVERWRITTEN_REPORTS
+                            and not self._warned_overwritten
+                        ):
+                            self._warned_overwritten = True
+                            self._warn_overwritten()
+                    # (after a retry, most likely the first try's own write, whose answer was
+                    # lost: it is written again below, unconditionally)
                 else:
                     if ok:
                         self._overwritten = 0
@@ -471,9 +477,15 @@ class FleetWorker(Member):
             and self.stretch == 1.0
         )
         phase, spread = (0.25, 0.1) if waiting else (0.5, 0.3)
-        aligned = issued + phase * period
+        # (the phase is of the span from the document's writing to the allocator's next reads,
+        # where it says when they begin: reads that take a second for a thousand reports
+        # leave less than a period, and a report timed past them is read a generation late)
+        span = period
+        if document.next_allocation_at is not None:
+            span = min(period, max(period / 2, document.next_allocation_at - document.issued_at))
+        aligned = issued + phase * span
         aligned += math.ceil((start + period / 2 - aligned) / period) * period
-        return aligned + period * self._random.uniform(-spread, spread)
+        return aligned + span * self._random.uniform(-spread, spread)
 
     async def _cleanup(self, store: Store) -> None:
         # the lease first: a successor can take over at once (what follows may run out of time)
@@ -494,7 +506,9 @@ class FleetWorker(Member):
                 if etag is not None:
                     with suppress(Conflict):
                         key = store.key(f"workers/{self.worker_id}.json")
-                        await self._attempt("delete the report", store.delete(key, if_match=etag))
+                        await self._attempt_twice(
+                            "delete the report", lambda: store.delete(key, if_match=etag)
+                        )
             self._state.forget_rank()
         # (a member that goes on with a new client keeps its report, and rewrites it next)
         self._report_etag = self._confirmed_etag = None
@@ -509,7 +523,8 @@ class FleetWorker(Member):
             self._record_error("mark this worker as left", exc)
             return
         key = store.key(f"left/{self.worker_id}.json")
-        await self._attempt("mark this worker as left", store.put(key, mark.to_json()))
+        body = mark.to_json()
+        await self._attempt_twice("mark this worker as left", lambda: store.put(key, body))
 
 
 def _describe(rates: Rates) -> str:
