@@ -75,16 +75,17 @@ MAX_READ_CONCURRENCY = 64
 READ_PHASE = 0.5
 #: The longest sync interval a slow store stretches the fleet's to, in configured intervals.
 MAX_STRETCH = 12.0
-#: A read phase longer than this share of the interval (or a failed listing, or more than
-#: STRAINED_SHARE of the reports left unread: :attr:`ReportsRead.strained`) stretches the
-#: interval by STRETCH_STEP; one shorter than CALM_READS of it shrinks it back by the same
-#: step: a read phase a fifth shorter than what would stretch the shorter interval again (a
-#: wider band kept a fleet whose listing failed once at the longer interval for good, its
-#: reads taking 0.95 s of 7.5).
+#: A read phase longer than this share of the interval (the mean of this cycle's and the
+#: last's: one slow cycle is noise), or a failed listing, or more than STRAINED_SHARE of the
+#: reports left unread (:attr:`ReportsRead.strained`), stretches the interval by
+#: STRETCH_STEP; one shorter than CALM_READS of it shrinks it back by the same step: a read
+#: phase a tenth shorter than what would stretch the shorter interval again (a wider band
+#: kept a fleet whose listing failed once at the longer interval for good, its reads taking
+#: 0.95 s of 7.5).
 STRAINED_READS = 0.25
 STRAINED_SHARE = 0.05
 STRETCH_STEP = 1.5
-CALM_READS = 0.8 * STRAINED_READS / STRETCH_STEP
+CALM_READS = 0.9 * STRAINED_READS / STRETCH_STEP
 #: The answers by which a store says it is overloaded: throttles, 5xx and timeouts. A member
 #: without a grant (not the allocator: it stretches the fleet's interval, :meth:`Member._adapt`)
 #: whose calls get one in a cycle waits STRETCH_STEP times longer for its next, up to
@@ -249,6 +250,7 @@ class Member(abc.ABC):
         #: the sync interval this member keeps to now: the configured one, or the longer one
         #: the allocator asks of the fleet while the store is slow (see :meth:`_adapt`)
         self.period = fleet.sync_interval
+        self._took: float | None = None  # how long the allocator's reads took, smoothed
         #: the store requests made, by kind (see FleetStatistics.requests)
         self.requests: Counter[str] = Counter()
         self._started_at: float | None = None  # local time of the first cycle
@@ -467,6 +469,7 @@ class Member(abc.ABC):
         self._lease_etag = etag
         self._lease_wake = None
         self._taking_over = True
+        self._took = None
         self._backoff = 1.0  # (the allocator keeps to the fleet's interval)
         logger.info("fleet %s: now the allocator", self.worker_id)
         return "acquired"
@@ -651,7 +654,7 @@ class Member(abc.ABC):
         read = await self._read_reports(store)
         now = self._server_now()
         if read is None or now is None:
-            self._adapt(strained=True, took=self._now() - began)
+            self._adapt(strained=True, took=None)
             self._retry_soon = True
             return  # (a takeover is decided at the first cycle whose reads succeed)
         reports, unread = read.reports, frozenset(read.unread)
@@ -686,13 +689,16 @@ class Member(abc.ABC):
             await self._delete_left(store, read, document)
         await self._sweep_presence(store)
 
-    def _adapt(self, *, strained: bool, took: float) -> None:
+    def _adapt(self, *, strained: bool, took: float | None) -> None:
         """Stretch the fleet's sync interval while the store is slow, shrink it back when it
         is not: the fleet's requests per second are about three per member per interval, so
         a store that cannot serve them gets fewer, later — never looser rates. The interval
         goes out in the next grants document; the lease and the grants' lifetime stretch
         with it."""
         previous = self.period
+        if took is not None:  # (None: the reads failed, and say nothing of how long they take)
+            self._took = took if self._took is None else (took + self._took) / 2
+        took = self._took or 0.0
         if strained or took > STRAINED_READS * previous:
             period = min(MAX_STRETCH * self.fleet.sync_interval, previous * STRETCH_STEP)
         elif took < CALM_READS * previous:
