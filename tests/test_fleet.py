@@ -620,6 +620,20 @@ def test_a_mark_frees_only_the_grants_made_for_the_process_that_left() -> None:
     assert parse_grants(doc.to_json()) == doc
 
 
+def test_grants_outlive_the_lease_renewed_before_the_interval_shrank() -> None:
+    # the allocator renewed its lease at the stretched interval, then shrank the interval:
+    # its grants must still outlive that lease by an interval, or a successor taking over
+    # when it expires finds every grant expired
+    alloc = allocator()
+    alloc.use_interval(LEASE)  # stretched to three times the configured interval
+    renewed_lease = alloc.lease
+    alloc.use_interval(LEASE / 3, previous=LEASE)
+    doc = alloc.allocate(None, [observed(report("a"), 0)], exact(0))
+    assert doc.expires_at >= SERVER_EPOCH + renewed_lease + doc.sync_interval
+    alloc.use_interval(LEASE / 3, previous=LEASE / 3)
+    assert alloc.lease == LEASE
+
+
 def test_a_takeover_without_a_readable_document_echoes_what_workers_report() -> None:
     new = allocator()
     reports = [

@@ -207,10 +207,14 @@ class Allocator:
         two) gets its worker no new grant: it missed its last report and may be dead, and a
         dead worker's share comes back only once its grants expire. Grants outlive the lease
         by an interval, so that a successor taking over an expired lease publishes new grants,
-        and the workers read them, before the old ones run out.
+        and the workers read them, before the old ones run out — the lease as this cycle
+        renewed it, before the interval changed: when it shrinks, the grants last the longer
+        lease once more (grants that ran out before the lease did left a fleet whose
+        allocator died just then without any for a minute).
         """
         self.interval = interval
-        self.lease = self.configured_lease * max(1.0, interval / self.configured_interval)
+        longer = max(interval, previous or interval)
+        self.lease = self.configured_lease * max(1.0, longer / self.configured_interval)
         self.current_age = CURRENT_REPORTS * max(interval, previous or interval)
         self.grace = GRACE * interval
 
