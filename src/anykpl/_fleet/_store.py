@@ -41,7 +41,10 @@ KINDS: Final = MappingProxyType(
 
 
 class Conflict(Exception):
-    """A conditional write or delete lost: someone else changed the object first."""
+    """A conditional write or delete lost: someone else changed the object first — or, when
+    ``retried``, maybe this member's own first try, whose answer was lost."""
+
+    retried = False
 
 
 class Store(Protocol):

@@ -377,11 +377,11 @@ class FleetWorker(Member):
                     ok, written = await self._attempt_twice(
                         operation, lambda: store.put(key, body, if_match=etag)
                     )
-                except Conflict:
-                    if not self.retried:
-                        # someone else wrote it, or it was deleted (a leftover, by a slow
-                        # allocator): others may have listed without it
-                        self._state.forget_rank()
+                except Conflict as exc:
+                    # someone else wrote it, or it was deleted (a leftover, by a slow
+                    # allocator): others may have listed without it
+                    self._state.forget_rank()
+                    if not exc.retried:
                         self._overwritten += 1
                         if (
                             self._overwritten >= OVERWRITTEN_REPORTS
