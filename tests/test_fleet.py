@@ -550,18 +550,19 @@ def test_a_mark_frees_only_the_grants_made_for_the_process_that_left() -> None:
     # in a cycle whose listing of the marks failed: the entry names P again, while S applies
     # its own grant. When the mark is read, it frees what was made for P, not S's grant.
     alloc = allocator()
-    states = {
-        "w": WorkerState(
+
+    def process(incarnation: str, started_at: float) -> WorkerState:
+        return WorkerState(
             worker_id="w",
             cap=Rates(CAP, None),
             lease=LEASE,
             safe_fraction=0.0,
             bootstrap_fraction=0.1,
-            started_at=0.0,
-            incarnation="pppppp-1",
-        ),
-        "x": worker_state("x"),
-    }
+            started_at=started_at,
+            incarnation=incarnation,
+        )
+
+    states = {"w": process("pppppp-1", 0.0), "x": worker_state("x")}
     clocks = {w: ServerClock() for w in "wx"}
     for clock in clocks.values():
         clock.observe(server_stamp(0), 0, 0)
@@ -589,15 +590,7 @@ def test_a_mark_frees_only_the_grants_made_for_the_process_that_left() -> None:
         states[w].receive(doc, clocks[w], 0.5)
     late = write("w", 1)  # P's last report (its PUT is cut short)
     write("x", 1)
-    states["w"] = replace_state = WorkerState(
-        worker_id="w",
-        cap=Rates(CAP, None),
-        lease=LEASE,
-        safe_fraction=0.0,
-        bootstrap_fraction=0.1,
-        started_at=2.0,
-        incarnation="ssssss-2",
-    )
+    states["w"] = replace_state = process("ssssss-2", 2.0)
     clocks["w"] = ServerClock()
     clocks["w"].observe(server_stamp(2), 2, 2)
     write("w", 2)  # S's first report; P's mark is written, but not listed below
