@@ -215,7 +215,7 @@ class Allocator:
         self.interval = interval
         longer = max(interval, previous or interval)
         self.lease = self.configured_lease * max(1.0, longer / self.configured_interval)
-        self.current_age = CURRENT_REPORTS * max(interval, previous or interval)
+        self.current_age = CURRENT_REPORTS * longer
         self.grace = GRACE * interval
 
     def fresh(

@@ -306,11 +306,23 @@ class Member(abc.ABC):
             self._logged.clear()
 
     async def _attempt(
-        self, operation: str, call: Awaitable[Any], *, retried: bool = False
+        self,
+        operation: str,
+        call: Awaitable[Any],
+        *,
+        again: Callable[[], Awaitable[Any]] | None = None,
+        retried: bool = False,
     ) -> tuple[bool, Any]:
-        """Await ``call``; on an error, record it and return ``(False, None)``. A first try
-        that succeeds earns back part of a retry (:data:`RETRY_EARNED`); a retry's conflict
-        says so (:attr:`Conflict.retried`)."""
+        """Await ``call``; on an error, record it and return ``(False, None)``.
+
+        With ``again`` (what makes the call anew), a transient error (:data:`TRANSIENT_CODES`)
+        is followed by one retry while the retry budget lasts: one failed read in a hundred
+        would otherwise cost a worker its acknowledgement for a whole interval, and the
+        allocator a whole cycle. Not after a first try that took over half the call's
+        timeout: two such would hold the cycle too long. A first try that succeeds earns
+        back part of a retry (:data:`RETRY_EARNED`); a retry's conflict says so
+        (:attr:`Conflict.retried`)."""
+        sent_at = self._now()
         try:
             result = await call
         except anyio.get_cancelled_exc_class():
@@ -319,31 +331,10 @@ class Member(abc.ABC):
             exc.retried = retried
             raise
         except Exception as exc:
-            self._record_error(operation, exc)
-            return False, None
-        if not retried:
-            self._retry_budget = min(RETRY_BUDGET, self._retry_budget + RETRY_EARNED)
-        return True, result
-
-    async def _attempt_twice(
-        self, operation: str, call: Callable[[], Awaitable[Any]]
-    ) -> tuple[bool, Any]:
-        """:meth:`_attempt` ``call()``, and once more after a transient error
-        (:data:`TRANSIENT_CODES`) while the retry budget lasts: one failed read in a hundred
-        would otherwise cost a worker its acknowledgement for a whole interval, and the
-        allocator a whole cycle. Not after a first try that took over half the call's
-        timeout: two such would hold the cycle too long."""
-        sent_at = self._now()
-        try:
-            result = await call()
-        except anyio.get_cancelled_exc_class():
-            raise
-        except Conflict:
-            raise
-        except Exception as exc:
-            code, message = error_code(exc)
+            code, message = error_code(exc) if again is not None else ("", "")
             if (
-                code not in TRANSIENT_CODES
+                again is None
+                or code not in TRANSIENT_CODES
                 or self._retry_budget < 1
                 or self._now() - sent_at > self._call_timeout / 2
             ):
@@ -355,10 +346,17 @@ class Member(abc.ABC):
             self.s3_errors += 1
             self.last_error = f"{operation}: {code}: {message}"
         else:
-            self._retry_budget = min(RETRY_BUDGET, self._retry_budget + RETRY_EARNED)
+            if not retried:
+                self._retry_budget = min(RETRY_BUDGET, self._retry_budget + RETRY_EARNED)
             return True, result
         await anyio.sleep(self._random.uniform(*RETRY_PAUSE))
-        return await self._attempt(operation, call(), retried=True)
+        return await self._attempt(operation, again(), retried=True)
+
+    async def _attempt_twice(
+        self, operation: str, call: Callable[[], Awaitable[Any]]
+    ) -> tuple[bool, Any]:
+        """:meth:`_attempt` ``call()``, tried again once after a transient error."""
+        return await self._attempt(operation, call(), again=call)
 
     # -- the lease ------------------------------------------------------------------------
 

@@ -367,13 +367,13 @@ class FleetWorker(Member):
         if self._report_lock is None:
             self._report_lock = anyio.Lock()
         async with self._report_lock:  # (the cycle and the clock's calibration both write it)
-            assert self._report_body is not None
+            body = self._report_body
+            assert body is not None
             key = store.key(f"workers/{self.worker_id}.json")
             etag, self._report_etag = self._report_etag, None
             sent_at = self._now()
             if etag is not None:
                 try:
-                    body = self._report_body
                     ok, written = await self._attempt_twice(
                         operation, lambda: store.put(key, body, if_match=etag)
                     )
@@ -381,23 +381,18 @@ class FleetWorker(Member):
                     # someone else wrote it, or it was deleted (a leftover, by a slow
                     # allocator): others may have listed without it
                     self._state.forget_rank()
-                    if not exc.retried:
-                        self._overwritten += 1
-                        if (
-                            self._overwritten >= OVERWRITTEN_REPORTS
-                            and not self._warned_overwritten
-                        ):
-                            self._warned_overwritten = True
-                            self._warn_overwritten()
                     # (after a retry, most likely the first try's own write, whose answer was
-                    # lost: it is written again below, unconditionally)
+                    # lost: it is written again below, unconditionally, and not counted)
+                    self._overwritten += 0 if exc.retried else 1
+                    if self._overwritten >= OVERWRITTEN_REPORTS and not self._warned_overwritten:
+                        self._warned_overwritten = True
+                        self._warn_overwritten()
                 else:
                     if ok:
                         self._overwritten = 0
                         self._written(written, sent_at)
                     return bool(ok)
             sent_at = self._now()
-            body = self._report_body
             ok, written = await self._attempt_twice(operation, lambda: store.put(key, body))
             if ok:
                 self._written(written, sent_at)
