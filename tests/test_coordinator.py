@@ -393,6 +393,61 @@ class TestOnMockClock:
         assert rates == pytest.approx([GRANTABLE / 2] * 2)
         check_every_generation(s3)
 
+    @pytest.mark.parametrize("reads", [0.0, 0.2])
+    async def test_an_allocator_dead_just_after_renewing_its_lease_leaves_no_one_ungranted(
+        self, reads: float
+    ) -> None:
+        # The worst moment for an allocator to die: just after renewing its lease, before
+        # its next grants. The grants in force must outlive that lease by enough for the
+        # successor to publish new ones and the workers to read them (``reads``: how long
+        # each read of a report takes, as on a slow store).
+        s3 = FakeS3()
+        members = [Member(s3, f"w{i}") for i in range(3)]
+        get, put = s3.get_object, s3.put_object
+        scopes: dict[str, anyio.CancelScope] = {}
+        crash: list[float] = []
+
+        async def slow_get(**kwargs: Any) -> dict[str, Any]:
+            if "/workers/" in kwargs["Key"]:
+                await anyio.sleep(reads)
+            return await get(**kwargs)
+
+        async def put_then_crash(**kwargs: Any) -> dict[str, Any]:
+            answer = await put(**kwargs)
+            renewal = kwargs["Key"].endswith("allocator.json") and kwargs.get("IfMatch")
+            if renewal and not crash and anyio.current_time() > 6 * INTERVAL:
+                dead = parse_lease(kwargs["Body"]).holder
+                crash.append(anyio.current_time())
+                victim = next(m for m in members if m.worker.worker_id == dead)
+                victim.worker._cleanup = killed  # type: ignore[method-assign]
+                scopes[dead].cancel()  # killed: no release, no goodbye
+            return answer
+
+        s3.get_object = slow_get  # type: ignore[method-assign]
+        s3.put_object = put_then_crash  # type: ignore[method-assign]
+        modes: list[str] = []
+        async with anyio.create_task_group() as tg:
+            for member in members:
+                scope = scopes[member.worker.worker_id] = anyio.CancelScope()
+
+                async def run(member: Member = member, scope: anyio.CancelScope = scope) -> None:
+                    with scope:
+                        await member.worker.run()
+
+                tg.start_soon(run)
+            while not crash:  # noqa: ASYNC110 (waiting for the renewal in the fake S3)
+                await anyio.sleep(0.01)
+            dead = parse_lease(s3.versions["anykpl-fleet/allocator.json"][-1]).holder
+            survivors = [m for m in members if m.worker.worker_id != dead]
+            assert all(m.worker.statistics().mode == "granted" for m in survivors)
+            while anyio.current_time() < crash[0] + 2 * LEASE:
+                modes.extend(m.worker.statistics().mode for m in survivors)
+                await anyio.sleep(0.01)
+            assert s3.holder() not in (dead, None)
+            tg.cancel_scope.cancel()
+        assert set(modes) == {"granted"}
+        check_every_generation(s3)
+
     async def test_s3_errors_fall_back_to_the_safe_rate_and_are_logged_once(
         self, caplog: pytest.LogCaptureFixture
     ) -> None:
@@ -497,6 +552,24 @@ class TestOnMockClock:
         assert failed == ["SlowDown"]
         assert sum(s.s3_errors for s in throttled) == 5
         check_every_generation(s3)
+
+    async def test_an_allocator_that_could_not_read_the_grants_tries_again_soon(self) -> None:
+        # its cycle's read of grants.json failed (twice, beyond the retry): it cannot allocate
+        # in that cycle, and the next comes a quarter interval later, not an interval (after a
+        # takeover, the grants in force run out within an interval)
+        s3 = FakeS3()
+        member = Member(s3, "w0")
+        async with running(member):
+            await anyio.sleep(3 * INTERVAL)
+            written = len(s3.generations())
+            s3.failing = [("GetObject", "grants.json", "InternalError", 500)] * 2
+            while s3.failing:  # noqa: ASYNC110 (waiting for the fake S3's failures)
+                await anyio.sleep(0.001)
+            failed_at = anyio.current_time()
+            while len(s3.generations()) == written:  # noqa: ASYNC110 (polling the fake S3)
+                await anyio.sleep(0.001)
+            took = anyio.current_time() - failed_at
+        assert took <= (fleet_member.RETRY_SOON + 0.05) * INTERVAL
 
     async def test_a_report_whose_answer_was_lost_is_not_taken_for_anothers(
         self, caplog: pytest.LogCaptureFixture

@@ -223,6 +223,10 @@ class Member(abc.ABC):
         self._lease_etag: str | None = None
         self._lease_acquired_at: float | None = None
         self._lease_wake: float | None = None  # local time to look at someone else's lease
+        #: local time until which the lease is surely this member's (see :meth:`_lease_step`)
+        self._lease_sure_until = -math.inf
+        self._renew_due = False  # the lease is renewed once this cycle's grants are written
+        self._lease_writing_until: float | None = None  # (of the lease document being written)
         self._gather_until = -math.inf  # local time before which a fresh fleet gets no grants
         self._taking_over = False  # acquired the lease; the takeover is decided when S3 answers
         self._next_sweep = -math.inf  # local time to look for leftover presence objects
@@ -383,6 +387,9 @@ class Member(abc.ABC):
         if self._lease_acquired_at is None:
             self._lease_acquired_at = middle
         lease = self._lease * self.stretch  # renewed once an interval, however long
+        # others judge it to end no earlier than this (its expiry, or when the store wrote it
+        # plus the lease: both later than the earliest the store's time is now, plus the lease)
+        self._lease_writing_until = self._clock.earliest_local(now[0] + lease, self._now())
         return LeaseDocument(
             holder=self.worker_id,
             incarnation=self._incarnation,
@@ -392,8 +399,15 @@ class Member(abc.ABC):
             lease=lease,
         ).to_json()
 
+    def _leased(self, etag: str) -> None:
+        """The lease document just written (``etag``) is in the store."""
+        self._lease_etag = etag
+        self._lease_sure_until = self._lease_writing_until or -math.inf
+
     def _lost_lease(self, why: str) -> None:
         self._retry_soon = False
+        self._renew_due = False
+        self._lease_sure_until = -math.inf
         if self._lease_etag is not None:
             logger.info("fleet %s: no longer the allocator (%s)", self.worker_id, why)
         self._lease_etag = None
@@ -409,18 +423,15 @@ class Member(abc.ABC):
             return None
         key = store.key("allocator.json")
         if self._lease_etag is not None:
-            try:
-                ok, etag = await self._attempt(
-                    "renew the lease",
-                    store.put(key, self._lease_document(now), if_match=self._lease_etag),
-                )
-            except Conflict:
-                self._lost_lease("another member took the lease")
-                return "other"
-            if not ok:
-                return None
-            self._lease_etag = etag
-            return "held"
+            if self._now() + self._call_timeout < self._lease_sure_until:
+                # Still surely this member's: renewed once this cycle's grants are written
+                # (:meth:`_renew_after_writing`). Renewed before the reads, a lease would
+                # outlive the last grants written before it by the reads' time only, not by
+                # the interval that a successor needs to publish its own grants, should this
+                # process die between the renewal and the write.
+                self._renew_due = True
+                return "held"
+            return await self._renew(store, now)
         ok, found = await self._attempt_twice("read the lease", lambda: store.get(key))
         if not ok:
             return None
@@ -448,6 +459,37 @@ class Member(abc.ABC):
         self._lease_wake = None if surely is None else surely + _LEASE_MARGIN + spread
         return "other"
 
+    async def _renew(self, store: Store, now: tuple[float, float]) -> str | None:
+        """Renew the lease held: ``"held"``, ``"other"`` if another member took it, or
+        ``None`` when the store did not answer."""
+        assert self._lease_etag is not None
+        self._renew_due = False
+        try:
+            ok, etag = await self._attempt(
+                "renew the lease",
+                store.put(
+                    store.key("allocator.json"),
+                    self._lease_document(now),
+                    if_match=self._lease_etag,
+                ),
+            )
+        except Conflict:
+            self._lost_lease("another member took the lease")
+            return "other"
+        if not ok:
+            return None
+        self._leased(etag)
+        return "held"
+
+    async def _renew_after_writing(self, store: Store) -> None:
+        """The renewal put off in this cycle's :meth:`_lease_step`, once its grants are
+        written (or its allocation has ended without them)."""
+        if not self._renew_due or self._lease_etag is None:
+            return
+        now = self._server_now()
+        if now is not None:
+            await self._renew(store, now)
+
     async def _acquire(
         self, store: Store, key: str, now: tuple[float, float], *, if_match: str | None
     ) -> str | None:
@@ -462,7 +504,7 @@ class Member(abc.ABC):
             return "other"  # another member was quicker
         if not ok:
             return None
-        self._lease_etag = etag
+        self._leased(etag)
         self._lease_wake = None
         self._taking_over = True
         self._took = None
@@ -475,6 +517,8 @@ class Member(abc.ABC):
             return
         etag, self._lease_etag = self._lease_etag, None
         self._taking_over = False
+        self._renew_due = False
+        self._lease_sure_until = -math.inf
         self._allocator.step_down()
         with suppress(Conflict):  # taken over meanwhile: not ours to delete
             await self._attempt(
@@ -635,7 +679,10 @@ class Member(abc.ABC):
             )
 
     async def _allocate(self, store: Store, grants: GrantsRead | None, status: str | None) -> None:
-        if status not in ("held", "acquired") or grants is None:
+        if status not in ("held", "acquired"):
+            return
+        if grants is None:  # (not read this cycle: the next comes soon, not an interval on)
+            self._retry_soon = True
             return
         if self._now() < self._gather_until:
             return
@@ -681,7 +728,9 @@ class Member(abc.ABC):
             document = self._allocator.allocate(
                 grants.document, reports, now, unread, left, began_at
             )
-        if await self._write_grants(store, grants, document):
+        written = await self._write_grants(store, grants, document)
+        await self._renew_after_writing(store)
+        if written:
             await self._delete_left(store, read, document)
         await self._sweep_presence(store)
 

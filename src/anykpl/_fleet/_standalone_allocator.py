@@ -78,6 +78,7 @@ class FleetAllocator(Member):
         status = await self._lease_step(store)
         if status in ("held", "acquired"):
             await self._allocate(store, grants, status)
+            await self._renew_after_writing(store)
 
     async def _cleanup(self, store: Store) -> None:
         with suppress(Conflict):

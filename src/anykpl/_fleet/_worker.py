@@ -261,6 +261,7 @@ class FleetWorker(Member):
             else:
                 status = await self._lease_step(store)
             await self._allocate(store, grants, status)
+            await self._renew_after_writing(store)
         elif self.holds_lease:  # pragma: no cover - elect cannot change
             await self._release(store)
 
