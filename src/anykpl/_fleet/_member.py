@@ -86,6 +86,12 @@ STRAINED_READS = 0.25
 STRAINED_SHARE = 0.05
 STRETCH_STEP = 1.5
 CALM_READS = 0.1
+#: An interval stretched only because reads failed (never because they were slow) shrinks
+#: back after this many cycles in a row without a failure, as soon as the reads would not
+#: strain the shorter one: a failed read in a store that fails one request in twenty is no
+#: sign of a slow store, and kept a 1,000-member fleet at 7.5 s for good (its reads take a
+#: second, over CALM_READS of it).
+CLEAN_CYCLES = 3
 #: The answers by which a store says it is overloaded: throttles, 5xx and timeouts. A member
 #: without a grant (not the allocator: it stretches the fleet's interval, :meth:`Member._adapt`)
 #: whose calls get one in a cycle waits STRETCH_STEP times longer for its next, up to
@@ -254,6 +260,8 @@ class Member(abc.ABC):
         #: the allocator asks of the fleet while the store is slow (see :meth:`_adapt`)
         self.period = fleet.sync_interval
         self._took: float | None = None  # how long the allocator's reads took, smoothed
+        self._slow_reads = False  # the interval was stretched because the reads were slow
+        self._clean_cycles = 0  # the allocator's cycles in a row whose reads did not fail
         #: the store requests made, by kind (see FleetStatistics.requests)
         self.requests: Counter[str] = Counter()
         self._started_at: float | None = None  # local time of the first cycle
@@ -508,6 +516,7 @@ class Member(abc.ABC):
         self._lease_wake = None
         self._taking_over = True
         self._took = None
+        self._clean_cycles = 0
         self._backoff = 1.0  # (the allocator keeps to the fleet's interval)
         logger.info("fleet %s: now the allocator", self.worker_id)
         return "acquired"
@@ -744,12 +753,24 @@ class Member(abc.ABC):
         if took is not None:  # (None: the reads failed, and say nothing of how long they take)
             self._took = took if self._took is None else (took + self._took) / 2
         took = self._took or 0.0
-        if strained or took > STRAINED_READS * previous:
+        shorter = max(self.fleet.sync_interval, previous / STRETCH_STEP)
+        slow = took > STRAINED_READS * previous
+        if strained or slow:
             period = min(MAX_STRETCH * self.fleet.sync_interval, previous * STRETCH_STEP)
-        elif took < CALM_READS * previous:
-            period = max(self.fleet.sync_interval, previous / STRETCH_STEP)
+            self._slow_reads = self._slow_reads or slow
+            self._clean_cycles = 0
         else:
-            period = previous
+            self._clean_cycles += 1
+            calm = took < CALM_READS * previous or (
+                not self._slow_reads
+                and self._clean_cycles >= CLEAN_CYCLES
+                and took <= STRAINED_READS * shorter
+            )
+            period = shorter if calm else previous
+            if calm:
+                self._clean_cycles = 0
+        if period == self.fleet.sync_interval:
+            self._slow_reads = False
         if period != previous:
             logger.info(
                 "fleet %s: the store %s: the fleet syncs every %.1f s (configured: %.1f s)",
