@@ -245,6 +245,7 @@ class Member(abc.ABC):
         self._backoff = 1.0  # this member's own stretch of its interval while they come
         self.last_error: str | None = None
         self._logged: set[str] = set()
+        self._callback_failed = False
         self._stopping = False
         self._retry_soon = False  # the allocator's last reads failed: its next cycle comes soon
         self._stop_event: anyio.Event | None = None
@@ -431,15 +432,7 @@ class Member(abc.ABC):
             return None
         key = store.key("allocator.json")
         if self._lease_etag is not None:
-            if self._now() + self._call_timeout < self._lease_sure_until:
-                # Still surely this member's: renewed once this cycle's grants are written
-                # (:meth:`_renew_after_writing`). Renewed before the reads, a lease would
-                # outlive the last grants written before it by the reads' time only, not by
-                # the interval that a successor needs to publish its own grants, should this
-                # process die between the renewal and the write.
-                self._renew_due = True
-                return "held"
-            return await self._renew(store, now)
+            return await self._hold(store, now)
         ok, found = await self._attempt_twice("read the lease", lambda: store.get(key))
         if not ok:
             return None
@@ -456,7 +449,11 @@ class Member(abc.ABC):
         ):
             # our renewal went through although its answer was lost: still ours
             self._lease_etag = etag
-            return "held"
+            sure = self._clock.earliest_local(
+                min(lease.expires_at, last_modified + lease.lease), self._now()
+            )
+            self._lease_sure_until = -math.inf if sure is None else sure
+            return await self._hold(store, now)
         expiry = lease_expiry(lease, last_modified, self._lease)
         now = self._server_now() or now
         if now[0] >= expiry:
@@ -489,9 +486,45 @@ class Member(abc.ABC):
         self._leased(etag)
         return "held"
 
-    async def _renew_after_writing(self, store: Store) -> None:
-        """The renewal put off in this cycle's :meth:`_lease_step`, once its grants are
-        written (or its allocation has ended without them)."""
+    async def _hold(self, store: Store, now: tuple[float, float]) -> str | None:
+        """The lease held: renewed now, or — while it is surely this member's for longer
+        than a call — put off until this cycle's grants are written (:meth:`_allocate_held`).
+        Renewed before the reads, a lease would outlive the last grants written before it
+        by the reads' time only, not by the interval that a successor needs to publish its
+        own grants, should this process die between the renewal and the write."""
+        if self._now() + self._call_timeout < self._lease_sure_until:
+            self._renew_due = True
+            return "held"
+        return await self._renew(store, now)
+
+    async def _allocate_held(
+        self, store: Store, grants: GrantsRead | None, status: str | None
+    ) -> None:
+        """:meth:`_allocate`, and the lease's renewal put off by :meth:`_hold`: after the
+        grants are written; before the lease could run out, if the cycle is still under way
+        then; and at the end of a cycle that wrote none, only if the lease would not last
+        until the next (renewed after a cycle without grants, the lease would outlive the
+        last ones written)."""
+        try:
+            async with anyio.create_task_group() as tg:
+                if self._renew_due:
+                    tg.start_soon(self._renew_in_time, store)
+                await self._allocate(store, grants, status)
+                tg.cancel_scope.cancel()
+        finally:
+            if self._renew_due and self._lease_etag is not None:
+                late = self._now() + self._interval() + self._call_timeout
+                if late >= self._lease_sure_until:
+                    with anyio.CancelScope(shield=True):
+                        await self._renew_put_off(store)
+            self._renew_due = False
+
+    async def _renew_in_time(self, store: Store) -> None:
+        await anyio.sleep(max(0.0, self._lease_sure_until - self._call_timeout - self._now()))
+        with anyio.CancelScope(shield=True):  # (a renewal cut short loses the lease's tag)
+            await self._renew_put_off(store)
+
+    async def _renew_put_off(self, store: Store) -> None:
         if not self._renew_due or self._lease_etag is None:
             return
         now = self._server_now()
@@ -737,9 +770,8 @@ class Member(abc.ABC):
             document = self._allocator.allocate(
                 grants.document, reports, now, unread, left, began_at
             )
-        written = await self._write_grants(store, grants, document)
-        await self._renew_after_writing(store)
-        if written:
+        if await self._write_grants(store, grants, document):
+            await self._renew_put_off(store)
             await self._delete_left(store, read, document)
         await self._sweep_presence(store)
 
@@ -855,7 +887,13 @@ class Member(abc.ABC):
         )
         self._allocated(document)
         if self._on_allocation is not None:
-            self._on_allocation(document)
+            try:
+                self._on_allocation(document)
+            except Exception:  # (the grants are written: the allocator carries on)
+                (logger.debug if self._callback_failed else logger.exception)(
+                    "fleet %s: the on_allocation callback failed", self.worker_id
+                )
+                self._callback_failed = True  # (logged with its traceback once)
         return True
 
     def _allocated(self, document: GrantsDocument) -> None:  # noqa: B027 (a hook: a no-op here)

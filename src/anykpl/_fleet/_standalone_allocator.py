@@ -77,8 +77,7 @@ class FleetAllocator(Member):
             self._follow(grants.document)  # (a standby keeps to the fleet's interval)
         status = await self._lease_step(store)
         if status in ("held", "acquired"):
-            await self._allocate(store, grants, status)
-            await self._renew_after_writing(store)
+            await self._allocate_held(store, grants, status)
 
     async def _cleanup(self, store: Store) -> None:
         with suppress(Conflict):

@@ -260,8 +260,7 @@ class FleetWorker(Member):
                 status = "other"  # its lease is not worth a call
             else:
                 status = await self._lease_step(store)
-            await self._allocate(store, grants, status)
-            await self._renew_after_writing(store)
+            await self._allocate_held(store, grants, status)
         elif self.holds_lease:  # pragma: no cover - elect cannot change
             await self._release(store)
 
