@@ -448,6 +448,79 @@ class TestOnMockClock:
         assert set(modes) == {"granted"}
         check_every_generation(s3)
 
+    async def test_a_live_allocator_keeps_its_lease_through_a_failed_renewal_and_slow_reads(
+        self,
+    ) -> None:
+        # The renewal put off until the grants are written must not come after the lease
+        # has run out: one renewal fails (a 500), then the next cycle's listings are slow
+        # (nearly an interval each); a standby must never take the lease from the live holder.
+        s3 = FakeS3()
+        holder = Member(s3, "w0")
+        standby = FleetAllocator(fleet("standby"), CONFIG, client_factory=s3.factory())
+        get, put, listing = s3.get_object, s3.put_object, s3.list_objects_v2
+        failed: list[float] = []
+        slowed: list[str] = []
+        holders: set[str] = set()
+
+        async def slow_get(**kwargs: Any) -> dict[str, Any]:
+            if "/workers/" in kwargs["Key"]:
+                await anyio.sleep(0.3 * INTERVAL)
+            return await get(**kwargs)
+
+        async def failing_put(**kwargs: Any) -> dict[str, Any]:
+            if kwargs["Key"].endswith("allocator.json"):
+                holder_id = parse_lease(kwargs["Body"]).holder
+                renewal = kwargs.get("IfMatch") and holder_id == "w0"
+                if renewal and not failed and anyio.current_time() > 6 * INTERVAL:
+                    failed.append(anyio.current_time())
+                    raise s3._error("InternalError", 500, "PutObject")
+                answer = await put(**kwargs)
+                holders.add(holder_id)
+                return answer
+            return await put(**kwargs)
+
+        async def slow_list(**kwargs: Any) -> dict[str, Any]:
+            if failed and len(slowed) < 2 and kwargs["Prefix"].endswith(("/workers/", "/left/")):
+                slowed.append(kwargs["Prefix"])
+                await anyio.sleep(0.95 * INTERVAL)
+            return await listing(**kwargs)
+
+        s3.get_object = slow_get  # type: ignore[method-assign]
+        s3.put_object = failing_put  # type: ignore[method-assign]
+        s3.list_objects_v2 = slow_list  # type: ignore[method-assign]
+        async with running(holder):
+            await anyio.sleep(3 * INTERVAL)
+            assert s3.holder() == "w0"
+            async with running(standby):
+                await anyio.sleep(12 * INTERVAL)
+        assert failed
+        assert len(slowed) == 2
+        assert holders == {"w0"}
+        check_every_generation(s3)
+
+    async def test_a_failing_on_allocation_callback_is_logged_once_and_the_cycle_goes_on(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        s3 = FakeS3()
+        calls: list[int] = []
+
+        def broken(document: GrantsDocument) -> None:
+            calls.append(document.generation)
+            raise BrokenPipeError(32, "Broken pipe")
+
+        allocator = FleetAllocator(
+            fleet("a1"), CONFIG, client_factory=s3.factory(), on_allocation=broken
+        )
+        member = Member(s3, "w0", elect=False)
+        caplog.set_level(logging.DEBUG, logger="anykpl.fleet")
+        async with running(allocator, member):
+            await anyio.sleep(8 * INTERVAL)
+            assert member.worker.statistics().mode == "granted"
+        assert len(calls) >= 6
+        failed = [r for r in caplog.records if "on_allocation callback failed" in r.getMessage()]
+        assert [r.levelno for r in failed] == [logging.ERROR] + [logging.DEBUG] * (len(calls) - 1)
+        assert not [r for r in caplog.records if "sync cycle failed" in r.getMessage()]
+
     async def test_s3_errors_fall_back_to_the_safe_rate_and_are_logged_once(
         self, caplog: pytest.LogCaptureFixture
     ) -> None:
