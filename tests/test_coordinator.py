@@ -644,6 +644,27 @@ class TestOnMockClock:
             took = anyio.current_time() - failed_at
         assert took <= (fleet_member.RETRY_SOON + 0.05) * INTERVAL
 
+    async def test_a_throttled_grants_write_is_tried_again_within_the_cycle(self) -> None:
+        # the fleet's most important write: refused as overloaded, it is tried again once, a
+        # fraction of an interval later, with the same document; other calls are not
+        s3 = FakeS3()
+        members = [Member(s3, f"w{i}") for i in range(2)]
+        async with running(*members):
+            await anyio.sleep(3 * INTERVAL)
+            before = s3.generations()[-1].generation
+            s3.failing = [("PutObject", "grants.json", "SlowDown", 503)]
+            while s3.failing:  # noqa: ASYNC110 (waiting for the fake S3's refusal)
+                await anyio.sleep(0.001)
+            refused_at = anyio.current_time()
+            while s3.generations()[-1].generation == before:  # noqa: ASYNC110 (the fake S3)
+                await anyio.sleep(0.001)
+            took = anyio.current_time() - refused_at
+            retries = sum(m.worker.retries for m in members)
+        low, high = fleet_member.THROTTLED_PAUSE
+        assert low * INTERVAL <= took <= high * INTERVAL + 0.01
+        assert retries == 1
+        check_every_generation(s3)
+
     async def test_a_report_whose_answer_was_lost_is_not_taken_for_anothers(
         self, caplog: pytest.LogCaptureFixture
     ) -> None:

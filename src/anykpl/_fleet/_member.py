@@ -121,6 +121,12 @@ STRAIN_CODES = frozenset(
 #: deletion of its report (a conflict there leaves the report to the allocator).
 TRANSIENT_CODES = frozenset({"InternalError", "InternalServerError", "HTTP500", CONNECTION_ERROR})
 RETRY_PAUSE = (0.02, 0.1)
+#: The one exception to "no retry after a throttle": the allocator's grants write, refused as
+#: overloaded, is tried again once after THROTTLED_PAUSE of an interval (the same document, on
+#: the same condition). It is the fleet's most important write: refused, every worker's grant runs
+#: out a cycle later, and a thousand members then calling to learn their ranks kept a store
+#: serving 230 requests/s refusing the allocator's reads for a minute.
+THROTTLED_PAUSE = (0.1, 0.3)
 #: The retry budget: RETRY_BUDGET retries, and each call that succeeds at its first try earns
 #: RETRY_EARNED of one back: a store that fails more than about a tenth of the calls gets
 #: hardly any retries (as botocore's retry quota).
@@ -325,6 +331,7 @@ class Member(abc.ABC):
         *,
         again: Callable[[], Awaitable[Any]] | None = None,
         retried: bool = False,
+        throttled_too: bool = False,
     ) -> tuple[bool, Any]:
         """Await ``call``; on an error, record it and return ``(False, None)``.
 
@@ -334,7 +341,8 @@ class Member(abc.ABC):
         allocator a whole cycle. Not after a first try that took over half the call's
         timeout: two such would hold the cycle too long. A first try that succeeds earns
         back part of a retry (:data:`RETRY_EARNED`); a retry's conflict says so
-        (:attr:`Conflict.retried`)."""
+        (:attr:`Conflict.retried`). ``throttled_too``: a throttle too is followed by a retry,
+        :data:`THROTTLED_PAUSE` of an interval later."""
         sent_at = self._now()
         try:
             result = await call
@@ -345,9 +353,10 @@ class Member(abc.ABC):
             raise
         except Exception as exc:
             code, message = error_code(exc) if again is not None else ("", "")
+            throttled = throttled_too and code in STRAIN_CODES and code != TIMEOUT
             if (
                 again is None
-                or code not in TRANSIENT_CODES
+                or (code not in TRANSIENT_CODES and not throttled)
                 or self._retry_budget < 1
                 or self._now() - sent_at > self._call_timeout / 2
             ):
@@ -362,7 +371,10 @@ class Member(abc.ABC):
             if not retried:
                 self._retry_budget = min(RETRY_BUDGET, self._retry_budget + RETRY_EARNED)
             return True, result
-        await anyio.sleep(self._random.uniform(*RETRY_PAUSE))
+        if throttled:
+            await anyio.sleep(self.period * self._random.uniform(*THROTTLED_PAUSE))
+        else:
+            await anyio.sleep(self._random.uniform(*RETRY_PAUSE))
         return await self._attempt(operation, again(), retried=True)
 
     async def _attempt_twice(
@@ -860,16 +872,20 @@ class Member(abc.ABC):
         """PUT ``document`` as the next ``grants.json``, on condition that the one read
         (``grants``) is still there; return whether it was written."""
         key = store.key("grants.json")
-        try:
-            ok, _ = await self._attempt(
-                "write grants",
-                store.put(
-                    key,
-                    document.to_json(),
-                    if_match=grants.etag if grants.exists else None,
-                    if_none_match=not grants.exists,
-                ),
+        body = document.to_json()
+
+        def write() -> Awaitable[str]:
+            return store.put(
+                key,
+                body,
+                if_match=grants.etag if grants.exists else None,
+                if_none_match=not grants.exists,
             )
+
+        try:
+            # (tried again once after a 500 or a throttle: a retry whose first try went
+            # through after all fails its condition, and the allocator reads grants.json anew)
+            ok, _ = await self._attempt("write grants", write(), again=write, throttled_too=True)
         except Conflict:
             logger.info(
                 "fleet %s: grants.json changed under this allocator; it reads it again",
