@@ -238,7 +238,6 @@ class Member(abc.ABC):
         #: local time until which the lease is surely this member's (see :meth:`_lease_step`)
         self._lease_sure_until = -math.inf
         self._renew_due = False  # the lease is renewed once this cycle's grants are written
-        self._lease_writing_until: float | None = None  # (of the lease document being written)
         self._gather_until = -math.inf  # local time before which a fresh fleet gets no grants
         self._taking_over = False  # acquired the lease; the takeover is decided when S3 answers
         self._next_sweep = -math.inf  # local time to look for leftover presence objects
@@ -408,9 +407,6 @@ class Member(abc.ABC):
         if self._lease_acquired_at is None:
             self._lease_acquired_at = middle
         lease = self._lease * self.stretch  # renewed once an interval, however long
-        # others judge it to end no earlier than this (its expiry, or when the store wrote it
-        # plus the lease: both later than the earliest the store's time is now, plus the lease)
-        self._lease_writing_until = self._clock.earliest_local(now[0] + lease, self._now())
         return LeaseDocument(
             holder=self.worker_id,
             incarnation=self._incarnation,
@@ -420,10 +416,13 @@ class Member(abc.ABC):
             lease=lease,
         ).to_json()
 
-    def _leased(self, etag: str) -> None:
-        """The lease document just written (``etag``) is in the store."""
+    def _leased(self, etag: str, now: tuple[float, float]) -> None:
+        """The lease document made at ``now`` (:meth:`_lease_document`) is in the store, as
+        ``etag``. Others judge it to end no earlier than the earliest the store's time was
+        then, plus the lease (its expiry, or when the store wrote it plus the lease)."""
         self._lease_etag = etag
-        self._lease_sure_until = self._lease_writing_until or -math.inf
+        sure = self._clock.earliest_local(now[0] + self._lease * self.stretch, self._now())
+        self._lease_sure_until = -math.inf if sure is None else sure
 
     def _lost_lease(self, why: str) -> None:
         self._retry_soon = False
@@ -495,7 +494,7 @@ class Member(abc.ABC):
             return "other"
         if not ok:
             return None
-        self._leased(etag)
+        self._leased(etag, now)
         return "held"
 
     async def _hold(self, store: Store, now: tuple[float, float]) -> str | None:
@@ -524,11 +523,10 @@ class Member(abc.ABC):
                 await self._allocate(store, grants, status)
                 tg.cancel_scope.cancel()
         finally:
-            if self._renew_due and self._lease_etag is not None:
-                late = self._now() + self._interval() + self._call_timeout
-                if late >= self._lease_sure_until:
-                    with anyio.CancelScope(shield=True):
-                        await self._renew_put_off(store)
+            late = self._now() + self._interval() + self._call_timeout
+            if late >= self._lease_sure_until:
+                with anyio.CancelScope(shield=True):
+                    await self._renew_put_off(store)
             self._renew_due = False
 
     async def _renew_in_time(self, store: Store) -> None:
@@ -557,7 +555,7 @@ class Member(abc.ABC):
             return "other"  # another member was quicker
         if not ok:
             return None
-        self._leased(etag)
+        self._leased(etag, now)
         self._lease_wake = None
         self._taking_over = True
         self._took = None
