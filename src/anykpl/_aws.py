@@ -12,8 +12,11 @@ history, the backoff, the retry budget and adaptive control.
 
 from __future__ import annotations
 
+import os
+import threading
+from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import Any, overload
 
 # Imported with anykpl, not when a producer opens: these imports take 0.2-0.4 s (aiohttp,
 # botocore), and inside ``async with Producer(...)`` they would stall a running service's event
@@ -21,6 +24,7 @@ from typing import Any
 # session (trio's HTTP client) when httpx is installed.
 from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
+from botocore.loaders import Loader
 
 from .config import ProducerConfig
 
@@ -74,7 +78,7 @@ def create_client(
         from aiobotocore.httpxsession import HttpxSession
 
         options["http_session_cls"] = HttpxSession
-    client: AbstractAsyncContextManager[Any] = AioSession(profile=config.profile).create_client(
+    client: AbstractAsyncContextManager[Any] = _session(config.profile).create_client(
         service,
         region_name=region or config.region,
         endpoint_url=endpoint_url,
@@ -86,3 +90,90 @@ def create_client(
         config=AioConfig(**options),
     )
     return client
+
+
+# ---------------------------------------------------------------------------------------------
+# The SDK's data files, read once per process
+#
+# Every client needs botocore's models: the service's, its endpoint rules, endpoints.json.
+# A new AioSession reads them afresh, and before that lists every service's directory to check
+# that the service exists (about 400 directories): 70-100 ms of CPU for a Kinesis client on a
+# 2-core VM (2026-11-28), a third of it the listing, paid again by every producer, fleet store
+# and metrics sink the process opens. Every session made here shares one loader per data path
+# (what AWS_DATA_PATH or the profile's ``data_path`` says), which keeps what it read; the
+# models are read-only, so sharing them changes nothing else. Credentials and configuration
+# stay each session's own.
+
+_loaders: dict[str | None, Loader] = {}
+_loaders_lock = threading.Lock()  # SyncProducer opens its producer on a thread of its own
+
+
+def _session(profile: str | None) -> AioSession:
+    """A new AioSession for ``profile`` that reads the SDK's data through the process's
+    shared loader (see above)."""
+    session = AioSession(profile=profile)
+    try:
+        data_path = session.get_config_variable("data_path")
+    except Exception:  # a profile that is not there: the session says so, as it always did
+        return session
+    with _loaders_lock:
+        loader = _loaders.get(data_path)
+        if loader is None:
+            loader = _loaders[data_path] = _SharedLoader(data_path)
+    session.register_component("data_loader", loader)
+    return session
+
+
+class _SharedLoader(Loader):  # type: ignore[misc]  # botocore has no types
+    """botocore's loader, for the search path ``data_path`` as botocore's ``create_loader``
+    makes it, that answers "is there a service X" by looking for X alone."""
+
+    def __init__(self, data_path: str | None) -> None:
+        if data_path is None:
+            super().__init__()
+        else:
+            paths = data_path.split(os.pathsep)
+            super().__init__(
+                extra_search_paths=[os.path.expanduser(os.path.expandvars(p)) for p in paths]
+            )
+
+    def list_available_services(self, type_name: str) -> Sequence[str]:
+        return _AvailableServices(self, type_name)
+
+
+class _AvailableServices(Sequence[str]):
+    """The services with a ``type_name`` model: membership is checked for the one service
+    asked about (what botocore does before it loads a model); the whole list, wanted only for
+    an error message, is botocore's own listing."""
+
+    def __init__(self, loader: _SharedLoader, type_name: str) -> None:
+        self._loader = loader
+        self._type_name = type_name
+
+    def __contains__(self, service: object) -> bool:
+        if not isinstance(service, str) or not service or os.sep in service:
+            return False
+        for path in self._loader.search_paths:
+            directory = os.path.join(path, service)
+            if not os.path.isdir(directory):
+                continue
+            for version in os.listdir(directory):
+                if self._loader.file_loader.exists(
+                    os.path.join(directory, version, self._type_name)
+                ):
+                    return True
+        return False
+
+    def _all(self) -> list[str]:
+        services: list[str] = Loader.list_available_services(self._loader, self._type_name)
+        return services
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[str]: ...
+    def __getitem__(self, index: int | slice) -> str | Sequence[str]:
+        return self._all()[index]
+
+    def __len__(self) -> int:
+        return len(self._all())

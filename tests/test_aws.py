@@ -1,0 +1,88 @@
+"""The SDK clients' factory: one loader of botocore's data files per process and data path."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from botocore.exceptions import ProfileNotFound, UnknownServiceError
+from botocore.loaders import Loader
+
+from anykpl import ProducerConfig
+from anykpl._aws import _loaders, _session, create_client
+
+CONFIG = dict(region="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+
+
+@pytest.fixture(autouse=True)
+def _no_data_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AWS_DATA_PATH", raising=False)
+
+
+@pytest.mark.anyio
+async def test_clients_share_the_models_they_read() -> None:
+    """A second client (another producer's, a fleet store's) reads no model file again: the
+    loader, and what it read, is the process's."""
+    config = ProducerConfig(**CONFIG)
+    async with create_client(config, "kinesis", max_pool_connections=1) as first:
+        loader = _loaders[None]
+        reads: list[str] = []
+        load_file = loader.file_loader.load_file
+        loader.file_loader.load_file = lambda path: reads.append(path) or load_file(path)
+        try:
+            async with create_client(config, "kinesis", max_pool_connections=1) as second:
+                assert second is not first
+                assert second.meta.service_model.service_name == "kinesis"
+        finally:
+            del loader.file_loader.load_file
+    assert reads == []
+    assert _loaders[None] is loader
+
+
+def test_a_service_is_found_without_listing_them_all() -> None:
+    """Membership is what botocore checks before it loads a model; the whole list, for an
+    error message, is botocore's own."""
+    services = _session(None).get_component("data_loader").list_available_services("service-2")
+    assert "kinesis" in services and "dynamodb" in services and "s3" in services
+    assert "no-such-service" not in services
+    assert "" not in services and "../kinesis" not in services and 3 not in services
+    assert list(services) == Loader().list_available_services("service-2")
+    assert len(services) > 100 and services[0] == list(services)[0]
+
+
+@pytest.mark.anyio
+async def test_an_unknown_service_is_named_as_botocore_names_it() -> None:
+    with pytest.raises(UnknownServiceError, match="Unknown service: 'no-such-service'.*kinesis"):
+        async with create_client(
+            ProducerConfig(**CONFIG), "no-such-service", max_pool_connections=1
+        ):
+            pass  # pragma: no cover
+
+
+@pytest.mark.anyio
+async def test_a_data_path_of_ones_own_has_its_own_loader(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``AWS_DATA_PATH`` (or the profile's ``data_path``) is searched first, as botocore's own
+    loader does: a model there is found, and the loader is that path's."""
+    model_dir = tmp_path / "kinesis" / "2013-12-02"
+    model_dir.mkdir(parents=True)
+    builtin = Loader().load_service_model("kinesis", "service-2")
+    builtin["documentation"] = "anykpl's test model"
+    (model_dir / "service-2.json").write_text(json.dumps(builtin))
+    monkeypatch.setenv("AWS_DATA_PATH", str(tmp_path))
+    async with create_client(ProducerConfig(**CONFIG), "kinesis", max_pool_connections=1) as client:
+        assert client.meta.service_model.documentation == "anykpl's test model"
+    assert _loaders[str(tmp_path)] is not _loaders.get(None)
+
+
+@pytest.mark.anyio
+async def test_a_missing_profile_is_reported_as_before() -> None:
+    with pytest.raises(ProfileNotFound):
+        async with create_client(
+            ProducerConfig(region="us-east-1", profile="anykpl-no-such-profile"),
+            "kinesis",
+            max_pool_connections=1,
+        ):
+            pass  # pragma: no cover
