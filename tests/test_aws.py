@@ -12,7 +12,9 @@ from botocore.loaders import Loader
 from anykpl import ProducerConfig
 from anykpl._aws import _loaders, _session, create_client
 
-CONFIG = dict(region="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+
+def config() -> ProducerConfig:
+    return ProducerConfig(region="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
 
 
 @pytest.fixture(autouse=True)
@@ -24,14 +26,18 @@ def _no_data_path(monkeypatch: pytest.MonkeyPatch) -> None:
 async def test_clients_share_the_models_they_read() -> None:
     """A second client (another producer's, a fleet store's) reads no model file again: the
     loader, and what it read, is the process's."""
-    config = ProducerConfig(**CONFIG)
-    async with create_client(config, "kinesis", max_pool_connections=1) as first:
+    async with create_client(config(), "kinesis", max_pool_connections=1) as first:
         loader = _loaders[None]
         reads: list[str] = []
         load_file = loader.file_loader.load_file
-        loader.file_loader.load_file = lambda path: reads.append(path) or load_file(path)
+
+        def counted(path: str) -> object:
+            reads.append(path)
+            return load_file(path)
+
+        loader.file_loader.load_file = counted
         try:
-            async with create_client(config, "kinesis", max_pool_connections=1) as second:
+            async with create_client(config(), "kinesis", max_pool_connections=1) as second:
                 assert second is not first
                 assert second.meta.service_model.service_name == "kinesis"
         finally:
@@ -44,19 +50,22 @@ def test_a_service_is_found_without_listing_them_all() -> None:
     """Membership is what botocore checks before it loads a model; the whole list, for an
     error message, is botocore's own."""
     services = _session(None).get_component("data_loader").list_available_services("service-2")
-    assert "kinesis" in services and "dynamodb" in services and "s3" in services
-    assert "no-such-service" not in services
-    assert "" not in services and "../kinesis" not in services and 3 not in services
-    assert list(services) == Loader().list_available_services("service-2")
-    assert len(services) > 100 and services[0] == list(services)[0]
+    assert {"kinesis", "dynamodb", "s3"} <= set(services)
+    for name in ("kinesis", "dynamodb", "s3"):
+        assert name in services
+    strangers: tuple[object, ...] = ("no-such-service", "", "../kinesis", 3)
+    for stranger in strangers:
+        assert stranger not in services
+    everything = Loader().list_available_services("service-2")
+    assert list(services) == everything
+    assert len(services) == len(everything)
+    assert services[0] == everything[0]
 
 
 @pytest.mark.anyio
 async def test_an_unknown_service_is_named_as_botocore_names_it() -> None:
-    with pytest.raises(UnknownServiceError, match="Unknown service: 'no-such-service'.*kinesis"):
-        async with create_client(
-            ProducerConfig(**CONFIG), "no-such-service", max_pool_connections=1
-        ):
+    with pytest.raises(UnknownServiceError, match=r"Unknown service: 'no-such-service'.*kinesis"):
+        async with create_client(config(), "no-such-service", max_pool_connections=1):
             pass  # pragma: no cover
 
 
@@ -72,7 +81,7 @@ async def test_a_data_path_of_ones_own_has_its_own_loader(
     builtin["documentation"] = "anykpl's test model"
     (model_dir / "service-2.json").write_text(json.dumps(builtin))
     monkeypatch.setenv("AWS_DATA_PATH", str(tmp_path))
-    async with create_client(ProducerConfig(**CONFIG), "kinesis", max_pool_connections=1) as client:
+    async with create_client(config(), "kinesis", max_pool_connections=1) as client:
         assert client.meta.service_model.documentation == "anykpl's test model"
     assert _loaders[str(tmp_path)] is not _loaders.get(None)
 
