@@ -627,15 +627,16 @@ class TestOnMockClock:
         check_every_generation(s3)
 
     async def test_an_allocator_that_could_not_read_the_grants_tries_again_soon(self) -> None:
-        # its cycle's read of grants.json failed (twice, beyond the retry): it cannot allocate
-        # in that cycle, and the next comes a quarter interval later, not an interval (after a
+        # its cycle's read of grants.json failed (every try): it cannot allocate in that
+        # cycle, and the next comes a quarter interval later, not an interval (after a
         # takeover, the grants in force run out within an interval)
         s3 = FakeS3()
         member = Member(s3, "w0")
         async with running(member):
             await anyio.sleep(3 * INTERVAL)
             written = len(s3.generations())
-            s3.failing = [("GetObject", "grants.json", "InternalError", 500)] * 2
+            tries = 1 + fleet_member.TRANSIENT_RETRIES
+            s3.failing = [("GetObject", "grants.json", "InternalError", 500)] * tries
             while s3.failing:  # noqa: ASYNC110 (waiting for the fake S3's failures)
                 await anyio.sleep(0.001)
             failed_at = anyio.current_time()
@@ -643,6 +644,33 @@ class TestOnMockClock:
                 await anyio.sleep(0.001)
             took = anyio.current_time() - failed_at
         assert took <= (fleet_member.RETRY_SOON + 0.05) * INTERVAL
+
+    async def test_a_call_is_tried_three_times_in_all(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        # two 500s in a row (one call in four hundred, where one answer in twenty fails) are
+        # met within the cycle, as the SDKs' three attempts meet them; a third is the call's
+        # failure, logged
+        s3 = FakeS3()
+        member = Member(s3, "w0")
+        caplog.set_level(logging.INFO, logger="anykpl.fleet")
+        async with running(member):
+            await anyio.sleep(3 * INTERVAL)
+            before = member.worker.retries
+            s3.failing = [("PutObject", "workers/", "InternalError", 500)] * 2
+            await anyio.sleep(INTERVAL)
+            twice = (
+                member.worker.retries - before,
+                list(s3.failing),
+                member.worker.statistics().mode,
+            )
+            s3.failing = [("PutObject", "workers/", "InternalError", 500)] * 3
+            await anyio.sleep(INTERVAL)
+            thrice = member.worker.retries - before, list(s3.failing)
+        assert twice == (2, [], "granted")
+        assert thrice == (4, [])
+        logged = [r.__dict__["error_code"] for r in caplog.records if "error_code" in r.__dict__]
+        assert logged == ["InternalError"]
 
     async def test_a_throttled_grants_write_is_tried_again_within_the_cycle(self) -> None:
         # the fleet's most important write: refused as overloaded, it is tried again once, a

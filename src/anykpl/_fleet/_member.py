@@ -65,11 +65,14 @@ logger = logging.getLogger("anykpl.fleet")
 #: :meth:`Member.aclose` returns within half a second more.
 CLOSE_TIMEOUT = 1.5
 #: Reports read at once by the allocator: this many, or one reader per REPORTS_PER_READER
-#: reports for a large fleet (on a 50 ms round trip, 1,000 reports in under a second), up to
-#: MAX_READ_CONCURRENCY (the S3 client's connection pool).
+#: reports for a large fleet (on a 50 ms round trip, 1,000 reports in about 0.4 s), up to
+#: MAX_READ_CONCURRENCY (the store client's connection pool). With one reader per 16 up to
+#: 64, the reads of 1,000 reports took 1.1-1.4 s where one answer in twenty failed and was
+#: tried again: over STRAINED_READS of a 5 s interval, which stretched the interval of a
+#: store that kept up.
 READ_CONCURRENCY = 16
-REPORTS_PER_READER = 16
-MAX_READ_CONCURRENCY = 64
+REPORTS_PER_READER = 8
+MAX_READ_CONCURRENCY = 128
 #: The share of a sync interval the allocator spends reading reports at most: a report not
 #: read by then (a slow store) keeps its worker's grant for one more generation.
 READ_PHASE = 0.5
@@ -112,14 +115,18 @@ STRAIN_CODES = frozenset(
         TIMEOUT,
     }
 )
-#: The errors after which a member tries a call again, once, RETRY_PAUSE seconds later (while
-#: its retry budget lasts): a store's occasional internal error or a dropped connection, which
-#: the AWS SDKs retry. Not a throttle nor a timeout: a store that is overloaded gets fewer calls,
+#: The errors after which a member tries a call again, up to TRANSIENT_RETRIES times, each
+#: RETRY_PAUSE seconds later (while its retry budget lasts): a store's occasional internal
+#: error or a dropped connection, which the AWS SDKs retry (three attempts in all, as their
+#: standard mode). With one retry, a store that failed one answer in twenty made a call fail
+#: twice in a row for one in four hundred: one of a hundred members joining together lost a
+#: whole interval to it. Not a throttle nor a timeout: a store that is overloaded gets fewer calls,
 #: not more (see STRAIN_CODES). Only the calls that are safe twice are tried again: the reads;
 #: a worker's report (its ``If-Match`` fails if the first try went through after all, and the
 #: report is written as after any other conflict); and a leaving worker's mark and the
 #: deletion of its report (a conflict there leaves the report to the allocator).
 TRANSIENT_CODES = frozenset({"InternalError", "InternalServerError", "HTTP500", CONNECTION_ERROR})
+TRANSIENT_RETRIES = 2
 RETRY_PAUSE = (0.02, 0.1)
 #: The one exception to "no retry after a throttle": the allocator's grants write, refused as
 #: overloaded, is tried again once after THROTTLED_PAUSE of an interval (the same document, on
@@ -244,7 +251,7 @@ class Member(abc.ABC):
         self._close_deadline: float | None = None  # local time by which closing must end
         self.s3_errors = 0
         self._retry_budget = RETRY_BUDGET
-        #: calls tried again (:meth:`_attempt_twice`)
+        #: calls tried again (:meth:`_attempt_retrying`)
         self.retries = 0
         self._strained_calls = 0  # calls the store refused as overloaded (STRAIN_CODES)
         self._backoff = 1.0  # this member's own stretch of its interval while they come
@@ -329,19 +336,20 @@ class Member(abc.ABC):
         call: Awaitable[Any],
         *,
         again: Callable[[], Awaitable[Any]] | None = None,
+        retries: int = 1,
         retried: bool = False,
         throttled_too: bool = False,
     ) -> tuple[bool, Any]:
         """Await ``call``; on an error, record it and return ``(False, None)``.
 
         With ``again`` (what makes the call anew), a transient error (:data:`TRANSIENT_CODES`)
-        is followed by one retry while the retry budget lasts: one failed read in a hundred
-        would otherwise cost a worker its acknowledgement for a whole interval, and the
-        allocator a whole cycle. Not after a first try that took over half the call's
-        timeout: two such would hold the cycle too long. A first try that succeeds earns
-        back part of a retry (:data:`RETRY_EARNED`); a retry's conflict says so
-        (:attr:`Conflict.retried`). ``throttled_too``: a throttle too is followed by a retry,
-        :data:`THROTTLED_PAUSE` of an interval later."""
+        is followed by a retry, up to ``retries`` of them, while the retry budget lasts: one
+        failed read in a hundred would otherwise cost a worker its acknowledgement for a
+        whole interval, and the allocator a whole cycle. Not after a try that took over half
+        the call's timeout: two such would hold the cycle too long. A first try that
+        succeeds earns back part of a retry (:data:`RETRY_EARNED`); a retry's conflict says
+        so (:attr:`Conflict.retried`). ``throttled_too``: a throttle too is followed by a
+        retry (one, the last), :data:`THROTTLED_PAUSE` of an interval later."""
         sent_at = self._now()
         try:
             result = await call
@@ -372,15 +380,23 @@ class Member(abc.ABC):
             return True, result
         if throttled:
             await anyio.sleep(self.period * self._random.uniform(*THROTTLED_PAUSE))
+            retries = 1
         else:
             await anyio.sleep(self._random.uniform(*RETRY_PAUSE))
-        return await self._attempt(operation, again(), retried=True)
+        return await self._attempt(
+            operation,
+            again(),
+            again=again if retries > 1 else None,
+            retries=retries - 1,
+            retried=True,
+        )
 
-    async def _attempt_twice(
+    async def _attempt_retrying(
         self, operation: str, call: Callable[[], Awaitable[Any]]
     ) -> tuple[bool, Any]:
-        """:meth:`_attempt` ``call()``, tried again once after a transient error."""
-        return await self._attempt(operation, call(), again=call)
+        """:meth:`_attempt` ``call()``, tried again after a transient error, up to
+        :data:`TRANSIENT_RETRIES` times."""
+        return await self._attempt(operation, call(), again=call, retries=TRANSIENT_RETRIES)
 
     # -- the lease ------------------------------------------------------------------------
 
@@ -444,7 +460,7 @@ class Member(abc.ABC):
         key = store.key("allocator.json")
         if self._lease_etag is not None:
             return await self._hold(store, now)
-        ok, found = await self._attempt_twice("read the lease", lambda: store.get(key))
+        ok, found = await self._attempt_retrying("read the lease", lambda: store.get(key))
         if not ok:
             return None
         if found is None:
@@ -580,7 +596,7 @@ class Member(abc.ABC):
     # -- allocating -----------------------------------------------------------------------
 
     async def _read_grants(self, store: Store) -> GrantsRead | None:
-        ok, found = await self._attempt_twice(
+        ok, found = await self._attempt_retrying(
             "read grants", lambda: store.get(store.key("grants.json"))
         )
         if not ok:
@@ -604,12 +620,12 @@ class Member(abc.ABC):
         at a time, or one per :data:`REPORTS_PER_READER` reports for a large fleet. ``None``
         when the listing fails."""
         prefix = store.key("workers/")
-        ok, listing = await self._attempt_twice("list reports", lambda: store.list(prefix))
+        ok, listing = await self._attempt_retrying("list reports", lambda: store.list(prefix))
         if not ok:
             return None
         # the marks of workers that left (few, or none): a failed listing only means that
         # what they had is freed a cycle later
-        marked, marks = await self._attempt_twice(
+        marked, marks = await self._attempt_retrying(
             "list left workers", lambda: store.list(store.key("left/"))
         )
         now = self._server_now()
@@ -636,7 +652,7 @@ class Member(abc.ABC):
             worker_id = key[len(prefix) : -len(".json")]
             read.unread.add(worker_id)
             async with limiter:
-                ok, found = await self._attempt_twice("read a report", lambda: store.get(key))
+                ok, found = await self._attempt_retrying("read a report", lambda: store.get(key))
             if not ok:
                 read.failed += 1
                 return
@@ -660,7 +676,7 @@ class Member(abc.ABC):
 
         async def read_mark(key: str, etag: str) -> None:
             async with limiter:
-                ok, found = await self._attempt_twice("read a left mark", lambda: store.get(key))
+                ok, found = await self._attempt_retrying("read a left mark", lambda: store.get(key))
             if not ok or found is None:
                 return
             try:
@@ -707,7 +723,7 @@ class Member(abc.ABC):
         if self._now() < self._next_sweep:
             return
         self._next_sweep = self._now() + self._lease
-        ok, listing = await self._attempt_twice(
+        ok, listing = await self._attempt_retrying(
             "list allocators", lambda: store.list(store.key("allocators/"))
         )
         now = self._server_now()

@@ -275,7 +275,7 @@ class FleetWorker(Member):
         """Count the reports in the store, this worker's own included: its rank in the
         bootstrap budget (see :func:`~anykpl._fleet._worker_state.budget_share`)."""
         sent_at = self._now()
-        ok, listing = await self._attempt_twice(
+        ok, listing = await self._attempt_retrying(
             "list reports", lambda: store.list(store.key("workers/"))
         )
         if not ok:
@@ -374,7 +374,7 @@ class FleetWorker(Member):
             sent_at = self._now()
             if etag is not None:
                 try:
-                    ok, written = await self._attempt_twice(
+                    ok, written = await self._attempt_retrying(
                         operation, lambda: store.put(key, body, if_match=etag)
                     )
                 except Conflict as exc:
@@ -393,7 +393,7 @@ class FleetWorker(Member):
                         self._written(written, sent_at)
                     return bool(ok)
             sent_at = self._now()
-            ok, written = await self._attempt_twice(operation, lambda: store.put(key, body))
+            ok, written = await self._attempt_retrying(operation, lambda: store.put(key, body))
             if ok:
                 self._written(written, sent_at)
             return bool(ok)
@@ -501,7 +501,7 @@ class FleetWorker(Member):
                 if etag is not None:
                     with suppress(Conflict):
                         key = store.key(f"workers/{self.worker_id}.json")
-                        await self._attempt_twice(
+                        await self._attempt_retrying(
                             "delete the report", lambda: store.delete(key, if_match=etag)
                         )
             self._state.forget_rank()
@@ -519,7 +519,7 @@ class FleetWorker(Member):
             return
         key = store.key(f"left/{self.worker_id}.json")
         body = mark.to_json()
-        await self._attempt_twice("mark this worker as left", lambda: store.put(key, body))
+        await self._attempt_retrying("mark this worker as left", lambda: store.put(key, body))
 
 
 def _describe(rates: Rates) -> str:
