@@ -672,6 +672,29 @@ class TestOnMockClock:
         logged = [r.__dict__["error_code"] for r in caplog.records if "error_code" in r.__dict__]
         assert logged == ["InternalError"]
 
+    async def test_the_reads_of_many_reports_have_an_allowance_of_retries(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        # the allocator's reads of the reports go out together: seven reads that fail once
+        # each, among seventy, are all tried again (the phase may retry a tenth of them), where
+        # the member's own budget of five would have left two workers unread for a generation
+        s3 = FakeS3()
+        members = [Member(s3, f"w{i:02d}") for i in range(70)]
+        caplog.set_level(logging.INFO, logger="anykpl.fleet")
+        async with running(*members):
+            await anyio.sleep(4 * INTERVAL)
+            allocator = next(m for m in members if m.worker.holds_lease)
+            before = allocator.worker.retries
+            s3.failing = [("GetObject", "workers/", "InternalError", 500)] * 7
+            while s3.failing:  # noqa: ASYNC110 (waiting for the fake S3's failures)
+                await anyio.sleep(0.001)
+            await anyio.sleep(INTERVAL)
+            retried = allocator.worker.retries - before
+        assert fleet_member.READ_RETRY_SHARE * 70 > fleet_member.RETRY_BUDGET
+        assert retried == 7
+        assert not [r for r in caplog.records if "read a report failed" in r.getMessage()]
+        check_every_generation(s3)
+
     async def test_a_throttled_grants_write_is_tried_again_within_the_cycle(self) -> None:
         # the fleet's most important write: refused as overloaded, it is tried again once, a
         # fraction of an interval later, with the same document; other calls are not

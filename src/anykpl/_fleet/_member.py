@@ -139,6 +139,14 @@ THROTTLED_PAUSE = (0.1, 0.3)
 #: hardly any retries (as botocore's retry quota).
 RETRY_BUDGET = 5.0
 RETRY_EARNED = 0.1
+#: The allocator's reads of the reports have an allowance of their own: retries for up to this
+#: share of the reports due in a cycle (at least RETRY_BUDGET). A thousand reads go out in a
+#: fraction of a second, so the member's budget of five was spent in the first moments of a
+#: phase on a store failing one answer in twenty: the other forty-odd reads that failed kept
+#: their workers' grants a generation (unacknowledged), and the members joining meanwhile got
+#: a share that much smaller for an interval. Bounded all the same: a store failing every call
+#: gets a tenth more reads, not twice as many.
+READ_RETRY_SHARE = 0.1
 #: S3's clock is known well enough once a member's uncertainty about it is below this.
 CLOCK_TARGET = 0.1
 #: After the holder's lease would expire, a contender looks again this much later, and a
@@ -197,6 +205,27 @@ class GrantsRead:
     exists: bool
 
 
+class RetryBudget:
+    """The retries left (``capacity`` at most): each takes one; a call that succeeds at its
+    first try earns ``earned`` of one back (as botocore's retry quota)."""
+
+    __slots__ = ("capacity", "earned", "left")
+
+    def __init__(self, capacity: float, earned: float) -> None:
+        self.capacity = capacity
+        self.earned = earned
+        self.left = capacity
+
+    def take(self) -> bool:
+        if self.left < 1:
+            return False
+        self.left -= 1
+        return True
+
+    def earn(self) -> None:
+        self.left = min(self.capacity, self.left + self.earned)
+
+
 class Member(abc.ABC):
     """What workers and the standalone allocator share: S3, errors, the lease, allocating."""
 
@@ -250,7 +279,7 @@ class Member(abc.ABC):
         self._next_sweep = -math.inf  # local time to look for leftover presence objects
         self._close_deadline: float | None = None  # local time by which closing must end
         self.s3_errors = 0
-        self._retry_budget = RETRY_BUDGET
+        self._retry_budget = RetryBudget(RETRY_BUDGET, RETRY_EARNED)
         #: calls tried again (:meth:`_attempt_retrying`)
         self.retries = 0
         self._strained_calls = 0  # calls the store refused as overloaded (STRAIN_CODES)
@@ -339,6 +368,7 @@ class Member(abc.ABC):
         retries: int = 1,
         retried: bool = False,
         throttled_too: bool = False,
+        budget: RetryBudget | None = None,
     ) -> tuple[bool, Any]:
         """Await ``call``; on an error, record it and return ``(False, None)``.
 
@@ -349,7 +379,10 @@ class Member(abc.ABC):
         the call's timeout: two such would hold the cycle too long. A first try that
         succeeds earns back part of a retry (:data:`RETRY_EARNED`); a retry's conflict says
         so (:attr:`Conflict.retried`). ``throttled_too``: a throttle too is followed by a
-        retry (one, the last), :data:`THROTTLED_PAUSE` of an interval later."""
+        retry (one, the last), :data:`THROTTLED_PAUSE` of an interval later. ``budget``: the
+        retries are drawn from it instead of the member's own."""
+        if budget is None:
+            budget = self._retry_budget
         sent_at = self._now()
         try:
             result = await call
@@ -364,19 +397,18 @@ class Member(abc.ABC):
             if (
                 again is None
                 or (code not in TRANSIENT_CODES and not throttled)
-                or self._retry_budget < 1
                 or self._now() - sent_at > self._call_timeout / 2
+                or not budget.take()
             ):
                 self._record_error(operation, exc)
                 return False, None
             # counted, but neither logged nor taken as strain unless the retry fails too
-            self._retry_budget -= 1
             self.retries += 1
             self.s3_errors += 1
             self.last_error = f"{operation}: {code}: {message}"
         else:
             if not retried:
-                self._retry_budget = min(RETRY_BUDGET, self._retry_budget + RETRY_EARNED)
+                budget.earn()
             return True, result
         if throttled:
             await anyio.sleep(self.period * self._random.uniform(*THROTTLED_PAUSE))
@@ -389,14 +421,20 @@ class Member(abc.ABC):
             again=again if retries > 1 else None,
             retries=retries - 1,
             retried=True,
+            budget=budget,
         )
 
     async def _attempt_retrying(
-        self, operation: str, call: Callable[[], Awaitable[Any]]
+        self,
+        operation: str,
+        call: Callable[[], Awaitable[Any]],
+        budget: RetryBudget | None = None,
     ) -> tuple[bool, Any]:
         """:meth:`_attempt` ``call()``, tried again after a transient error, up to
-        :data:`TRANSIENT_RETRIES` times."""
-        return await self._attempt(operation, call(), again=call, retries=TRANSIENT_RETRIES)
+        :data:`TRANSIENT_RETRIES` times (from ``budget``, or the member's own)."""
+        return await self._attempt(
+            operation, call(), again=call, retries=TRANSIENT_RETRIES, budget=budget
+        )
 
     # -- the lease ------------------------------------------------------------------------
 
@@ -644,6 +682,8 @@ class Member(abc.ABC):
                 due.append(key)
         self._random.shuffle(due)
         read.due = len(due)
+        allowance = max(RETRY_BUDGET, READ_RETRY_SHARE * len(due))
+        budget = RetryBudget(allowance, 0.0)
         limiter = anyio.CapacityLimiter(
             min(MAX_READ_CONCURRENCY, max(READ_CONCURRENCY, len(due) // REPORTS_PER_READER))
         )
@@ -652,7 +692,9 @@ class Member(abc.ABC):
             worker_id = key[len(prefix) : -len(".json")]
             read.unread.add(worker_id)
             async with limiter:
-                ok, found = await self._attempt_retrying("read a report", lambda: store.get(key))
+                ok, found = await self._attempt_retrying(
+                    "read a report", lambda: store.get(key), budget
+                )
             if not ok:
                 read.failed += 1
                 return
