@@ -442,8 +442,8 @@ class FleetWorker(Member):
         (k + phase) × sync_interval`` between a half and one and a half periods after this
         start, where ``phase`` is drawn for each cycle from U(0.2, 0.8): a thousand workers
         spread their calls over most of the period instead of calling the store all at once.
-        A new worker waiting for its first grant draws it from U(0.15, 0.35): it reads the
-        grant sooner.
+        A new worker (its first :data:`EARLY_READS` cycles) draws it from U(0.15, 0.35): it
+        reads its first grants sooner, and each that raises it towards its share.
         Its second cycle only comes half a period after its first, whatever the phase.
         """
         period = self.period
@@ -459,18 +459,16 @@ class FleetWorker(Member):
         issued = document.issued_at - (offsets[0] + offsets[1]) / 2  # local time
         if document.expires_at - offsets[0] <= start:  # no allocator alive
             return super()._next_start(start)
-        # a new worker waiting for its first grant reads early in the period: its grant comes
-        # in the allocator's next document, and each of its reads that falls later leaves it
-        # on its budget rate for longer. Not for long (a worker that never gets a grant, as
-        # one of two processes that share a worker_id, would always report before the other:
-        # the allocator would not see their reports alternate), and not while the store is
-        # slow (the fleet's interval stretched): a thousand such reads in a third of the
-        # period would be refused.
-        waiting = (
-            self._sequence <= EARLY_READS
-            and self._state.mode(start) != "granted"
-            and self.stretch == 1.0
-        )
+        # a new worker reads early in the period: its grant comes in the allocator's next
+        # document, and each of its reads that falls later leaves it on its budget rate, or
+        # short of its share, for longer (a first grant can be part of a share: the rest is
+        # freed when the members already there acknowledge their cut, a generation later, and
+        # read late in the period it came up to 0.8 of an interval after that). Not for long
+        # (a worker that never gets a grant, as one of two processes that share a worker_id,
+        # would always report before the other: the allocator would not see their reports
+        # alternate), and not while the store is slow (the fleet's interval stretched): a
+        # thousand such reads in a third of the period would be refused.
+        waiting = self._sequence <= EARLY_READS and self.stretch == 1.0
         phase, spread = (0.25, 0.1) if waiting else (0.5, 0.3)
         # (the phase is of the span from the document's writing to the allocator's next reads,
         # where it says when they begin: reads that take a second for a thousand reports
