@@ -9,8 +9,9 @@ import pytest
 from botocore.exceptions import ProfileNotFound, UnknownServiceError
 from botocore.loaders import Loader
 
+import anykpl._aws
 from anykpl import ProducerConfig
-from anykpl._aws import _loaders, _session, create_client
+from anykpl._aws import _session, create_client
 
 
 def config() -> ProducerConfig:
@@ -19,7 +20,28 @@ def config() -> ProducerConfig:
 
 @pytest.fixture(autouse=True)
 def _no_data_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No data path of the environment's, and the process's loaders as they were after."""
     monkeypatch.delenv("AWS_DATA_PATH", raising=False)
+    monkeypatch.setattr(anykpl._aws, "_loaders", {})
+
+
+@pytest.mark.anyio
+async def test_a_client_is_made_without_listing_every_service(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """botocore lists the directories of all 400 services before it loads a model; the
+    shared loader looks for the one service."""
+    listings: list[str] = []
+    listing = Loader.list_available_services
+
+    def counted(self: Loader, type_name: str) -> list[str]:
+        listings.append(type_name)
+        return listing(self, type_name)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(Loader, "list_available_services", counted)
+    async with create_client(config(), "kinesis", max_pool_connections=1) as client:
+        assert client.meta.service_model.service_name == "kinesis"
+    assert listings == []
 
 
 @pytest.mark.anyio
@@ -27,7 +49,7 @@ async def test_clients_share_the_models_they_read() -> None:
     """A second client (another producer's, a fleet store's) reads no model file again: the
     loader, and what it read, is the process's."""
     async with create_client(config(), "kinesis", max_pool_connections=1) as first:
-        loader = _loaders[None]
+        loader = anykpl._aws._loaders[None]
         reads: list[str] = []
         load_file = loader.file_loader.load_file
 
@@ -43,7 +65,7 @@ async def test_clients_share_the_models_they_read() -> None:
         finally:
             del loader.file_loader.load_file
     assert reads == []
-    assert _loaders[None] is loader
+    assert anykpl._aws._loaders[None] is loader
 
 
 def test_a_service_is_found_without_listing_them_all() -> None:
@@ -83,7 +105,7 @@ async def test_a_data_path_of_ones_own_has_its_own_loader(
     monkeypatch.setenv("AWS_DATA_PATH", str(tmp_path))
     async with create_client(config(), "kinesis", max_pool_connections=1) as client:
         assert client.meta.service_model.documentation == "anykpl's test model"
-    assert _loaders[str(tmp_path)] is not _loaders.get(None)
+    assert anykpl._aws._loaders[str(tmp_path)] is not anykpl._aws._loaders.get(None)
 
 
 @pytest.mark.anyio

@@ -24,7 +24,7 @@ from typing import Any, overload
 # session (trio's HTTP client) when httpx is installed.
 from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
-from botocore.loaders import Loader
+from botocore.loaders import Loader, create_loader
 
 from .config import ProducerConfig
 
@@ -100,9 +100,10 @@ def create_client(
 # that the service exists (about 400 directories): 70-100 ms of CPU for a Kinesis client on a
 # 2-core VM (2026-11-28), a third of it the listing, paid again by every producer, fleet store
 # and metrics sink the process opens. Every session made here shares one loader per data path
-# (what AWS_DATA_PATH or the profile's ``data_path`` says), which keeps what it read; the
-# models are read-only, so sharing them changes nothing else. Credentials and configuration
-# stay each session's own.
+# (what AWS_DATA_PATH or the profile's ``data_path`` says, its ``~`` and variables expanded
+# when the first session of the process names it), which keeps what it read, as botocore
+# keeps it for the clients of one session (models added under a data path later are not seen
+# by that process). Credentials and configuration stay each session's own.
 
 _loaders: dict[str | None, Loader] = {}
 _loaders_lock = threading.Lock()  # SyncProducer opens its producer on a thread of its own
@@ -119,23 +120,18 @@ def _session(profile: str | None) -> AioSession:
     with _loaders_lock:
         loader = _loaders.get(data_path)
         if loader is None:
-            loader = _loaders[data_path] = _SharedLoader(data_path)
+            # botocore's own loader for the path, as its session would make it, answering
+            # "is there a service X" for X alone
+            loader = create_loader(data_path)
+            loader.__class__ = _SharedLoader
+            _loaders[data_path] = loader
     session.register_component("data_loader", loader)
     return session
 
 
 class _SharedLoader(Loader):  # type: ignore[misc]  # botocore has no types
-    """botocore's loader, for the search path ``data_path`` as botocore's ``create_loader``
-    makes it, that answers "is there a service X" by looking for X alone."""
-
-    def __init__(self, data_path: str | None) -> None:
-        if data_path is None:
-            super().__init__()
-        else:
-            paths = data_path.split(os.pathsep)
-            super().__init__(
-                extra_search_paths=[os.path.expanduser(os.path.expandvars(p)) for p in paths]
-            )
+    """botocore's loader (made by ``create_loader``, then given this class), that answers
+    "is there a service X" by looking for X alone."""
 
     def list_available_services(self, type_name: str) -> Sequence[str]:
         return _AvailableServices(self, type_name)
@@ -151,9 +147,12 @@ class _AvailableServices(Sequence[str]):
         self._type_name = type_name
 
     def __contains__(self, service: object) -> bool:
-        if not isinstance(service, str) or not service or os.sep in service:
+        if not isinstance(service, str):
             return False
         for path in self._loader.search_paths:
+            # (named exactly, as botocore's listing names it, also where file names ignore case)
+            if not os.path.isdir(path) or service not in os.listdir(path):
+                continue
             directory = os.path.join(path, service)
             if not os.path.isdir(directory):
                 continue

@@ -369,21 +369,24 @@ class Member(abc.ABC):
         retried: bool = False,
         throttled_too: bool = False,
         budget: RetryBudget | None = None,
+        started_at: float | None = None,
     ) -> tuple[bool, Any]:
         """Await ``call``; on an error, record it and return ``(False, None)``.
 
         With ``again`` (what makes the call anew), a transient error (:data:`TRANSIENT_CODES`)
         is followed by a retry, up to ``retries`` of them, while the retry budget lasts: one
         failed read in a hundred would otherwise cost a worker its acknowledgement for a
-        whole interval, and the allocator a whole cycle. Not after a try that took over half
-        the call's timeout: two such would hold the cycle too long. A first try that
+        whole interval, and the allocator a whole cycle. Not once the call (since its first
+        try, ``started_at``) has taken over half the call's timeout: with the last try's
+        timeout, a call takes at most one and a half timeouts, and the pauses. A first try that
         succeeds earns back part of a retry (:data:`RETRY_EARNED`); a retry's conflict says
         so (:attr:`Conflict.retried`). ``throttled_too``: a throttle too is followed by a
         retry (one, the last), :data:`THROTTLED_PAUSE` of an interval later. ``budget``: the
         retries are drawn from it instead of the member's own."""
         if budget is None:
             budget = self._retry_budget
-        sent_at = self._now()
+        if started_at is None:
+            started_at = self._now()
         try:
             result = await call
         except anyio.get_cancelled_exc_class():
@@ -393,11 +396,17 @@ class Member(abc.ABC):
             raise
         except Exception as exc:
             code, message = error_code(exc) if again is not None else ("", "")
-            throttled = throttled_too and code in STRAIN_CODES and code != TIMEOUT
+            # (a store's 500 is both transient and a sign of strain: the short pause)
+            throttled = (
+                throttled_too
+                and code in STRAIN_CODES
+                and code not in TRANSIENT_CODES
+                and code != TIMEOUT
+            )
             if (
                 again is None
                 or (code not in TRANSIENT_CODES and not throttled)
-                or self._now() - sent_at > self._call_timeout / 2
+                or self._now() - started_at > self._call_timeout / 2
                 or not budget.take()
             ):
                 self._record_error(operation, exc)
@@ -422,6 +431,7 @@ class Member(abc.ABC):
             retries=retries - 1,
             retried=True,
             budget=budget,
+            started_at=started_at,
         )
 
     async def _attempt_retrying(

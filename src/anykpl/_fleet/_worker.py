@@ -45,8 +45,8 @@ RECENT_GRANTS = 1.5
 #: A worker whose report was overwritten by someone else this many times in a row says that
 #: another process shares its worker_id.
 OVERWRITTEN_REPORTS = 3
-#: A new worker's first reports (this many) fall early in the allocator's period while it
-#: waits for its first grant (see FleetWorker._locked_start).
+#: A new worker's first reports (this many) fall early in the allocator's period, with a grant
+#: or without (see FleetWorker._locked_start).
 EARLY_READS = 4
 #: What a leaving worker applies before it marks itself as left: nothing.
 LEFT = Rates(0.0, 0.0)
@@ -431,8 +431,8 @@ class FleetWorker(Member):
         return at
 
     def _locked_start(self, start: float) -> float:
-        """Between a fifth and four fifths of a period after the allocator's (a worker
-        without a grant: early in it), when one is alive.
+        """Between a fifth and four fifths of a period after the allocator's (a new worker,
+        its first :data:`EARLY_READS` cycles: early in it), when one is alive.
 
         Capacity a worker gives up can be granted to others only once its report says it
         applied the reduction. A worker whose cycles fall just after the allocator's would
