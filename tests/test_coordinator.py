@@ -711,6 +711,30 @@ class TestOnMockClock:
         failed = [r for r in caplog.records if "write grants failed" in r.getMessage()]
         assert len(failed) == 1
 
+    async def test_a_new_worker_reads_early_for_its_first_cycles_granted_or_not(self) -> None:
+        # a new member's first grant can be part of its share (the rest is freed a generation
+        # later, when the members already there acknowledge their cut): for its first cycles
+        # it reads early in the allocator's period, from 0.15 to 0.35 of it, granted or not;
+        # then anywhere from 0.2 to 0.8 of it
+        s3 = FakeS3()
+        members = [Member(s3, f"w{i}") for i in range(3)]
+        async with running(*members):
+            await anyio.sleep(4 * INTERVAL)
+            worker = next(m.worker for m in members if not m.worker.holds_lease)
+            mode = worker.statistics().mode
+            now, sequence = anyio.current_time(), worker._sequence
+            spans = []
+            for cycle in (2, fleet_worker.EARLY_READS, fleet_worker.EARLY_READS + 1):
+                worker._sequence = cycle
+                starts = [worker._locked_start(now) for _ in range(200)]
+                spans.append((max(starts) - min(starts)) / INTERVAL)
+            worker._sequence = sequence
+        assert mode == "granted"
+        early, last_early, later = spans
+        assert 0.15 < early <= 0.2
+        assert 0.15 < last_early <= 0.2
+        assert 0.5 < later <= 0.6
+
     async def test_a_throttled_grants_write_is_tried_again_within_the_cycle(self) -> None:
         # the fleet's most important write: refused as overloaded, it is tried again once, a
         # fraction of an interval later, with the same document; other calls are not
