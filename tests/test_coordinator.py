@@ -115,6 +115,27 @@ async def running(*members: Member | FleetAllocator) -> AsyncIterator[None]:
             tg.cancel_scope.cancel()
 
 
+async def retries_after(
+    caplog: pytest.LogCaptureFixture,
+    failures: list[list[tuple[str, str, str, int]]],
+    wait: float,
+) -> list[tuple[int, int]]:
+    """A lone member, settled; then each list of ``failures`` in turn, ``wait`` s each: the
+    retries it made meanwhile, and how many of the failures were left unmet."""
+    s3 = FakeS3()
+    member = Member(s3, "w0")
+    caplog.set_level(logging.INFO, logger="anykpl.fleet")
+    seen = []
+    async with running(member):
+        await anyio.sleep(3 * INTERVAL)
+        for failing in failures:
+            before = member.worker.retries
+            s3.failing = list(failing)
+            await anyio.sleep(wait)
+            seen.append((member.worker.retries - before, len(s3.failing)))
+    return seen
+
+
 async def killed(store: Any) -> None:
     """A crashed member's clean-up: none."""
 
@@ -651,20 +672,10 @@ class TestOnMockClock:
         # two 500s in a row (one call in four hundred, where one answer in twenty fails) are
         # met within the cycle, as the SDKs' three attempts meet them; a third is the call's
         # failure, logged
-        s3 = FakeS3()
-        member = Member(s3, "w0")
-        caplog.set_level(logging.INFO, logger="anykpl.fleet")
-        async with running(member):
-            await anyio.sleep(3 * INTERVAL)
-            before = member.worker.retries
-            s3.failing = [("PutObject", "workers/", "InternalError", 500)] * 2
-            await anyio.sleep(INTERVAL)
-            twice = member.worker.retries - before, list(s3.failing)
-            s3.failing = [("PutObject", "workers/", "InternalError", 500)] * 3
-            await anyio.sleep(INTERVAL)
-            thrice = member.worker.retries - before, list(s3.failing)
-        assert twice == (2, [])
-        assert thrice == (4, [])
+        failure = ("PutObject", "workers/", "InternalError", 500)
+        twice, thrice = await retries_after(caplog, [[failure] * 2, [failure] * 3], INTERVAL)
+        assert twice == (2, 0)
+        assert thrice == (2, 0)
         logged = [r.__dict__["error_code"] for r in caplog.records if "error_code" in r.__dict__]
         assert logged == ["InternalError"]
 
@@ -698,16 +709,9 @@ class TestOnMockClock:
     ) -> None:
         # the grants' conditional write: after a 500, one retry (a retry whose first try went
         # through fails its condition), not the three tries of the other calls
-        s3 = FakeS3()
-        member = Member(s3, "w0")
-        caplog.set_level(logging.INFO, logger="anykpl.fleet")
-        async with running(member):
-            await anyio.sleep(3 * INTERVAL)
-            before = member.worker.retries
-            s3.failing = [("PutObject", "grants.json", "InternalError", 500)] * 3
-            await anyio.sleep(INTERVAL / 2)
-            retried, left_over = member.worker.retries - before, len(s3.failing)
-        assert (retried, left_over) == (1, 1)
+        failure = ("PutObject", "grants.json", "InternalError", 500)
+        (retried,) = await retries_after(caplog, [[failure] * 3], INTERVAL / 2)
+        assert retried == (1, 1)
         failed = [r for r in caplog.records if "write grants failed" in r.getMessage()]
         assert len(failed) == 1
 
