@@ -366,10 +366,8 @@ class Member(abc.ABC):
         *,
         again: Callable[[], Awaitable[Any]] | None = None,
         retries: int = 1,
-        retried: bool = False,
         throttled_too: bool = False,
         budget: RetryBudget | None = None,
-        started_at: float | None = None,
     ) -> tuple[bool, Any]:
         """Await ``call``; on an error, record it and return ``(False, None)``.
 
@@ -377,62 +375,58 @@ class Member(abc.ABC):
         is followed by a retry, up to ``retries`` of them, while the retry budget lasts: one
         failed read in a hundred would otherwise cost a worker its acknowledgement for a
         whole interval, and the allocator a whole cycle. Not once the call (since its first
-        try, ``started_at``) has taken over half the call's timeout: with the last try's
-        timeout, a call takes at most one and a half timeouts, and the pauses. A first try that
-        succeeds earns back part of a retry (:data:`RETRY_EARNED`); a retry's conflict says
-        so (:attr:`Conflict.retried`). ``throttled_too``: a throttle too is followed by a
-        retry (one, the last), :data:`THROTTLED_PAUSE` of an interval later. ``budget``: the
+        try) has taken over half the call's timeout: with the last try's timeout, a call takes
+        at most one and a half timeouts, and the pauses. A first try that succeeds earns back
+        part of a retry (:data:`RETRY_EARNED`); a retry's conflict says so
+        (:attr:`Conflict.retried`). ``throttled_too``: a throttle too is followed by a retry
+        (one, the last), :data:`THROTTLED_PAUSE` of an interval later. ``budget``: the
         retries are drawn from it instead of the member's own."""
         if budget is None:
             budget = self._retry_budget
-        if started_at is None:
-            started_at = self._now()
-        try:
-            result = await call
-        except anyio.get_cancelled_exc_class():
-            raise
-        except Conflict as exc:
-            exc.retried = retried
-            raise
-        except Exception as exc:
-            code, message = error_code(exc) if again is not None else ("", "")
-            # (a store's 500 is both transient and a sign of strain: the short pause)
-            throttled = (
-                throttled_too
-                and code in STRAIN_CODES
-                and code not in TRANSIENT_CODES
-                and code != TIMEOUT
-            )
-            if (
-                again is None
-                or (code not in TRANSIENT_CODES and not throttled)
-                or self._now() - started_at > self._call_timeout / 2
-                or not budget.take()
-            ):
-                self._record_error(operation, exc)
-                return False, None
-            # counted, but neither logged nor taken as strain unless the retry fails too
-            self.retries += 1
-            self.s3_errors += 1
-            self.last_error = f"{operation}: {code}: {message}"
-        else:
-            if not retried:
-                budget.earn()
-            return True, result
-        if throttled:
-            await anyio.sleep(self.period * self._random.uniform(*THROTTLED_PAUSE))
-            retries = 1
-        else:
-            await anyio.sleep(self._random.uniform(*RETRY_PAUSE))
-        return await self._attempt(
-            operation,
-            again(),
-            again=again if retries > 1 else None,
-            retries=retries - 1,
-            retried=True,
-            budget=budget,
-            started_at=started_at,
-        )
+        started_at = self._now()
+        retried = False
+        while True:
+            try:
+                result = await call
+            except anyio.get_cancelled_exc_class():
+                raise
+            except Conflict as exc:
+                exc.retried = retried
+                raise
+            except Exception as exc:
+                may_retry = again is not None and retries > 0
+                code, message = error_code(exc) if may_retry else ("", "")
+                # (a store's 500 is both transient and a sign of strain: the short pause)
+                throttled = (
+                    throttled_too
+                    and code in STRAIN_CODES
+                    and code not in TRANSIENT_CODES
+                    and code != TIMEOUT
+                )
+                if (
+                    again is None  # (not may_retry, said so that the type checker sees it)
+                    or not may_retry
+                    or (code not in TRANSIENT_CODES and not throttled)
+                    or self._now() - started_at > self._call_timeout / 2
+                    or not budget.take()
+                ):
+                    self._record_error(operation, exc)
+                    return False, None
+                # counted, but neither logged nor taken as strain unless the retry fails too
+                self.retries += 1
+                self.s3_errors += 1
+                self.last_error = f"{operation}: {code}: {message}"
+            else:
+                if not retried:
+                    budget.earn()
+                return True, result
+            if throttled:
+                await anyio.sleep(self.period * self._random.uniform(*THROTTLED_PAUSE))
+                retries = 0  # (the retry after a throttle is the last)
+            else:
+                await anyio.sleep(self._random.uniform(*RETRY_PAUSE))
+                retries -= 1
+            call, retried = again(), True
 
     async def _attempt_retrying(
         self,
@@ -485,8 +479,13 @@ class Member(abc.ABC):
         ``etag``. Others judge it to end no earlier than the earliest the store's time was
         then, plus the lease (its expiry, or when the store wrote it plus the lease)."""
         self._lease_etag = etag
-        sure = self._clock.earliest_local(now[0] + self._lease * self.stretch, self._now())
-        self._lease_sure_until = -math.inf if sure is None else sure
+        self._lease_sure_until = self._surely_before(now[0] + self._lease * self.stretch)
+
+    def _surely_before(self, server_time: float) -> float:
+        """The local time until which the store's time surely has not reached ``server_time``
+        (its earliest local time; -inf while the store's clock is unknown)."""
+        sure = self._clock.earliest_local(server_time, self._now())
+        return -math.inf if sure is None else sure
 
     def _lost_lease(self, why: str) -> None:
         self._retry_soon = False
@@ -524,10 +523,9 @@ class Member(abc.ABC):
         ):
             # our renewal went through although its answer was lost: still ours
             self._lease_etag = etag
-            sure = self._clock.earliest_local(
-                min(lease.expires_at, last_modified + lease.lease), self._now()
+            self._lease_sure_until = self._surely_before(
+                min(lease.expires_at, last_modified + lease.lease)
             )
-            self._lease_sure_until = -math.inf if sure is None else sure
             return await self._hold(store, now)
         expiry = lease_expiry(lease, last_modified, self._lease)
         now = self._server_now() or now
