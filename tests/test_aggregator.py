@@ -547,3 +547,27 @@ def test_seal_all_leaves_busy_shards_and_aggregates_about_to_fill_gathering() ->
     assert out[-1].predicted_shard == "slow"
     assert not agg.seal_all(out)
     assert agg.open_aggregates == 0
+
+
+def test_seal_all_holds_back_only_the_busy_lanes_of_a_shard() -> None:
+    """With tenants, a busy lane is a ``(shard, tenant)``: the tenant whose records wait for
+    tokens keeps gathering, another tenant's aggregate on the same shard goes, and so does
+    the shard's aggregate of records without a tenant unless its own lane waits."""
+    agg = make_aggregator(predict=lambda h: "shard", max_size=10_000)
+    out: list[KinesisRecord] = []
+    for tenant in ("noisy", "quiet", None):
+        record = _arrived(f"{tenant}", 1, 1.0)
+        record.tenant = tenant
+        agg.put(record, out)
+    assert agg.open_aggregates == 3
+    busy: set[str | tuple[str, str]] = {("shard", "noisy")}
+    assert agg.open_outside(busy)
+    agg.seal_all(out, busy)
+    assert sorted(str(kr.tenant) for kr in out) == ["None", "quiet"]
+    assert agg.open_aggregates == 1
+    assert not agg.open_outside(busy)
+    out.clear()
+    record = _arrived("plain", 1, 1.1)
+    agg.put(record, out)
+    agg.seal_all(out, {"shard", ("shard", "noisy")})
+    assert not out  # the lane without a tenant waits too now

@@ -403,6 +403,25 @@ def test_records_without_a_tenant_form_one_lane_among_the_tenants() -> None:
     assert limiter.queue_depths() == {SHARD: 51 - len(first) - len(second)}
 
 
+def test_waiting_lanes_name_the_tenants_whose_records_wait() -> None:
+    """Adaptive batching holds an aggregate back while its lane waits for tokens: the lanes
+    are keyed as the Aggregator keys aggregates, so a tenant with nothing waiting on a busy
+    shard is not held back by the others' backlog."""
+    limiter = Limiter(rate_limit_percent=1)
+    assert limiter.waiting_lanes() == set()
+    plain = make_kinesis_record(shard="plain", size=1000)
+    limiter.put([plain], 0.0, [])
+    assert limiter.waiting_lanes() == {"plain"}  # a shard that never saw a tenant
+    limiter.put([tenant_record("noisy") for _ in range(50)], 0.0, [])
+    assert limiter.waiting_lanes() == {"plain", (SHARD, "noisy")}
+    limiter.put([tenant_record(None)], 0.0, [])
+    assert limiter.waiting_lanes() == {"plain", SHARD, (SHARD, "noisy")}
+    # the quiet tenant's lane on the same shard is empty: not busy
+    assert (SHARD, "quiet") not in limiter.waiting_lanes()
+    limiter.put([tenant_record("quiet")], 0.0, [])
+    assert (SHARD, "quiet") in limiter.waiting_lanes()
+
+
 def test_fair_lanes_share_by_bytes() -> None:
     limiter = Limiter(rate_limit_percent=100)
     big = [tenant_record("big", size=FAIR_QUANTUM // 2) for _ in range(20)]

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
 from ._records import KinesisRecord, PendingRecord
+from ._shard_queue import FAIR_QUANTUM
 from ._wire import AggregateBuilder
 
 __all__ = ("SHARD_MAP_WAIT", "Aggregator")
@@ -168,6 +169,11 @@ class Aggregator:
                 if self.container_key_from_records
                 else self._constant_limit
             )
+            if tenant is not None and self.max_size > FAIR_QUANTUM:
+                # a tenant's aggregates are at most one turn of the shard's fair queue, so a
+                # quiet tenant's record waits for at most a turn's tokens per busy tenant (a
+                # bigger aggregate holds the round until the shard has its whole size)
+                limit -= self.max_size - FAIR_QUANTUM
             fresh = _OpenAggregate(shard, key, limit)
             if not fresh.builder.add_within(pk, ehk, data, limit):
                 # too big to share an aggregate even alone: out on its own, raw, after the open
@@ -265,22 +271,23 @@ class Aggregator:
     def seal_all(
         self,
         out: list[KinesisRecord],
-        busy: AbstractSet[str] = frozenset(),
+        busy: AbstractSet[str | tuple[str, str]] = frozenset(),
         now: float = 0.0,
         horizon: float = 0.0,
     ) -> bool:
         """Seal the open aggregates now (adaptive batching: nothing is in flight that they
-        could wait for), except those of the ``busy`` shards (their records wait for tokens,
-        so the aggregate keeps gathering) and, with a ``horizon``, those that fill up within
-        it at the pace they have been filling since their first record (a firehose's, which a
-        full aggregate serves better than an early one; such an aggregate's deadline comes at
-        the horizon's end at the latest; one record alone tells no pace). Records waiting for
-        the shard map keep waiting. Returns whether an aggregate was left filling (a busy
-        shard's does not count: it goes with its shard's tokens)."""
+        could wait for), except those of the ``busy`` lanes (a shard, or a ``(shard, tenant)``
+        for records put with a tenant, as ``Limiter.waiting_lanes`` gives them: their records
+        wait for tokens, so the aggregate keeps gathering) and, with a ``horizon``, those that
+        fill up within it at the pace they have been filling since their first record (a
+        firehose's, which a full aggregate serves better than an early one; such an
+        aggregate's deadline comes at the horizon's end at the latest; one record alone tells
+        no pace). Records waiting for the shard map keep waiting. Returns whether an aggregate
+        was left filling (a busy lane's does not count: it goes with its shard's tokens)."""
         filling = False
         max_size = self.max_size
         for agg in list(self._open.values()):
-            if agg.shard in busy:
+            if agg.key in busy:
                 continue
             if horizon > 0.0 and len(agg.records) > 1:
                 size = agg.builder.size
@@ -298,9 +305,10 @@ class Aggregator:
             out.append(self._seal(agg))
         return filling
 
-    def open_outside(self, busy: AbstractSet[str]) -> bool:
-        """Whether an aggregate is gathering records for a shard not in ``busy``."""
-        return any(agg.shard not in busy for agg in self._open.values())
+    def open_outside(self, busy: AbstractSet[str | tuple[str, str]]) -> bool:
+        """Whether an aggregate is gathering records for a lane (a shard, or a ``(shard,
+        tenant)``) not in ``busy``."""
+        return any(agg.key not in busy for agg in self._open.values())
 
     def deferred_flush_due(self) -> bool:
         """Whether records a flush found waiting for the shard map have gone since (the

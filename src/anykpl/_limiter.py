@@ -249,10 +249,27 @@ class Limiter:
     def __repr__(self) -> str:
         return f"<Limiter {len(self._shards)} shard(s) {self.queued} queued>"
 
-    @property
-    def waiting_shards(self) -> AbstractSet[str]:
-        """The shards with Kinesis records waiting for tokens (do not modify)."""
-        return self._waiting
+    def waiting_lanes(self) -> AbstractSet[str | tuple[str, str]]:
+        """The lanes with Kinesis records waiting for tokens, keyed as the Aggregator keys its
+        aggregates: a shard (its records without a tenant, or all of them on a shard that
+        never saw a tenant) or ``(shard, tenant)``. A tenant whose lane is empty is not held
+        back by the others' backlog on its shard: its next Kinesis record joins the round
+        robin at once (adaptive batching, docs/batching.md). Do not modify."""
+        waiting = self._waiting
+        shards = self._shards
+        lanes: set[str | tuple[str, str]] | None = None
+        for shard in waiting:
+            queue = shards[shard].queue
+            if type(queue) is DeadlineQueue:
+                if lanes is not None:
+                    lanes.add(shard)
+                continue
+            if lanes is None:
+                lanes = {s for s in waiting if type(shards[s].queue) is DeadlineQueue}
+            assert isinstance(queue, FairQueue)
+            for tenant in queue.turns:
+                lanes.add(shard if tenant is None else (shard, tenant))
+        return waiting if lanes is None else lanes
 
     def _shard(self, shard: str, now: float) -> _ShardLimiter:
         limiter = self._shards.get(shard)

@@ -284,12 +284,14 @@ class Pipeline:
         asks for it. A shard whose records wait for the Limiter's tokens is not idle: its
         aggregate keeps gathering until its deadline (or a later SEND_NOW finds the shard's
         tokens caught up), as it would without adaptive batching, since sending it early
-        would only spend the shard's record tokens. An aggregate that fills within
+        would only spend the shard's record tokens. With tenants this holds per lane: a
+        tenant with nothing waiting on the shard sends its aggregate, which takes its turn in
+        the shard's round robin (``Limiter.waiting_lanes``). An aggregate that fills within
         ``horizon`` at its pace keeps gathering too (``Aggregator.seal_all``). Records waiting
         for the shard map go when it is ready (the Aggregator's task sends them on if the
         stream is idle then)."""
         aggregator = self.aggregator
-        if len(self.collector) or aggregator.open_outside(self.limiter.waiting_shards):
+        if len(self.collector) or aggregator.open_outside(self.limiter.waiting_lanes()):
             self._send_now_horizon = horizon
             self.aggregator_send.send_nowait(SEND_NOW)
         elif not aggregator.waiting_for_shard_map:
@@ -617,7 +619,7 @@ class Pipeline:
                 if send_now:
                     horizon, self._send_now_horizon = self._send_now_horizon, 0.0
                     self._gathering = aggregator.seal_all(
-                        out, self.limiter.waiting_shards, anyio.current_time(), horizon
+                        out, self.limiter.waiting_lanes(), anyio.current_time(), horizon
                     )
                 flush = message is FLUSH
                 if aggregator.deferred_flush_due():
