@@ -46,6 +46,7 @@ from ._producer import Producer as Producer
 from ._records import Attempt as Attempt
 from ._records import PendingRecord as PendingRecord
 from ._records import RecordResult as RecordResult
+from ._sender import Transport as Transport
 from ._spool import SpoolStatistics as SpoolStatistics
 from ._statistics import ProducerStatistics as ProducerStatistics
 from ._statistics import ShardStatistics as ShardStatistics
@@ -79,6 +80,7 @@ __all__ = (
     "SyncProducer",
     "TenantQuota",
     "TenantStatistics",
+    "Transport",
     "errors",
 )
 

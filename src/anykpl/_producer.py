@@ -88,7 +88,7 @@ class Producer(anyio.AsyncContextManagerMixin):
             result = await producer.put_record("stream", b"data", partition_key="key")
 
     ``transport`` replaces the aiobotocore client (for tests: anything with the
-    :class:`~anykpl._sender.Transport` methods).
+    :class:`~anykpl.Transport` methods).
 
     ``metrics_sinks`` receive the KPL metrics every ``metrics_upload_delay`` seconds (see
     :mod:`anykpl.metrics`). They are objects with state (clients, registries), so they are

@@ -11,8 +11,8 @@ from typing import Any
 import anyio
 import pytest
 
-from anykpl import Producer, ProducerConfig, errors
-from anykpl._sender import Transport, open_transport
+from anykpl import Producer, ProducerConfig, Transport, errors
+from anykpl._sender import open_transport
 
 pytestmark = pytest.mark.anyio
 
