@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from anykpl import _wire
 from anykpl._aggregator import SHARD_MAP_WAIT, Aggregator
 from anykpl._records import KinesisRecord, PendingRecord, partition_key_hash
+from anykpl._shard_queue import FAIR_QUANTUM
 
 SHARD = "shardId-000000000000"
 
@@ -35,6 +36,7 @@ def make_aggregator(
     max_size: int = 51200,
     max_count: int = 4294967295,
     predict: Callable[[int], str | None] = lambda _: SHARD,
+    container_key_from_records: bool = False,
 ) -> Aggregator:
     return Aggregator(
         enabled=enabled,
@@ -42,6 +44,7 @@ def make_aggregator(
         max_count=max_count,
         container_partition_key="a",
         predict=predict,
+        container_key_from_records=container_key_from_records,
     )
 
 
@@ -571,3 +574,66 @@ def test_seal_all_holds_back_only_the_busy_lanes_of_a_shard() -> None:
     agg.put(record, out)
     agg.seal_all(out, {"shard", ("shard", "noisy")})
     assert not out  # the lane without a tenant waits too now
+
+
+@pytest.mark.parametrize("container_key_from_records", [False, True])
+def test_a_tenants_aggregates_hold_one_turn_of_the_fair_queue(
+    container_key_from_records: bool,
+) -> None:
+    """A tenant's aggregates stop at FAIR_QUANTUM (16 KiB) where aggregation_max_size is
+    larger, so a busy tenant's aggregate never holds a shard's round robin for more than a
+    turn; a tenant's record over that goes alone, raw, after the open aggregate."""
+    agg = make_aggregator(
+        predict=lambda h: "shard",
+        max_size=51_200,
+        container_key_from_records=container_key_from_records,
+    )
+    out: list[KinesisRecord] = []
+    for i in range(40):
+        record = _arrived(f"key-{i:03d}", 1, 1.0)
+        record.tenant = "t"
+        agg.put(record, out)
+    assert out, "40 KB of a tenant's records fill more than one aggregate"
+    assert all(kr.size <= FAIR_QUANTUM for kr in out)
+    assert all(kr.tenant == "t" for kr in out)
+    big = _arrived("big", 1, 1.1, size=20_000)
+    big.tenant = "t"
+    before = len(out)
+    agg.put(big, out)
+    assert [len(kr.records) for kr in out[before:]][-1] == 1
+    assert out[-1].records == [big]  # alone, after the open aggregate (sealed first)
+    assert agg.open_aggregates == 0
+    # records without a tenant still fill up to aggregation_max_size
+    plain_out: list[KinesisRecord] = []
+    for i in range(45):
+        agg.put(_arrived(f"plain-{i:03d}", 1, 1.2), plain_out)
+    assert not plain_out
+    agg.flush_all(plain_out)
+    assert plain_out[0].size > FAIR_QUANTUM
+
+
+def test_a_small_aggregation_max_size_applies_to_tenants_as_it_is() -> None:
+    agg = make_aggregator(predict=lambda h: "shard", max_size=4_000)
+    out: list[KinesisRecord] = []
+    for i in range(3):
+        record = _arrived(f"k{i}", 1, 1.0)
+        record.tenant = "t"
+        agg.put(record, out)
+    agg.flush_all(out)
+    assert [len(kr.records) for kr in out] == [3]
+
+
+def test_a_tenants_aggregate_about_to_fill_keeps_gathering_against_its_own_limit() -> None:
+    """The fill horizon of adaptive batching measures an aggregate against its own limit: a
+    tenant's 16 KiB aggregate a kilobyte short of it, filling at a kilobyte a millisecond,
+    keeps gathering, as a 50 KiB one of records without a tenant does."""
+    for tenant, count in ((None, 48), ("t", 15)):
+        agg = make_aggregator(predict=lambda h: "shard", max_size=51_200)
+        out: list[KinesisRecord] = []
+        for i in range(count):
+            record = _arrived(f"k{i}", 1, i * 0.001)
+            record.tenant = tenant
+            agg.put(record, out)
+        assert not out
+        assert agg.seal_all(out, frozenset(), now=count * 0.001, horizon=0.025), tenant
+        assert not out

@@ -420,6 +420,18 @@ def test_waiting_lanes_name_the_tenants_whose_records_wait() -> None:
     assert (SHARD, "quiet") not in limiter.waiting_lanes()
     limiter.put([tenant_record("quiet")], 0.0, [])
     assert (SHARD, "quiet") in limiter.waiting_lanes()
+    # the lanes leave as they drain: at 10 records/s, the plain shard and the lanes of SHARD
+    # with one record each empty in the first drains, the noisy lane last
+    now = 0.0
+    while limiter.waiting_lanes():
+        _drain(limiter, now)
+        lanes = limiter.waiting_lanes()
+        assert lanes <= {"plain", SHARD, (SHARD, "noisy"), (SHARD, "quiet")}
+        if (SHARD, "noisy") in lanes and "plain" not in lanes and SHARD not in lanes:
+            # a FairQueue whose lane without a tenant is empty: only its tenant lanes count
+            assert all(isinstance(lane, tuple) for lane in lanes)
+        now += 0.5
+    assert not limiter.queue_depths() or not any(limiter.queue_depths().values())
 
 
 def test_fair_lanes_share_by_bytes() -> None:

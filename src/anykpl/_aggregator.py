@@ -13,6 +13,9 @@ Where we differ, and why:
   The KPL adds, then sorts by deadline and trims from the end; with exact incremental sizes
   (``AggregateBuilder.add_within``) the check gives the same bound without the sort.
 - A record that is larger than ``aggregation_max_size`` on its own goes out alone, raw.
+- Records put with a tenant never share an aggregate with another tenant's, and a tenant's
+  aggregates hold at most ``FAIR_QUANTUM`` (16 KiB, one turn of the Limiter's fair queue) when
+  ``aggregation_max_size`` is larger; a tenant's record bigger than that goes alone, raw.
 - Records that arrive while the shard map is not READY (at start, or after an invalidation)
   *wait* for it, up to their deadline plus ``SHARD_MAP_WAIT``, and are then aggregated and
   limited like any other. The KPL sends them alone and raw at once: at start-up that is a
@@ -53,8 +56,9 @@ class _OpenAggregate:
 
     def __init__(self, shard: str, key: str | tuple[str, str], limit: int) -> None:
         self.shard = shard
-        # the aggregate's bytes may reach this: aggregation_max_size less its partition key's
-        # (the service counts a Kinesis record's data and partition key against its limit)
+        # the aggregate's bytes may reach this: aggregation_max_size (FAIR_QUANTUM for a
+        # tenant's) less its partition key's (the service counts a Kinesis record's data and
+        # partition key against its limit)
         self.limit = limit
         # the shard, or (shard, tenant) for records put with a tenant: tenants never share an
         # aggregate, so the Limiter can queue each tenant's Kinesis records fairly
@@ -285,15 +289,15 @@ class Aggregator:
         no pace). Records waiting for the shard map keep waiting. Returns whether an aggregate
         was left filling (a busy lane's does not count: it goes with its shard's tokens)."""
         filling = False
-        max_size = self.max_size
         for agg in list(self._open.values()):
             if agg.key in busy:
                 continue
             if horizon > 0.0 and len(agg.records) > 1:
                 size = agg.builder.size
                 age = now - agg.records[0].arrival
-                # fills within the horizon: (max_size - size) / (size / age) <= horizon
-                if (max_size - size) * age <= horizon * size:
+                # fills within the horizon: (limit - size) / (size / age) <= horizon, against
+                # the aggregate's own limit (a tenant's is one turn of the fair queue)
+                if (agg.limit - size) * age <= horizon * size:
                     # ... or goes at the horizon's end, should the pace not hold (a burst)
                     deadline = now + horizon
                     if deadline < agg.deadline:

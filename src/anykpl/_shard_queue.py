@@ -30,9 +30,11 @@ from ._records import KinesisRecord
 __all__ = ("FAIR_QUANTUM", "Admit", "DeadlineQueue", "FairQueue", "QueuedRecord", "ShardQueue")
 
 #: Bytes a tenant's lane may release per round of the fair queue (deficit round robin): about
-#: 16 ms of a shard's 1 MiB/s, so a quiet tenant's record waits at most that long per busy
-#: tenant ahead of it in the round. An aggregate bigger than this (up to
-#: ``aggregation_max_size``, 50 KiB by default) goes once its lane has saved up enough turns.
+#: 16 ms of a shard's 1 MiB/s. A tenant's aggregates hold at most this much (``Aggregator``),
+#: so a quiet tenant's record waits about that long per busy tenant ahead of it in the round.
+#: A bigger Kinesis record (the lane without a tenant's aggregates, up to
+#: ``aggregation_max_size``, 50 KiB by default; a tenant's record too big to aggregate) goes
+#: once its lane has saved up enough turns, and holds the round until the shard has its size.
 FAIR_QUANTUM = 16 * 1024
 
 

@@ -290,7 +290,8 @@ class ProducerConfig:
         aggregation_max_count: Maximum user records in one aggregated record. Default
             4294967295, 1..2^63-1. KPL: ``AggregationMaxCount``.
         aggregation_max_size: Maximum bytes of one aggregated Kinesis record. A user record
-            larger than this by itself is sent alone. Default 51200, 64..10485760. Above
+            larger than this by itself is sent alone. Records put with a tenant are aggregated
+            up to 16 KiB at most (one turn of a shard's fair queue, see docs/tenants.md). Default 51200, 64..10485760. Above
             1048576 only for a stream whose maximum record size was raised (``CreateStream``'s
             or ``UpdateMaxRecordSize``'s ``MaxRecordSizeInKiB``, up to 10 MiB; per stream with
             ``streams``): the service refuses a larger record with ``ValidationException``,
