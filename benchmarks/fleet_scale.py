@@ -808,8 +808,8 @@ def share_parsed_grants() -> None:
     """Parse each stored grants document once for every member of this one process.
 
     A real member parses the document it reads (a 10,000-member fleet's is 2.5 MB of JSON:
-    tens of milliseconds each interval, see docs/benchmarks.md). Here every member runs in one
-    process and reads the same stored bytes, so parsing them once per member made the
+    tens of milliseconds each interval, see the CHANGELOG's measurements). Here every member
+    runs in one process and reads the same stored bytes, so parsing them once per member made the
     simulation's cost grow with the square of the fleet. The parsed document is immutable; a
     member gets the same result from the real ``parse_grants`` as before, only computed once
     per stored version (looked up by the bytes: a DynamoDB read decompresses a copy; what

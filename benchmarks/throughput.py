@@ -148,7 +148,7 @@ async def run_once(
 
 
 def main() -> None:
-    # GC tuning experiments (see docs/benchmarks.md): BENCH_NO_GC=1 disables the cyclic
+    # GC tuning experiments (the CHANGELOG's measurements): BENCH_NO_GC=1 disables the cyclic
     # collector, BENCH_GC_THRESHOLD="g0,g1,g2" sets its thresholds, BENCH_GC_FREEZE=1 freezes
     # everything allocated at start-up (botocore's models) out of future collections.
     if os.environ.get("BENCH_NO_GC"):

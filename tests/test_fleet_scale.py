@@ -103,7 +103,7 @@ def test_a_cap_changed_by_a_rolling_redeploy_is_held_and_reached(new_cap: int) -
     # every member's process is replaced, over 10 s, by one configured with the new cap: the
     # sum applied never exceeds the cap in force (either one while both are deployed), and it
     # settles within ±5 % of the new cap within 3 intervals of the rollout's end (issue 31's
-    # bar; docs/benchmarks.md, "A cap change")
+    # bar; docs/benchmarks.md, "A fleet at scale")
     result = simulate(
         *("--members", "50", "--offer", "400", "--store-rate", "5000", "--join", "10"),
         *("--crash", "-1", "--new-cap", str(new_cap), "--cap-change-at", "30"),

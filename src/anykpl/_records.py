@@ -185,7 +185,7 @@ _resolved_awaits: Final = [0]
 #: trio's run context, once trio is imported: ``[context, trio module, fast]``. ``fast``: the
 #: cancellation check reads the task's cancel status directly, which is what
 #: ``trio.lowlevel.checkpoint_if_cancelled`` reads, without its coroutine and its second
-#: look-up of the task (0.2 µs against 0.8 µs per await, see docs/benchmarks.md); checked
+#: look-up of the task (0.2 µs against 0.8 µs per await, see the CHANGELOG); checked
 #: once against the trio installed, and the public function otherwise.
 _trio: Final[list[Any]] = [None, None, False]
 
@@ -288,7 +288,7 @@ _FAILED: Final = 2
 # tracks (mypyc leaves out its GC header and traverse function). One record each lives from
 # submit to its PutRecords response, so tracked records filled the collector's older
 # generations and set off full collections over everything the process holds (a quarter of a
-# firehose's CPU, docs/benchmarks.md). What makes that safe: a record refers to strings, bytes,
+# firehose's CPU, see the CHANGELOG). What makes that safe: a record refers to strings, bytes,
 # numbers and AttemptRecords only, apart from three slots that may lead back to it, each
 # cleared when the record becomes terminal (``_resolve`` clears ``_event`` and ``_on_done``,
 # ``Intake.finish`` clears ``spool_segment``), so no cycle runs through a finished record; and
@@ -392,7 +392,7 @@ class PendingRecord:
         if self._state == _PENDING:
             raise RuntimeError("the record is not done yet; await it")
         # Built on each call, not cached: a cached result would keep three more objects alive
-        # per record for the garbage collector to walk (see docs/benchmarks.md).
+        # per record for the garbage collector to walk (see the CHANGELOG's measurements).
         result = self._build_result()
         if self._state == _FAILED:
             raise errors.RecordFailedError(result)

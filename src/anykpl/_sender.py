@@ -185,7 +185,7 @@ class _BodyBuffers:
     Python before 3.12.9) the body is copied once more, behind the request's headers, so
     every request paid for its body's pages twice. Written into a kept buffer, a body costs no
     new pages: in the firehose benchmark the asyncio worker's page faults halved and its CPU
-    fell by about 5 % (docs/benchmarks.md).
+    fell by about 5 % (the CHANGELOG's measurements).
 
     The body handed to botocore is a ``memoryview`` of the buffer (which it signs as it
     would ``bytes``). aiohttp sends a view as it is; httpx takes only ``bytes`` or an

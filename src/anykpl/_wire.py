@@ -141,7 +141,7 @@ _EXPLICIT_HASH_KEY_ENTRY_PREFIX: Final = _prefixed_varints(
 # The header of a record without an explicit hash key depends on its partition key's index in
 # the aggregate and its data length only, and both repeat (indices from 0 in every aggregate,
 # and the same few lengths): each header is built once and shared. No allocation per record
-# then, where a new header would live as long as its aggregate (docs/benchmarks.md).
+# then, where a new header would live as long as its aggregate (the CHANGELOG's measurements).
 _HEADER_CACHE_LIMIT: Final = 1 << 14
 _header_cache: Final[dict[int, bytes]] = {}
 

@@ -291,10 +291,11 @@ class ProducerConfig:
             4294967295, 1..2^63-1. KPL: ``AggregationMaxCount``.
         aggregation_max_size: Maximum bytes of one aggregated Kinesis record. A user record
             larger than this by itself is sent alone. Records put with a tenant are aggregated
-            up to 16 KiB at most (one turn of a shard's fair queue, see docs/tenants.md). Default 51200, 64..10485760. Above
-            1048576 only for a stream whose maximum record size was raised (``CreateStream``'s
-            or ``UpdateMaxRecordSize``'s ``MaxRecordSizeInKiB``, up to 10 MiB; per stream with
-            ``streams``): the service refuses a larger record with ``ValidationException``,
+            up to 16 KiB at most (one turn of a shard's fair queue, see docs/tenants.md).
+            Default 51200, 64..10485760. Above 1048576 only for a stream whose maximum record
+            size was raised (``CreateStream``'s or ``UpdateMaxRecordSize``'s
+            ``MaxRecordSizeInKiB``, up to 10 MiB; per stream with ``streams``): the service
+            refuses a larger record with ``ValidationException``,
             and its records fail. KPL: ``AggregationMaxSize``.
         collection_max_count: Maximum Kinesis records in one PutRecords request. Default 500,
             1..500. KPL: ``CollectionMaxCount``.
