@@ -256,17 +256,15 @@ class Limiter:
         back by the others' backlog on its shard: its next Kinesis record joins the round
         robin at once (adaptive batching, docs/batching.md). Do not modify."""
         waiting = self._waiting
-        shards = self._shards
-        lanes: set[str | tuple[str, str]] | None = None
+        lanes: set[str | tuple[str, str]] | None = None  # a copy, once a shard has tenants
         for shard in waiting:
-            queue = shards[shard].queue
+            queue = self._shards[shard].queue
             if type(queue) is DeadlineQueue:
-                if lanes is not None:
-                    lanes.add(shard)
                 continue
-            if lanes is None:
-                lanes = {s for s in waiting if type(shards[s].queue) is DeadlineQueue}
             assert isinstance(queue, FairQueue)
+            if lanes is None:
+                lanes = set(waiting)
+            lanes.discard(shard)
             for tenant in queue.turns:
                 lanes.add(shard if tenant is None else (shard, tenant))
         return waiting if lanes is None else lanes

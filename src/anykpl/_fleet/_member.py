@@ -394,8 +394,10 @@ class Member(abc.ABC):
                 exc.retried = retried
                 raise
             except Exception as exc:
-                may_retry = again is not None and retries > 0
-                code, message = error_code(exc) if may_retry else ("", "")
+                if again is None or retries <= 0:
+                    self._record_error(operation, exc)
+                    return False, None
+                code, message = error_code(exc)
                 # (a store's 500 is both transient and a sign of strain: the short pause)
                 throttled = (
                     throttled_too
@@ -404,9 +406,7 @@ class Member(abc.ABC):
                     and code != TIMEOUT
                 )
                 if (
-                    again is None  # (not may_retry, said so that the type checker sees it)
-                    or not may_retry
-                    or (code not in TRANSIENT_CODES and not throttled)
+                    (code not in TRANSIENT_CODES and not throttled)
                     or self._now() - started_at > self._call_timeout / 2
                     or not budget.take()
                 ):
