@@ -43,9 +43,9 @@ from ._fleet import FleetStatistics as FleetStatistics
 from ._metrics import MetricKey as MetricKey
 from ._metrics import MetricValue as MetricValue
 from ._producer import Producer as Producer
-from ._records import Attempt as Attempt
 from ._records import PendingRecord as PendingRecord
-from ._records import RecordResult as RecordResult
+from ._results import Attempt as Attempt
+from ._results import RecordResult as RecordResult
 from ._sender import Transport as Transport
 from ._spool import SpoolStatistics as SpoolStatistics
 from ._statistics import ProducerStatistics as ProducerStatistics

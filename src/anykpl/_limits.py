@@ -1,5 +1,6 @@
-"""Kinesis Data Streams service limits: the one source of truth for every number the service
-imposes. The producer and the emulator both import these; nothing else spells them out."""
+"""Limits: the one source of truth for every number the service imposes, and for the
+producer's own bounds on what it stores. The producer and the emulator both import these;
+nothing else spells them out."""
 
 from __future__ import annotations
 
@@ -26,3 +27,15 @@ MAX_HASH_KEY: Final = (1 << 128) - 1
 
 #: The KPL's per-shard flush trigger in the Collector (aws/kinesis/core/collector.h).
 COLLECTOR_SHARD_FLUSH_BYTES: Final = 256 * 1024
+
+# -- the producer's own bounds -----------------------------------------------------------------
+
+#: Tenant names (``put_record(..., tenant=...)`` and ``tenant_quotas``) are 1..256 characters.
+MAX_TENANT_LENGTH: Final = 256
+
+#: The smallest ``spool_max_bytes``: room for a few segments.
+MIN_SPOOL_BYTES: Final = 4 * 1024 * 1024
+
+#: A spool segment file is a sixteenth of ``spool_max_bytes``, within these bounds.
+MIN_SEGMENT_BYTES: Final = 256 * 1024
+MAX_SEGMENT_BYTES: Final = 4 * 1024 * 1024

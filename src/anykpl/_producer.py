@@ -34,6 +34,7 @@ from ._aws import running_trio
 from ._batch import PendingBatch
 from ._fleet import FleetDemand, FleetWorker
 from ._intake import CHECKPOINT_EVERY, Intake, offset_clock
+from ._limits import MAX_TENANT_LENGTH
 from ._metrics import Metrics, MetricValue
 from ._pipeline import Pipeline
 from ._records import AttemptRecord, BatchCounter, PendingRecord, RecordResult
@@ -42,7 +43,7 @@ from ._spool import RecoveredSegment, Spool, SpoolSyncer
 from ._statistics import ProducerStatistics
 from ._tenants import Reservation, TenantAdmission
 from ._token_bucket import BURST_SECONDS, TokenBucket
-from .config import MAX_TENANT_LENGTH, ProducerConfig
+from .config import ProducerConfig
 from .metrics import FINAL_REPORT_WHEN_CANCELLED, MetricsSink
 from .metrics._uploader import Uploader
 

@@ -52,7 +52,8 @@ from typing import TYPE_CHECKING, Final
 import anyio
 
 from . import errors
-from .config import MAX_TENANT_LENGTH, SpoolFsync
+from ._limits import MAX_SEGMENT_BYTES, MAX_TENANT_LENGTH, MIN_SEGMENT_BYTES
+from .config import SpoolFsync
 
 if TYPE_CHECKING:
     from ._records import PendingRecord
@@ -89,9 +90,6 @@ _END_MARK: Final = bytes(ENTRY_HEADER_SIZE)
 #: already counts): the entry header, the body prefix, a stream ARN of 2048 bytes, a hash key
 #: of 39 digits, a tenant of 256 characters of up to 4 bytes.
 ENTRY_OVERHEAD: Final = ENTRY_HEADER_SIZE + _BODY_PREFIX.size + 2048 + 39 + 4 * MAX_TENANT_LENGTH
-#: Segment sizes: ``spool_max_bytes / 16``, within these bounds.
-MIN_SEGMENT_BYTES: Final = 256 * 1024
-MAX_SEGMENT_BYTES: Final = 4 * 1024 * 1024
 #: Prefixes (stream, key, hash key, tenant → encoded) remembered, cleared when full.
 _PREFIX_CACHE_LIMIT: Final = 65536
 LOCK_NAME: Final = "LOCK"

@@ -601,7 +601,7 @@ class TenantAdmission:
         assert quota is not None
         when = "did not come within" if wait is None else f"come in {wait:.3f} s, after"
         return errors.BackpressureTimeout(
-            f"tenant {tenant!r} is over its quota ({errors._describe_quota(quota)}): its "
+            f"tenant {tenant!r} is over its quota ({quota.describe()}): its "
             f"tokens for this record {when} admission_timeout={self._timeout} s; "
             "nothing was enqueued"
         )

@@ -44,6 +44,8 @@ from ._limits import (
     DEFAULT_MAX_RECORD_SIZE,
     LARGEST_MAX_RECORD_SIZE,
     MAX_PARTITION_KEY_LENGTH,
+    MAX_TENANT_LENGTH,
+    MIN_SPOOL_BYTES,
     PUT_RECORDS_MAX_BYTES,
     PUT_RECORDS_MAX_RECORDS,
 )
@@ -54,8 +56,6 @@ __all__ = ("FleetConfig", "ProducerConfig", "StreamSettings", "TenantQuota")
 HttpBackend = Literal["auto", "aiohttp", "httpx"]
 TenantOverflow = Literal["wait", "reject"]
 SpoolFsync = Literal["off", "commit", "interval"]
-#: The smallest ``spool_max_bytes``: room for a few segments.
-MIN_SPOOL_BYTES: Final = 4 * 1024 * 1024
 MetricsLevel = Literal["none", "summary", "detailed"]
 MetricsGranularity = Literal["global", "stream", "shard"]
 
@@ -67,8 +67,6 @@ _MAX_MILLISECONDS_IN_SECONDS: Final = _INT64_MAX / 1000
 _RECORD_TTL_CLAMP: Final = 10 * 365.25 * 24 * 3600.0
 #: The KPL's Region pattern (KinesisProducerConfiguration.setRegion).
 _REGION_PATTERN: Final = re.compile(r"[a-z]+-([a-z]+-)?[a-z]+-[0-9]")
-#: Tenant names (``put_record(..., tenant=...)`` and ``tenant_quotas``) are 1..256 characters.
-MAX_TENANT_LENGTH: Final = 256
 #: Fields whose values never appear in a repr or an error message.
 _SECRET_FIELDS: Final = frozenset({"aws_secret_access_key", "aws_session_token"})
 #: Integers with more digits than this are described ("<an integer of 5000 digits>"), not
@@ -100,6 +98,17 @@ class TenantQuota:
             if getattr(self, name) is not None:
                 _check_number(self, name, 0.0, None, unit="per second", open_low=True)
         _check_number(self, "burst", 0.001, 3600.0)
+
+    def describe(self) -> str:
+        """The quota in words, as error messages give it: ``"100 records/s, 10000 bytes/s,
+        burst 1 s"``."""
+        parts = []
+        if self.records_per_second is not None:
+            parts.append(f"{self.records_per_second:g} records/s")
+        if self.bytes_per_second is not None:
+            parts.append(f"{self.bytes_per_second:g} bytes/s")
+        parts.append(f"burst {self.burst:g} s")
+        return ", ".join(parts)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -29,13 +29,13 @@ single place that says which codes are retried.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
-    from ._records import RecordResult
-    from .config import TenantQuota
+    # a module of plain values that imports nothing: errors.py imports nothing of anykpl's
+    from ._results import RecordResult
 
 __all__ = (
     "AggregationFormatError",
@@ -113,6 +113,19 @@ class SpoolLockedError(SpoolError):
     a time owns a ``spool_dir``; a lock left by a process that is gone is taken over."""
 
 
+class _Quota(Protocol):
+    """What :class:`TenantQuotaExceeded` says of a quota: :class:`anykpl.TenantQuota` is one.
+    A protocol rather than the class, which is validated with :class:`ConfigError` from here."""
+
+    @property
+    def records_per_second(self) -> float | None: ...
+    @property
+    def bytes_per_second(self) -> float | None: ...
+    @property
+    def burst(self) -> float: ...
+    def describe(self) -> str: ...
+
+
 class TenantQuotaExceeded(AnyKplError):
     """A record put with ``tenant=`` found its tenant over its quota, and
     ``tenant_overflow="reject"`` said to refuse it rather than wait. Nothing was enqueued and
@@ -127,25 +140,14 @@ class TenantQuotaExceeded(AnyKplError):
 
     retriable = True
 
-    def __init__(self, tenant: str, quota: TenantQuota, retry_after: float) -> None:
+    def __init__(self, tenant: str, quota: _Quota, retry_after: float) -> None:
         self.tenant = tenant
         self.quota = quota
         self.retry_after = retry_after
         super().__init__(
-            f"tenant {tenant!r} is over its quota ({_describe_quota(quota)}); nothing was "
+            f"tenant {tenant!r} is over its quota ({quota.describe()}); nothing was "
             f"enqueued: its tokens cover this record again in {retry_after:.3f} s"
         )
-
-
-def _describe_quota(quota: TenantQuota) -> str:
-    """``"100 records/s, 10000 bytes/s, burst 1 s"``: a quota in an error message."""
-    parts = []
-    if quota.records_per_second is not None:
-        parts.append(f"{quota.records_per_second:g} records/s")
-    if quota.bytes_per_second is not None:
-        parts.append(f"{quota.bytes_per_second:g} bytes/s")
-    parts.append(f"burst {quota.burst:g} s")
-    return ", ".join(parts)
 
 
 class FlushTimeout(AnyKplError, TimeoutError):
