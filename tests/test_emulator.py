@@ -13,8 +13,8 @@ from moto.kinesis.models import Stream
 from anykpl._limits import MAX_HASH_KEY, SHARD_BYTES_PER_SECOND
 from anykpl.emulator import Faults, HttpLimits, Limits, Reshard, Storm
 from anykpl.emulator._list_shards import ShardLister
+from anykpl.emulator._moto import patch_moto_resharding
 from anykpl.emulator._options import from_json, to_json
-from anykpl.emulator._server import _patch_moto_resharding
 from anykpl.emulator._write_path import KinesisError, WritePath
 
 ACCOUNT = "123456789012"
@@ -195,7 +195,7 @@ def test_records_go_to_the_shard_holding_their_hash_key_inclusive_of_its_end() -
 
 
 def test_after_a_split_records_go_to_the_children_and_the_parent_keeps_its_own() -> None:
-    _patch_moto_resharding()
+    patch_moto_resharding()
     stream = make_stream(1)
     path = WritePath(Limits.off(), Faults(), now=0.0)
     path.put_records(stream, ACCOUNT, [entry(ehk=1), entry(ehk=MAX_HASH_KEY)], now=0.0)
@@ -215,7 +215,7 @@ def test_after_a_split_records_go_to_the_children_and_the_parent_keeps_its_own()
 
 
 def test_a_merge_leaves_the_parents_records_in_the_parents() -> None:
-    _patch_moto_resharding()
+    patch_moto_resharding()
     stream = make_stream(2)
     path = WritePath(Limits.off(), Faults(), now=0.0)
     path.put_records(stream, ACCOUNT, [entry(ehk=1), entry(ehk=MAX_HASH_KEY)], now=0.0)
@@ -401,7 +401,7 @@ def test_list_shards_pages_a_thousand_shards_at_a_time_with_next_token_alone() -
 
 
 def test_list_shards_filters_open_shards_and_keeps_the_filter_across_pages() -> None:
-    _patch_moto_resharding()
+    patch_moto_resharding()
     stream = make_stream(3, name="f")
     stream.split_shard(
         "shardId-000000000001", str(stream.shards["shardId-000000000001"].starting_hash + 1)

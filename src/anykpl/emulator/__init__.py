@@ -1,10 +1,12 @@
 """``anykpl emulator``: a local Kinesis (and S3) endpoint that enforces shard limits.
 
 moto's backends own streams, shards, sequence numbers, GetRecords, resharding, S3 and every other
-API; this package owns the HTTP server (``_server.py``: one event loop, so moto is never entered
-concurrently, with the limits of ``HttpLimits``), the write path (``_write_path.py``: per-shard
-limits like the service, routing to open shards, fault injection) and ListShards paging
-(``_list_shards.py``). ``docs/emulator.md`` is the user's guide.
+API; this package owns the server (``_server.py``: routing on one event loop, so moto is never
+entered concurrently), each connection's HTTP/1.1 (``_http.py``: h11, with the limits of
+``HttpLimits``), the write path (``_write_path.py``: per-shard limits like the service, routing
+to open shards, fault injection), ListShards paging (``_list_shards.py``) and where it meets
+moto (``_moto.py``: moto's WSGI app in-line, and a patch to its resharding).
+``docs/emulator.md`` is the user's guide.
 
 Three ways to run it, all on 127.0.0.1 by default:
 
@@ -15,7 +17,7 @@ Three ways to run it, all on 127.0.0.1 by default:
   a core with the producer).
 
 ``EmulatorClient(url)`` controls either kind at run time. It needs the ``emulator`` extra
-(``moto[server]``). The producer core never imports this package.
+(``moto[server]``, ``h11``). The producer core never imports this package.
 """
 
 from __future__ import annotations

@@ -1,39 +1,37 @@
-"""The emulator's HTTP server: a small asyncio HTTP/1.1 server in front of moto.
+"""The emulator's server: routing in front of moto, on one event loop.
 
 Why not moto's own server: werkzeug's threaded development server handles one request per
 thread, so concurrent PutRecords to one shard race on moto's sequence counter and lose records
 (measured in the core producer issue), and it cannot reset a connection on purpose. This server
-runs every request on one event loop thread, so moto's backend is never entered concurrently:
+runs every request on one event loop thread, so moto's backend is never entered concurrently.
+Each connection's HTTP/1.1 is ``_http.py``'s (h11, with the limits of ``HttpLimits``); this
+module routes each whole request:
 
 - ``PutRecord`` / ``PutRecords`` (the ``X-Amz-Target`` header says which) go to the write path
-  (``_write_path.py``), through the fault dice;
+  (``_write_path.py``), through the fault dice (a reset fault aborts the connection with no
+  answer: ``ResetConnection``);
 - ``ListShards`` is paged as the service pages it (``_list_shards.py``);
+- ``CreateStream``, ``UpdateMaxRecordSize`` and ``DescribeStreamSummary`` carry a stream's
+  maximum record size around moto (``_record_size.py``);
 - ``/_anykpl/...`` is the control endpoint (statistics, faults, limits, storms, reshards);
 - everything else — every other Kinesis API, S3, any other service moto serves — is handed to
-  moto's WSGI application in-line, as moto's server would.
-
-The server speaks just enough HTTP/1.1 for AWS SDKs: keep-alive, Content-Length and chunked
-bodies, ``Expect: 100-continue`` (aiohttp waits for it before sending an S3 body). It defends
-itself as a server on a shared port must (``HttpLimits``): a malformed request line,
-Content-Length or chunk size is answered 400, a body over the cap 413, a request that stalls 408,
-each followed by a clean close; a connection idle past the read timeout is closed, so idle and
-half-open connections cannot pile up.
+  moto's WSGI application in-line, as moto's server would (``_moto.py``, which also patches
+  moto's resharding).
 """
 
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import logging
 import re
-import sys
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
-from urllib.parse import unquote
 
+from ._http import HttpConnection, Request, ResetConnection, Response
 from ._list_shards import ShardLister, find_stream
+from ._moto import MotoApp
 from ._options import Faults, HttpLimits, Limits, Reshard, Storm, from_json, to_json
 from ._record_size import check_size_in_kib, max_record_size, set_max_record_size
 from ._write_path import RECORD_COUNTERS, KinesisError, WritePath
@@ -45,49 +43,6 @@ logger = logging.getLogger("anykpl.emulator")
 _TARGET_PREFIX = "Kinesis_20131202."
 _CREDENTIAL = re.compile(r"Credential=([^/,\s]+)/[^/]+/([^/]+)/")
 _CONTROL_PREFIX = "/_anykpl/"
-_REASONS = {
-    100: "Continue",
-    200: "OK",
-    204: "No Content",
-    206: "Partial Content",
-    304: "Not Modified",
-    400: "Bad Request",
-    403: "Forbidden",
-    404: "Not Found",
-    408: "Request Timeout",
-    409: "Conflict",
-    412: "Precondition Failed",
-    413: "Content Too Large",
-    431: "Request Header Fields Too Large",
-    500: "Internal Server Error",
-    503: "Service Unavailable",
-}
-
-
-class _Request:
-    __slots__ = ("body", "headers", "method", "target")
-
-    def __init__(self, method: str, target: str, headers: dict[str, str], body: bytes) -> None:
-        self.method = method
-        self.target = target
-        self.headers = headers
-        self.body = body
-
-
-class _Reset(Exception):
-    """Raised by a handler to reset the connection with no answer."""
-
-
-class _BadRequest(Exception):
-    """A request the server cannot take: answered ``status`` (400 malformed, 408 too slow, 413
-    body too large, 431 head too large), then the connection is closed."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-_Response = tuple[int, list[tuple[str, str]], bytes]
 
 #: the calls that carry a stream's maximum record size (``_record_size``)
 _RECORD_SIZE_TARGETS = frozenset(
@@ -96,29 +51,13 @@ _RECORD_SIZE_TARGETS = frozenset(
 )
 
 
-def _json_response(status: int, body: Any, content_type: str = "application/json") -> _Response:
+def _json_response(status: int, body: Any, content_type: str = "application/json") -> Response:
     payload = json.dumps(body, separators=(",", ":")).encode()
     return (
         status,
         [("Content-Type", content_type), ("x-amzn-RequestId", str(uuid.uuid4()))],
-        (payload),
+        payload,
     )
-
-
-def _bad_request(error: _BadRequest) -> bytes:
-    body = json.dumps({"error": str(error)}).encode()
-    status = f"{error.status} {_REASONS[error.status]}".encode()
-    return (
-        b"HTTP/1.1 %s\r\nContent-Type: application/json\r\n"
-        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (status, len(body), body)
-    )
-
-
-_DIGITS = re.compile(rb"[0-9]+")
-_HEX_DIGITS = re.compile(rb"[0-9A-Fa-f]+")
-#: how long a closing connection keeps reading what the client still sends, so that the client
-#: reads the 4xx answer instead of a reset (a close with unread data sends RST)
-_LINGER = 1.0
 
 
 def _json_object(body: bytes) -> dict[str, Any]:
@@ -130,40 +69,6 @@ def _json_object(body: bytes) -> dict[str, Any]:
     if not isinstance(payload, dict):
         raise KinesisError(400, "SerializationException", "the request is not an object")
     return payload
-
-
-def _patch_moto_resharding() -> None:
-    """Keep records where the service keeps them when a shard is split or merged.
-
-    moto's ``split_shard`` re-puts the parent's records (they go back into the parent, with new
-    sequence numbers) and ``merge_shards`` copies both parents' records into the child, so a
-    reader of every shard sees them twice. On the service the parents keep their records and the
-    children start empty. Run moto's resharding with the parents' records set aside, then put
-    them back.
-    """
-    from moto.kinesis.models import Stream
-
-    if getattr(Stream, "_anykpl_patched", False):
-        return
-    split, merge = Stream.split_shard, Stream.merge_shards
-
-    def keep_records(original: Callable[..., None]) -> Callable[..., None]:
-        def wrapper(self: Any, *args: Any) -> None:
-            parents = [self.shards[s] for s in args if isinstance(s, str) and s in self.shards]
-            saved = [(p, p.records) for p in parents]
-            for parent in parents:
-                parent.records = type(parent.records)()
-            try:
-                original(self, *args)
-            finally:
-                for parent, records in saved:
-                    parent.records = records
-
-        return wrapper
-
-    Stream.split_shard = keep_records(split)  # type: ignore[method-assign]
-    Stream.merge_shards = keep_records(merge)  # type: ignore[method-assign]
-    Stream._anykpl_patched = True  # type: ignore[attr-defined]
 
 
 class EmulatorServer:
@@ -179,10 +84,8 @@ class EmulatorServer:
         http: HttpLimits | None = None,
     ) -> None:
         from moto.core.models import DEFAULT_ACCOUNT_ID
-        from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
 
-        _patch_moto_resharding()
-        self._moto = DomainDispatcherApplication(create_backend_app)
+        self._moto = MotoApp()
         self.region = region
         self.account_id = account_id or DEFAULT_ACCOUNT_ID
         self._loop = asyncio.get_running_loop()
@@ -372,184 +275,31 @@ class EmulatorServer:
             "per_second": [[second, *row[:4]] for second, row in sorted(stats.per_second.items())],
         }
 
-    # -- HTTP --------------------------------------------------------------------------------
+    # -- requests --------------------------------------------------------------------------
 
     async def _serve_connection(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         self._connections.add(writer)
         try:
-            while True:
-                try:
-                    request = await self._read_request(reader, writer)
-                except _BadRequest as exc:
-                    await self._refuse(reader, writer, exc)
-                    return
-                if request is None:
-                    return
-                try:
-                    status, headers, body = await self._dispatch(request)
-                except _Reset:
-                    writer.transport.abort()
-                    return
-                except Exception as exc:  # a bug or a moto error: answer it, keep serving
-                    logger.exception("error handling %s %s", request.method, request.target)
-                    status, headers, body = _json_response(
-                        500,
-                        {"__type": "InternalFailure", "message": f"emulator error: {exc!r}"},
-                        "application/x-amz-json-1.1",
-                    )
-                keep_alive = request.headers.get("connection", "").lower() != "close"
-                head = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}"]
-                head.extend(f"{name}: {value}" for name, value in headers)
-                if request.method != "HEAD" or not any(
-                    name.lower() == "content-length" for name, _ in headers
-                ):
-                    head.append(f"Content-Length: {len(body)}")
-                if not keep_alive:
-                    head.append("Connection: close")
-                writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
-                if request.method != "HEAD" and body:
-                    writer.write(body)
-                await writer.drain()
-                if not keep_alive:
-                    return
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
-            return
-        except asyncio.CancelledError:
-            # the server is closing; nothing awaits this task, and Python 3.11's start_server
-            # callback would log a cancelled connection task as an error
-            return
+            await HttpConnection(reader, writer, self._handle, self.http).serve()
         finally:
             self._connections.discard(writer)
-            writer.close()
 
-    async def _refuse(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, error: _BadRequest
-    ) -> None:
-        """Answer ``error`` and close cleanly: half-close, then read and drop what the client is
-        still sending for a moment, so that it reads the answer rather than a reset."""
-        writer.write(_bad_request(error))
-        await writer.drain()
-        if writer.can_write_eof():
-            writer.write_eof()
-        loop = self._loop
-        deadline = loop.time() + _LINGER
+    async def _handle(self, request: Request) -> Response:
         try:
-            while (left := deadline - loop.time()) > 0:
-                if not await asyncio.wait_for(reader.read(65536), left):
-                    break
-        except (asyncio.TimeoutError, ConnectionError):
-            pass
-
-    async def _read_request(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> _Request | None:
-        """The next request, or None when the client closes the connection or leaves it idle
-        for the read timeout. Its head and body must then arrive within the read timeout."""
-        timeout = self.http.read_timeout
-        try:
-            first = await asyncio.wait_for(reader.read(1), timeout)
-        except asyncio.TimeoutError:
-            return None  # idle: close it, as a server closes idle keep-alive connections
-        if not first:
-            return None
-        try:
-            return await asyncio.wait_for(self._read_rest(first, reader, writer), timeout)
-        except asyncio.TimeoutError:
-            raise _BadRequest(f"the request did not arrive within {timeout:g} s", 408) from None
-
-    async def _read_rest(
-        self, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> _Request:
-        try:
-            head = first + await reader.readuntil(b"\r\n\r\n")
-        except asyncio.LimitOverrunError:
-            raise _BadRequest("the request head is over 1 MiB", 431) from None
-        lines = head[:-4].decode("latin-1").split("\r\n")
-        try:
-            method, target, _version = lines[0].split(" ", 2)
-        except ValueError:
-            raise _BadRequest(f"malformed request line {lines[0][:100]!r}") from None
-        if not target.startswith("/"):
-            # absolute form (``POST http://host:port/ HTTP/1.1``), as some clients send it
-            target = "/" + target.split("://", 1)[-1].partition("/")[2]
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            name = name.strip().lower()
-            value = value.strip()
-            headers[name] = f"{headers[name]}, {value}" if name in headers else value
-        cap = self.http.max_body_bytes
-        if "chunked" in headers.get("transfer-encoding", "").lower():
-            self._continue(headers, writer)
-            body = await self._read_chunks(reader, cap)
-            del headers["transfer-encoding"]
-            headers["content-length"] = str(len(body))
-        else:
-            length = self._content_length(headers, cap)
-            self._continue(headers, writer)
-            body = await reader.readexactly(length) if length else b""
-        return _Request(method, target, headers, body)
-
-    @staticmethod
-    def _continue(headers: Mapping[str, str], writer: asyncio.StreamWriter) -> None:
-        if headers.get("expect", "").lower() == "100-continue":
-            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-
-    @staticmethod
-    def _content_length(headers: Mapping[str, str], cap: int) -> int:
-        text = headers.get("content-length")
-        if text is None:
-            return 0
-        digits = text.encode("latin-1")
-        # digits only: no sign, no list of lengths ("5, 5" when the header came twice)
-        if not _DIGITS.fullmatch(digits):
-            raise _BadRequest(f"malformed Content-Length {text[:40]!r}")
-        significant = digits.lstrip(b"0")
-        # compare lengths before converting: int() refuses more than 4,300 digits
-        if len(significant) > len(str(cap)) or int(significant or b"0") > cap:
-            raise _BadRequest(
-                f"a body of {text[:40]} bytes is over the emulator's cap of {cap} bytes "
-                f"(HttpLimits.max_body_bytes)",
-                413,
+            return await self._dispatch(request)
+        except ResetConnection:
+            raise
+        except Exception as exc:  # a bug or a moto error: answer it, keep serving
+            logger.exception("error handling %s %s", request.method, request.target)
+            return _json_response(
+                500,
+                {"__type": "InternalFailure", "message": f"emulator error: {exc!r}"},
+                "application/x-amz-json-1.1",
             )
-        return int(significant or b"0")
 
-    @staticmethod
-    async def _read_chunks(reader: asyncio.StreamReader, cap: int) -> bytes:
-        chunks = []
-        total = 0
-        while True:
-            try:
-                size_line = await reader.readuntil(b"\r\n")
-            except asyncio.LimitOverrunError:
-                raise _BadRequest("malformed chunk size: a line over 1 MiB") from None
-            size_text = size_line[:-2].split(b";", 1)[0].strip()
-            if not _HEX_DIGITS.fullmatch(size_text):
-                raise _BadRequest(f"malformed chunk size {size_text[:40].decode('latin-1')!r}")
-            size = int(size_text, 16)
-            total += size
-            if total > cap:
-                raise _BadRequest(
-                    f"a chunked body of over {cap} bytes is over the emulator's cap "
-                    f"(HttpLimits.max_body_bytes)",
-                    413,
-                )
-            if size == 0:  # the last chunk
-                break
-            chunks.append(await reader.readexactly(size))
-            if await reader.readexactly(2) != b"\r\n":
-                raise _BadRequest("malformed chunk: its data is not followed by CRLF")
-        # trailers, up to the blank line
-        try:
-            while (await reader.readuntil(b"\r\n")) != b"\r\n":
-                pass
-        except asyncio.LimitOverrunError:
-            raise _BadRequest("malformed trailer: a line over 1 MiB") from None
-        return b"".join(chunks)
-
-    async def _dispatch(self, request: _Request) -> _Response:
+    async def _dispatch(self, request: Request) -> Response:
         if request.target.startswith(_CONTROL_PREFIX):
             try:
                 return self._control(request)
@@ -565,9 +315,9 @@ class EmulatorServer:
             return self._list_shards(request)
         if target in _RECORD_SIZE_TARGETS:
             return self._record_size(request, target[len(_TARGET_PREFIX) :])
-        return self._call_moto(request)
+        return self._moto(request)
 
-    def _record_size(self, request: _Request, operation: str) -> _Response:
+    def _record_size(self, request: Request, operation: str) -> Response:
         """CreateStream, UpdateMaxRecordSize and DescribeStreamSummary with the stream's
         maximum record size, which moto does not keep (see ``_record_size``)."""
         json_type = "application/x-amz-json-1.1"
@@ -591,7 +341,7 @@ class EmulatorServer:
                 return _json_response(200, {}, json_type)
         except KinesisError as exc:
             return _json_response(exc.status, exc.body(), json_type)
-        status, headers, body = self._call_moto(request)
+        status, headers, body = self._moto(request)
         if status != 200:
             return status, headers, body
         stream = named_stream()
@@ -611,7 +361,7 @@ class EmulatorServer:
         result: Mapping[str, Any] = kinesis_backends[account][region].streams
         return result
 
-    def _list_shards(self, request: _Request) -> _Response:
+    def _list_shards(self, request: Request) -> Response:
         try:
             payload = _json_object(request.body)
             response = self._shard_lister.list_shards(
@@ -623,7 +373,7 @@ class EmulatorServer:
 
     # -- the write path, through the fault dice ----------------------------------------------
 
-    async def _write(self, request: _Request, operation: str) -> _Response:
+    async def _write(self, request: Request, operation: str) -> Response:
         write_path = self.write_path
         faults = write_path.faults
         dice = write_path.random.random
@@ -649,11 +399,11 @@ class EmulatorServer:
             return self._fault(fault)
         return _json_response(200, response, "application/x-amz-json-1.1")
 
-    def _fault(self, fault: str) -> _Response:
+    def _fault(self, fault: str) -> Response:
         totals = self.write_path.requests
         if fault == "reset":
             totals["resets"] += 1
-            raise _Reset
+            raise ResetConnection
         totals["request_errors"] += 1
         if self.write_path.random.random() < 0.5:
             body = {"__type": "InternalFailure", "message": "Internal service failure."}
@@ -661,7 +411,7 @@ class EmulatorServer:
         body = {"__type": "ServiceUnavailable", "message": "Service Unavailable"}
         return _json_response(503, body, "application/x-amz-json-1.1")
 
-    def _put(self, request: _Request, operation: str) -> dict[str, Any]:
+    def _put(self, request: Request, operation: str) -> dict[str, Any]:
         payload = _json_object(request.body)
         name = payload.get("StreamName")
         arn = payload.get("StreamARN")
@@ -695,63 +445,9 @@ class EmulatorServer:
                 account = self.account_id
         return account, region
 
-    # -- moto --------------------------------------------------------------------------------
-
-    def _call_moto(self, request: _Request) -> _Response:
-        path, _, query = request.target.partition("?")
-        host = request.headers.get("host", "127.0.0.1")
-        server_name, _, server_port = host.partition(":")
-        environ: dict[str, Any] = {
-            "REQUEST_METHOD": request.method,
-            "SCRIPT_NAME": "",
-            "PATH_INFO": unquote(path, encoding="latin-1"),
-            "RAW_URI": request.target,
-            "REQUEST_URI": request.target,
-            "QUERY_STRING": query,
-            "SERVER_NAME": server_name,
-            "SERVER_PORT": server_port or "80",
-            "SERVER_PROTOCOL": "HTTP/1.1",
-            "CONTENT_LENGTH": str(len(request.body)),
-            "wsgi.version": (1, 0),
-            "wsgi.url_scheme": "http",
-            "wsgi.input": io.BytesIO(request.body),
-            "wsgi.errors": sys.stderr,
-            "wsgi.multithread": False,
-            "wsgi.multiprocess": False,
-            "wsgi.run_once": False,
-        }
-        for name, value in request.headers.items():
-            if name == "content-type":
-                environ["CONTENT_TYPE"] = value
-            elif name != "content-length":
-                environ["HTTP_" + name.upper().replace("-", "_")] = value
-        captured: dict[str, Any] = {}
-
-        def start_response(
-            status: str, headers: list[tuple[str, str]], exc_info: Any = None
-        ) -> Callable[[bytes], None]:
-            captured["status"] = int(status.split(" ", 1)[0])
-            captured["headers"] = headers
-            return lambda data: None
-
-        chunks: Iterable[bytes] = self._moto(environ, start_response)
-        try:
-            body = b"".join(chunks)
-        finally:
-            close = getattr(chunks, "close", None)
-            if close is not None:
-                close()
-        dropped = {"connection", "transfer-encoding"}
-        if request.method != "HEAD":  # a HEAD answer keeps the length of what GET would send
-            dropped.add("content-length")
-        headers = [
-            (name, value) for name, value in captured["headers"] if name.lower() not in dropped
-        ]
-        return captured["status"], headers, body
-
     # -- control -----------------------------------------------------------------------------
 
-    def _control(self, request: _Request) -> _Response:
+    def _control(self, request: Request) -> Response:
         path = request.target[len(_CONTROL_PREFIX) :].partition("?")[0].strip("/")
         method = request.method
         body: Any = json.loads(request.body) if request.body else {}
