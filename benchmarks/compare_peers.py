@@ -23,7 +23,7 @@ and 0.5 s, with connections open and the shard map loaded):
 
 Records/s = acknowledged records / that wall time. Afterwards this process reads every stream
 back (GetRecords from TRIM_HORIZON on every shard), deaggregates each Kinesis record with
-``anykpl._wire.deaggregate`` (KPL magic + MD5; anything else counts as one plain record) and
+``anykpl._core._wire.deaggregate`` (KPL magic + MD5; anything else counts as one plain record) and
 reports, per contender: distinct record ids delivered / expected, duplicates, how many user
 records kept the partition key they were put with, and how many sit on a shard whose hash-key
 range holds their own hash key (a KCL 2.x consumer drops the others from aggregates).
@@ -286,7 +286,7 @@ def worker(spec: dict[str, Any]) -> None:
 
 def read_back(client: Any, stream: str, records: int, keys: int) -> dict[str, Any]:
     """Deaggregate everything in ``stream`` and check it against the workload."""
-    from anykpl._wire import deaggregate, is_aggregated
+    from anykpl._core._wire import deaggregate, is_aggregated
 
     expected_keys = key_names(records, keys)
     seen = bytearray(records)

@@ -21,7 +21,7 @@ from typing import Any
 
 from aws_kinesis_agg import deaggregator
 
-from anykpl._wire import AggregateBuilder
+from anykpl._core._wire import AggregateBuilder
 from anykpl.aggregation import deaggregate_lambda_event
 
 AGGREGATE_SIZE = 51_200

@@ -24,8 +24,8 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from anykpl._records import PendingRecord
-from anykpl._spool import Spool
+from anykpl._core._records import PendingRecord
+from anykpl._runtime._spool import Spool
 
 
 def records(n: int, size: int) -> list[PendingRecord]:

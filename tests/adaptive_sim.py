@@ -14,7 +14,7 @@ import random
 from collections import deque
 from collections.abc import Callable
 
-from anykpl._adaptive import RateController
+from anykpl._core._adaptive import RateController
 
 #: Kinesis records per second a shard accepts in the simulation (aggregates of ~25 KB).
 CEILING = 40.0

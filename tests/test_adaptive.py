@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from anykpl._adaptive import (
+from anykpl._core._adaptive import (
     CONGESTION,
     NOISE,
     RateController,
@@ -309,7 +309,7 @@ def test_under_a_noise_verdict_chance_does_not_cut(seed: int) -> None:
 
 def test_chance_cut_under_noise_at_two_standard_deviations(monkeypatch: pytest.MonkeyPatch) -> None:
     """The test above fails with the first version's rule (any excess past 2 sigma cut)."""
-    monkeypatch.setattr("anykpl._adaptive.EXCESS_SIGNIFICANCE", 1.0)
+    monkeypatch.setattr("anykpl._core._adaptive.EXCESS_SIGNIFICANCE", 1.0)
     assert all(_under_noise(seed)[0] >= 10 for seed in SEEDS)
 
 

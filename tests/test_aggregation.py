@@ -11,8 +11,8 @@ import pytest
 from aws_kinesis_agg import aggregator as agg_aggregator
 from aws_kinesis_agg import deaggregator as agg_deaggregator
 
-from anykpl._records import partition_key_hash
-from anykpl._wire import MAGIC, encode_aggregate
+from anykpl._core._records import partition_key_hash
+from anykpl._core._wire import MAGIC, encode_aggregate
 from anykpl.aggregation import (
     MAX_HASH_KEY,
     Deaggregator,

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from anykpl import _wire
-from anykpl._aggregator import SHARD_MAP_WAIT, Aggregator
-from anykpl._records import KinesisRecord, PendingRecord, partition_key_hash
-from anykpl._shard_queue import FAIR_QUANTUM
+from anykpl._core import _wire
+from anykpl._core._aggregator import SHARD_MAP_WAIT, Aggregator
+from anykpl._core._records import KinesisRecord, PendingRecord, partition_key_hash
+from anykpl._core._shard_queue import FAIR_QUANTUM
 
 SHARD = "shardId-000000000000"
 

@@ -9,9 +9,9 @@ import pytest
 from botocore.exceptions import ProfileNotFound, UnknownServiceError
 from botocore.loaders import Loader
 
-import anykpl._aws
+import anykpl._transport._aws
 from anykpl import ProducerConfig
-from anykpl._aws import _session, create_client
+from anykpl._transport._aws import _session, create_client
 
 
 def config() -> ProducerConfig:
@@ -22,7 +22,7 @@ def config() -> ProducerConfig:
 def _no_data_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """No data path of the environment's, and the process's loaders as they were after."""
     monkeypatch.delenv("AWS_DATA_PATH", raising=False)
-    monkeypatch.setattr(anykpl._aws, "_loaders", {})
+    monkeypatch.setattr(anykpl._transport._aws, "_loaders", {})
 
 
 @pytest.mark.anyio
@@ -49,7 +49,7 @@ async def test_clients_share_the_models_they_read() -> None:
     """A second client (another producer's, a fleet store's) reads no model file again: the
     loader, and what it read, is the process's."""
     async with create_client(config(), "kinesis", max_pool_connections=1) as first:
-        loader = anykpl._aws._loaders[None]
+        loader = anykpl._transport._aws._loaders[None]
         reads: list[str] = []
         load_file = loader.file_loader.load_file
 
@@ -65,7 +65,7 @@ async def test_clients_share_the_models_they_read() -> None:
         finally:
             del loader.file_loader.load_file
     assert reads == []
-    assert anykpl._aws._loaders[None] is loader
+    assert anykpl._transport._aws._loaders[None] is loader
 
 
 def test_a_service_is_found_without_listing_them_all() -> None:
@@ -105,7 +105,9 @@ async def test_a_data_path_of_ones_own_has_its_own_loader(
     monkeypatch.setenv("AWS_DATA_PATH", str(tmp_path))
     async with create_client(config(), "kinesis", max_pool_connections=1) as client:
         assert client.meta.service_model.documentation == "anykpl's test model"
-    assert anykpl._aws._loaders[str(tmp_path)] is not anykpl._aws._loaders.get(None)
+    assert anykpl._transport._aws._loaders[
+        str(tmp_path)
+    ] is not anykpl._transport._aws._loaders.get(None)
 
 
 @pytest.mark.anyio

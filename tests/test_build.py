@@ -22,8 +22,8 @@ def test_the_compiled_modules_hold_no_coroutine() -> None:
     # A coroutine compiled by mypyc passes a cancellation on to what it awaits with
     # throw()'s three-argument form, deprecated since Python 3.12 (mypyc/mypyc#1214): a
     # cancelled `await pending` warned, and a producer's close crashed its shard-map task
-    # where warnings are errors. Coroutines live in interpreted modules (anykpl._awaiting,
-    # anykpl._shard_refresh). A generator that never suspends (_records._ready) or is only
+    # where warnings are errors. Coroutines live in interpreted modules (anykpl._runtime._awaiting,
+    # anykpl._runtime._shard_refresh). A generator that never suspends (_records._ready) or is only
     # iterated (FairQueue.__iter__) has nothing thrown into it.
     found = []
     for path in compiled_modules():

@@ -8,8 +8,8 @@ import re
 import pytest
 
 import anykpl
-import anykpl._wire
-from anykpl.cli import _COMMANDS, main
+import anykpl._core._wire
+from anykpl._commands.cli import _COMMANDS, main
 
 COMMANDS = sorted(_COMMANDS)
 
@@ -38,7 +38,7 @@ def test_version_is_the_package_s(capsys: pytest.CaptureFixture[str]) -> None:
     assert exited.value.code == 0
     out = capsys.readouterr().out.strip()
     # and which build runs: the compiled modules are extension modules, not .py files
-    compiled = not anykpl._wire.__file__.endswith(".py")
+    compiled = not anykpl._core._wire.__file__.endswith(".py")
     assert out == f"anykpl {anykpl.__version__} ({'compiled' if compiled else 'pure Python'})"
     # one source: the installed distribution's metadata says the same
     assert importlib.metadata.version("anykpl") == anykpl.__version__

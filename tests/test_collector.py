@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from anykpl import _limits
-from anykpl._collector import Collector
-from anykpl._records import KinesisRecord, PendingRecord
+from anykpl._core import _limits
+from anykpl._core._collector import Collector
+from anykpl._core._records import KinesisRecord, PendingRecord
 
 
 def make_kinesis_record(

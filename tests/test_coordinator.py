@@ -31,7 +31,7 @@ from anykpl._fleet import (
 )
 from anykpl._fleet import _member as fleet_member
 from anykpl._fleet import _worker as fleet_worker
-from anykpl._producer import STOPPED
+from anykpl._runtime._producer import STOPPED
 
 from . import fakes
 from .fakes import SERVER_EPOCH, FakeKinesis

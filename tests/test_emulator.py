@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from moto.kinesis.models import Stream
 
-from anykpl._limits import MAX_HASH_KEY, SHARD_BYTES_PER_SECOND
+from anykpl._core._limits import MAX_HASH_KEY, SHARD_BYTES_PER_SECOND
 from anykpl.emulator import Faults, HttpLimits, Limits, Reshard, Storm
 from anykpl.emulator._list_shards import ShardLister
 from anykpl.emulator._moto import patch_moto_resharding

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from anykpl import RecordResult, errors
-from anykpl._records import Attempt
+from anykpl._core._records import Attempt
 
 
 @pytest.mark.parametrize(

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from anykpl._commands.cli import main
+from anykpl._commands.fleet_allocator import describe
 from anykpl._fleet import GrantsDocument, Outstanding, Rates, WorkerEntry
-from anykpl.cli import main
-from anykpl.fleet_allocator import describe
 
 
 def test_the_command_is_listed(capsys: pytest.CaptureFixture[str]) -> None:

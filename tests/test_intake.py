@@ -8,12 +8,12 @@ import math
 import anyio
 import pytest
 
-from anykpl import _limits
-from anykpl._aggregator import Aggregator
-from anykpl._intake import RESERVE, Intake, StreamIntake, offset_clock
-from anykpl._producer import _backend_clock
-from anykpl._records import PendingRecord
-from anykpl._shard_map import ShardMap
+from anykpl._core import _limits
+from anykpl._core._aggregator import Aggregator
+from anykpl._core._intake import RESERVE, Intake, StreamIntake, offset_clock
+from anykpl._core._records import PendingRecord
+from anykpl._core._shard_map import ShardMap
+from anykpl._runtime._producer import _backend_clock
 
 from .fakes import hash_of
 from .fakes.kinesis import even_ranges

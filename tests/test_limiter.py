@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from anykpl import _limits
-from anykpl._limiter import MIN_REFILL_WAIT, SAMPLE_SIZE, Limiter
-from anykpl._records import KinesisRecord, PendingRecord
-from anykpl._token_bucket import BURST_SECONDS
+from anykpl._core import _limits
+from anykpl._core._limiter import MIN_REFILL_WAIT, SAMPLE_SIZE, Limiter
+from anykpl._core._records import KinesisRecord, PendingRecord
+from anykpl._core._token_bucket import BURST_SECONDS
 
 SHARD = "shardId-000000000000"
 OTHER = "shardId-000000000001"
@@ -235,9 +235,9 @@ def test_drain_at_the_returned_wake_time_makes_progress(start: float, percent: f
 
 # --- Adaptive control, the shared (fleet) bucket, fair queuing across tenants -------------
 
-from anykpl._limiter import AdaptiveSettings  # noqa: E402
-from anykpl._shard_queue import FAIR_QUANTUM  # noqa: E402
-from anykpl._token_bucket import TokenBucket  # noqa: E402
+from anykpl._core._limiter import AdaptiveSettings  # noqa: E402
+from anykpl._core._shard_queue import FAIR_QUANTUM  # noqa: E402
+from anykpl._core._token_bucket import TokenBucket  # noqa: E402
 
 
 def adaptive_limiter(**overrides: float) -> Limiter:
@@ -504,7 +504,7 @@ def test_a_big_record_in_a_tenant_lane_is_not_starved_by_another_lane() -> None:
 
 
 def _aggregate(records: int, size: int, *, deadline: float = 0.0) -> KinesisRecord:
-    from anykpl._wire import AggregateBuilder
+    from anykpl._core._wire import AggregateBuilder
 
     builder = AggregateBuilder()
     users = []
@@ -596,7 +596,7 @@ def test_a_stream_at_its_capacity_is_paced_by_its_mean_latency() -> None:
     """Two shards offered more records than their 1,000 records/s: at capacity, so the pace
     is PACE_SHARE of what Little's law gives for the outstanding records (500 over 2,000 user
     records/s: 0.25 s, so the pace is record_max_buffered_time, 0.1 s; 100: 0.04 s)."""
-    from anykpl._limiter import PACE_SHARE
+    from anykpl._core._limiter import PACE_SHARE
 
     paces = _offer(Limiter(rate_limit_percent=100), (SHARD, OTHER), 15, 500, 3.0)
     assert min(paces[5:]) == pytest.approx(0.1)

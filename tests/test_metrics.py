@@ -17,7 +17,7 @@ import pytest
 
 import anykpl.metrics
 from anykpl import Producer, ProducerConfig
-from anykpl._metrics import METRICS, MetricKey, Metrics, leaves, to_values, with_ancestors
+from anykpl._core._metrics import METRICS, MetricKey, Metrics, leaves, to_values, with_ancestors
 from anykpl.errors import RecordFailedError
 from anykpl.metrics import (
     CLOSE_GRACE,

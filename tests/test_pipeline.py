@@ -12,11 +12,11 @@ from typing import Any
 import anyio
 import pytest
 
-from anykpl import _limits
-from anykpl._metrics import Metrics
-from anykpl._pipeline import Pipeline
-from anykpl._records import PendingRecord
-from anykpl._token_bucket import TokenBucket
+from anykpl._core import _limits
+from anykpl._core._metrics import Metrics
+from anykpl._core._records import PendingRecord
+from anykpl._core._token_bucket import TokenBucket
+from anykpl._runtime._pipeline import Pipeline
 from anykpl.config import ProducerConfig
 
 from .fakes import FakeKinesis, hash_of

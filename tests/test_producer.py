@@ -27,11 +27,11 @@ from anykpl import (
     RecordResult,
     errors,
 )
-from anykpl._collector import Collector
-from anykpl._intake import CHECKPOINT_EVERY
-from anykpl._limits import MAX_HASH_KEY as MAX_HASH
-from anykpl._spool import Spool
-from anykpl._wire import deaggregate
+from anykpl._core._collector import Collector
+from anykpl._core._intake import CHECKPOINT_EVERY
+from anykpl._core._limits import MAX_HASH_KEY as MAX_HASH
+from anykpl._core._wire import deaggregate
+from anykpl._runtime._spool import Spool
 
 from .fakes import FakeKinesis, GatedKinesis, even_ranges, hash_of
 

@@ -13,8 +13,8 @@ import anyio
 import pytest
 
 from anykpl import PendingRecord, errors
-from anykpl import _records as records_module
-from anykpl._records import AttemptRecord
+from anykpl._core import _records as records_module
+from anykpl._core._records import AttemptRecord
 
 
 def make_record() -> PendingRecord:
@@ -168,7 +168,7 @@ async def test_under_trio_a_done_record_checks_for_cancellation(
 async def test_a_cancelled_wait_for_a_pending_record_or_batch_warns_of_nothing() -> None:
     # with warnings as errors (pytest's filterwarnings here): the compiled build's coroutines
     # passed a cancellation on with throw()'s three-argument form, deprecated since Python
-    # 3.12, so these coroutines are interpreted ones (anykpl._awaiting)
+    # 3.12, so these coroutines are interpreted ones (anykpl._runtime._awaiting)
     record = make_record()
     counter = records_module.BatchCounter()
     counter.remaining = 1

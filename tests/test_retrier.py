@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from anykpl import errors
-from anykpl._limits import MAX_HASH_KEY as MAX_HASH
-from anykpl._records import Attempt, KinesisRecord, PendingRecord
-from anykpl._retrier import Observe, Retrier, StatisticSet
-from anykpl._sender import Outcome
-from anykpl._shard_map import ShardMap
+from anykpl._core._limits import MAX_HASH_KEY as MAX_HASH
+from anykpl._core._records import Attempt, KinesisRecord, PendingRecord
+from anykpl._core._retrier import Observe, Retrier, StatisticSet
+from anykpl._core._shard_map import ShardMap
+from anykpl._transport._sender import Outcome
 
 HALF = MAX_HASH // 2
 SHARD_0 = "shardId-000000000000"
@@ -703,7 +703,7 @@ def test_expiry_in_the_limiter_is_logged_once(caplog: pytest.LogCaptureFixture) 
 
 # --- Adaptive control and the retry budget -----------------------------------------------
 
-from anykpl._retrier import RetryBudget  # noqa: E402
+from anykpl._core._retrier import RetryBudget  # noqa: E402
 
 
 def test_outcomes_are_reported_once_per_shard_per_response() -> None:

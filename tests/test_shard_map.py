@@ -9,10 +9,10 @@ from typing import Any
 import anyio
 import pytest
 
-from anykpl import _shard_map
-from anykpl._limits import MAX_HASH_KEY as MAX_HASH
-from anykpl._shard_map import ShardMap, ShardMapState, shard_number
-from anykpl._shard_refresh import run_shard_map
+from anykpl._core import _shard_map
+from anykpl._core._limits import MAX_HASH_KEY as MAX_HASH
+from anykpl._core._shard_map import ShardMap, ShardMapState, shard_number
+from anykpl._runtime._shard_refresh import run_shard_map
 
 from .fakes import FakeKinesis, even_ranges
 

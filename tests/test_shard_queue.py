@@ -8,8 +8,14 @@ import math
 
 import pytest
 
-from anykpl._records import KinesisRecord, PendingRecord
-from anykpl._shard_queue import FAIR_QUANTUM, DeadlineQueue, FairQueue, QueuedRecord, ShardQueue
+from anykpl._core._records import KinesisRecord, PendingRecord
+from anykpl._core._shard_queue import (
+    FAIR_QUANTUM,
+    DeadlineQueue,
+    FairQueue,
+    QueuedRecord,
+    ShardQueue,
+)
 
 SHARD = "shardId-000000000000"
 _arrivals = itertools.count()

@@ -11,8 +11,8 @@ import anyio
 import pytest
 
 from anykpl import errors
-from anykpl._records import PendingRecord
-from anykpl._spool import (
+from anykpl._core._records import PendingRecord
+from anykpl._runtime._spool import (
     ENTRY_HEADER_SIZE,
     FILE_HEADER_SIZE,
     RecoveredEntry,

@@ -23,8 +23,8 @@ import anyio
 import pytest
 
 from anykpl import ProducerConfig, RecordResult, SyncProducer, _sync, errors
-from anykpl._collector import Collector
-from anykpl._limits import MAX_HASH_KEY as MAX_HASH
+from anykpl._core._collector import Collector
+from anykpl._core._limits import MAX_HASH_KEY as MAX_HASH
 from anykpl.errors import PutTimeout
 from anykpl.metrics import MetricsReport
 

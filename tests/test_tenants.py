@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from anykpl import Producer, SyncProducer, TenantQuota, TenantStatistics, errors
-from anykpl._limits import MAX_HASH_KEY as MAX_HASH
-from anykpl._tenants import Reservation, TenantQuotas
+from anykpl._core._limits import MAX_HASH_KEY as MAX_HASH
+from anykpl._runtime._tenants import Reservation, TenantQuotas
 
 from .fakes import FakeKinesis
 

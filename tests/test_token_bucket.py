@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from anykpl._token_bucket import TokenBucket
+from anykpl._core._token_bucket import TokenBucket
 
 
 def test_starts_full() -> None:

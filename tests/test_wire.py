@@ -1,4 +1,4 @@
-"""Tests for the aggregated-record codec, ``anykpl._wire``.
+"""Tests for the aggregated-record codec, ``anykpl._core._wire``.
 
 The encoder is checked against hand-built bytes, against protobuf's own serializer (through the
 generated messages of ``aws_kinesis_agg``) and by round trips; the decoder against
@@ -16,7 +16,7 @@ from aws_kinesis_agg import aggregator, deaggregator, messages_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from anykpl._wire import (
+from anykpl._core._wire import (
     AGGREGATION_OVERHEAD,
     MAGIC,
     AggregateBuilder,

@@ -37,22 +37,22 @@ Public modules: this package, :mod:`anykpl.errors`, :mod:`anykpl.config` and
 """
 
 from . import errors as errors
-from ._batch import BatchResult as BatchResult
-from ._batch import PendingBatch as PendingBatch
+from ._core._metrics import MetricKey as MetricKey
+from ._core._metrics import MetricValue as MetricValue
+from ._core._records import PendingRecord as PendingRecord
+from ._core._results import Attempt as Attempt
+from ._core._results import RecordResult as RecordResult
 from ._fleet import FleetStatistics as FleetStatistics
-from ._metrics import MetricKey as MetricKey
-from ._metrics import MetricValue as MetricValue
-from ._producer import Producer as Producer
-from ._records import PendingRecord as PendingRecord
-from ._results import Attempt as Attempt
-from ._results import RecordResult as RecordResult
-from ._sender import Transport as Transport
-from ._spool import SpoolStatistics as SpoolStatistics
-from ._statistics import ProducerStatistics as ProducerStatistics
-from ._statistics import ShardStatistics as ShardStatistics
-from ._statistics import StreamStatistics as StreamStatistics
+from ._runtime._batch import BatchResult as BatchResult
+from ._runtime._batch import PendingBatch as PendingBatch
+from ._runtime._producer import Producer as Producer
+from ._runtime._spool import SpoolStatistics as SpoolStatistics
+from ._runtime._statistics import ProducerStatistics as ProducerStatistics
+from ._runtime._statistics import ShardStatistics as ShardStatistics
+from ._runtime._statistics import StreamStatistics as StreamStatistics
+from ._runtime._tenants import TenantStatistics as TenantStatistics
 from ._sync import SyncProducer as SyncProducer
-from ._tenants import TenantStatistics as TenantStatistics
+from ._transport._sender import Transport as Transport
 from .config import FleetConfig as FleetConfig
 from .config import ProducerConfig as ProducerConfig
 from .config import StreamSettings as StreamSettings

@@ -29,6 +29,6 @@ else:
 def build_kind() -> str:
     """``"compiled"`` if the hot path runs compiled (a wheel built with a C compiler, see
     hatch_build.py), ``"pure Python"`` otherwise."""
-    from . import _wire  # compiled with the hot path, and imports nothing that imports this
+    from ._core import _wire  # compiled with the hot path, and imports nothing that imports this
 
     return "pure Python" if _wire.__file__.endswith(".py") else "compiled"

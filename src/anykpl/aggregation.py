@@ -41,10 +41,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from . import errors
-from ._intake import _parse_explicit_hash_key
-from ._limits import MAX_HASH_KEY
-from ._records import partition_key_hash
-from ._wire import unpack
+from ._core._intake import _parse_explicit_hash_key
+from ._core._limits import MAX_HASH_KEY
+from ._core._records import partition_key_hash
+from ._core._wire import unpack
 
 __all__ = (
     "Deaggregator",

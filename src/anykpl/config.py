@@ -38,9 +38,7 @@ from pathlib import Path
 from typing import Any, Final, Literal, NoReturn, get_args
 from urllib.parse import urlsplit
 
-from ._kpl_properties import KPL_PROPERTY_NAMES as KPL_PROPERTY_NAMES
-from ._kpl_properties import read_kpl_properties
-from ._limits import (
+from ._core._limits import (
     DEFAULT_MAX_RECORD_SIZE,
     LARGEST_MAX_RECORD_SIZE,
     MAX_PARTITION_KEY_LENGTH,
@@ -49,6 +47,8 @@ from ._limits import (
     PUT_RECORDS_MAX_BYTES,
     PUT_RECORDS_MAX_RECORDS,
 )
+from ._kpl_properties import KPL_PROPERTY_NAMES as KPL_PROPERTY_NAMES
+from ._kpl_properties import read_kpl_properties
 from .errors import ConfigError
 
 __all__ = ("FleetConfig", "ProducerConfig", "StreamSettings", "TenantQuota")

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
 
     # a module of plain values that imports nothing: errors.py imports nothing of anykpl's
-    from ._results import RecordResult
+    from ._core._results import RecordResult
 
 __all__ = (
     "AggregationFormatError",

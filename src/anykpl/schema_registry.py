@@ -199,7 +199,7 @@ class GlueSchemaRegistry:
         )
 
     async def __aenter__(self) -> GlueSchemaRegistry:
-        from ._aws import create_client
+        from ._transport._aws import create_client
 
         if self._stack is not None:
             raise RuntimeError("the GlueSchemaRegistry is open already")

@@ -6,8 +6,8 @@ specifics. One module per fake; integration tests use the emulator or moto's ser
 - ``gated``: GatedKinesis, a FakeKinesis whose PutRecords calls wait at a gate;
 - ``s3``: FakeS3, a bucket with S3's conditional writes and clock, for the fleet.
 
-Service limits (the hash-key space, shard limits) come from ``anykpl._limits``, never re-declared.
-The ``fake_kinesis`` fixture is in ``tests/conftest.py``.
+Service limits (the hash-key space, shard limits) come from ``anykpl._core._limits``, never
+re-declared. The ``fake_kinesis`` fixture is in ``tests/conftest.py``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A fake Kinesis transport for unit tests: shards with hash ranges, per-record throttling and
 faults on demand, and a log of everything it stored. No network, no event-loop specifics.
 
-The hash-key space comes from ``anykpl._limits``, the one place the service's numbers live, so
+The hash-key space comes from ``anykpl._core._limits``, the one place the service's numbers live, so
 the fake and the producer cannot disagree about where a shard ends."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 import anyio
 
-from anykpl import _wire
-from anykpl._limits import MAX_HASH_KEY
+from anykpl._core import _wire
+from anykpl._core._limits import MAX_HASH_KEY
 
 
 def even_ranges(count: int) -> list[tuple[int, int]]:

@@ -47,7 +47,7 @@ def arm(kill: str) -> tuple[str, int]:
     mode, _, count = kill.partition(":")
     n = int(count) if count else 0
     if mode == "append":
-        from anykpl._spool import Spool
+        from anykpl._runtime._spool import Spool
 
         original_append = Spool.append
         calls = [0]
@@ -65,7 +65,7 @@ def arm(kill: str) -> tuple[str, int]:
 
         Spool.append = torn_append  # type: ignore[method-assign]
     elif mode == "request":
-        from anykpl._sender import _BotocoreTransport
+        from anykpl._transport._sender import _BotocoreTransport
 
         original_put = _BotocoreTransport.put_records
         responses = [0]

@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from anykpl import _limits
-from anykpl._records import partition_key_hash
-from anykpl.bench import add_arguments, run
-from anykpl.bench._analysis import full_seconds, per_100k, percentiles, shard_window
-from anykpl.bench._report import BAR, markdown_table, size_label, write_plot
-from anykpl.bench._workload import expected_user_rate, keys_per_shard
+from anykpl._commands.bench import add_arguments, run
+from anykpl._commands.bench._analysis import full_seconds, per_100k, percentiles, shard_window
+from anykpl._commands.bench._report import BAR, markdown_table, size_label, write_plot
+from anykpl._commands.bench._workload import expected_user_rate, keys_per_shard
+from anykpl._core import _limits
+from anykpl._core._records import partition_key_hash
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 RECORDS = _limits.SHARD_RECORDS_PER_SECOND
@@ -198,7 +198,7 @@ class _Terminal(io.StringIO):
 def test_a_case_counts_its_seconds_on_a_terminal_only(
     terminal: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from anykpl.bench import _ticker
+    from anykpl._commands.bench import _ticker
 
     err = _Terminal() if terminal else io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
@@ -327,7 +327,7 @@ def test_plot_is_skipped_without_matplotlib(
 
 
 def test_the_cli_runs_bench(capsys: pytest.CaptureFixture[str]) -> None:
-    from anykpl import cli
+    from anykpl._commands import cli
 
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["bench", "--help"])

@@ -1,12 +1,12 @@
 """``anykpl demo``: the whole run against the emulator on both backends, and its parts.
 
 The end-to-end tests run the demo the way ``anykpl demo --short`` does in CI, only smaller, and
-check its exit status and its verdict. They call :func:`anykpl.demo.run` with options parsed by
-the demo's own :func:`~anykpl.demo.add_arguments`, as ``anykpl.cli`` does, and start one
-emulator each (the demo starts its own). A third run loses a record on purpose, between the
-stream and the verdict, and must fail. The rest checks the pieces without an event loop: the
-verdict, the read-back loop against a fake client, the device schedule and the statistics.
-"""
+check its exit status and its verdict. They call :func:`anykpl._commands.demo.run` with options
+parsed by the demo's own :func:`~anykpl._commands.demo.add_arguments`, as
+``anykpl._commands.cli`` does, and start one emulator each (the demo starts its own). A third
+run loses a record on purpose, between the stream and the verdict, and must fail. The rest
+checks the pieces without an event loop: the verdict, the read-back loop against a fake client,
+the device schedule and the statistics."""
 
 from __future__ import annotations
 
@@ -29,10 +29,9 @@ from typing import Any
 
 import pytest
 
-import anykpl.demo
-import anykpl.demo.readback
-from anykpl._wire import encode_aggregate
-from anykpl.demo import (
+import anykpl._commands.demo
+import anykpl._commands.demo.readback
+from anykpl._commands.demo import (
     DeviceGroup,
     LatencyHistogram,
     Progress,
@@ -44,7 +43,8 @@ from anykpl.demo import (
     shard_rates_from_emulator,
     workload_from,
 )
-from anykpl.demo.readback import count_user_records, judge, read_user_records
+from anykpl._commands.demo.readback import count_user_records, judge, read_user_records
+from anykpl._core._wire import encode_aggregate
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -62,7 +62,7 @@ SHORT = ("--duration", "3", "--devices", "200", "--rate", "2", "--burst-every", 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_demo_puts_reads_back_and_passes(backend: str, capsys: pytest.CaptureFixture[str]) -> None:
-    status = anykpl.demo.run(parse(*SHORT, "--backend", backend, "--progress", "plain"))
+    status = anykpl._commands.demo.run(parse(*SHORT, "--backend", backend, "--progress", "plain"))
     out = capsys.readouterr().out
     assert status == 0, out
     assert "PASS: all " in out
@@ -79,7 +79,7 @@ def test_demo_puts_reads_back_and_passes(backend: str, capsys: pytest.CaptureFix
 
 @pytest.mark.timeout(60)
 def test_demo_json_is_one_document_on_stdout(capsys: pytest.CaptureFixture[str]) -> None:
-    status = anykpl.demo.run(parse(*SHORT, "--json", "--progress", "plain"))
+    status = anykpl._commands.demo.run(parse(*SHORT, "--json", "--progress", "plain"))
     captured = capsys.readouterr()
     document = json.loads(captured.out)  # stdout holds the document and nothing else
     assert status == document["exit_code"] == 0
@@ -97,7 +97,7 @@ def test_demo_json_is_one_document_on_stdout(capsys: pytest.CaptureFixture[str])
 def test_demo_fails_when_an_acknowledged_record_is_missing(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = anykpl.demo.readback.count_user_records
+    real = anykpl._commands.demo.readback.count_user_records
     lost: list[tuple[str, bytes]] = []
 
     def lose_one(*args: Any, **kwargs: Any) -> tuple[Counter[tuple[str, bytes]], int]:
@@ -107,10 +107,10 @@ def test_demo_fails_when_an_acknowledged_record_is_missing(
         lost.append(record)
         return found, left_out
 
-    monkeypatch.setattr(anykpl.demo.readback, "count_user_records", lose_one)
+    monkeypatch.setattr(anykpl._commands.demo.readback, "count_user_records", lose_one)
     # and without rich, as after a plain ``pip install anykpl[emulator]``
-    monkeypatch.setattr(anykpl.demo, "_rich_console", lambda: None)
-    status = anykpl.demo.run(parse(*SHORT, "--duration", "1", "--quiet"))
+    monkeypatch.setattr(anykpl._commands.demo, "_rich_console", lambda: None)
+    status = anykpl._commands.demo.run(parse(*SHORT, "--duration", "1", "--quiet"))
     out = capsys.readouterr().out
     assert status == 1, out
     assert "FAIL: 1 acknowledged records missing" in out
@@ -226,7 +226,7 @@ def test_demo_against_a_self_signed_endpoint_ends_in_one_clear_line(
     self_signed_endpoint: str,
 ) -> None:
     # the real command, so that the test sees what a user sees: status and stderr
-    command = [sys.executable, "-m", "anykpl.cli", "demo", *SHORT, "--quiet"]
+    command = [sys.executable, "-m", "anykpl._commands.cli", "demo", *SHORT, "--quiet"]
     command += ["--endpoint", self_signed_endpoint, "--stream", "tls-refused"]
     environment = {**os.environ, "AWS_ACCESS_KEY_ID": "demo", "AWS_SECRET_ACCESS_KEY": "demo"}
     done = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=50)
@@ -250,7 +250,9 @@ def test_demo_with_no_verify_runs_over_tls_and_warns(
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "demo")
     stream = f"tls-{backend}"
     argv = [*SHORT, "--quiet", "--backend", backend, "--stream", stream, "--region", "us-east-1"]
-    status = anykpl.demo.run(parse(*argv, "--endpoint", self_signed_endpoint, "--no-verify"))
+    status = anykpl._commands.demo.run(
+        parse(*argv, "--endpoint", self_signed_endpoint, "--no-verify")
+    )
     out = capsys.readouterr().out
     assert status == 0, out
     assert (
@@ -263,7 +265,7 @@ def test_demo_with_no_verify_runs_over_tls_and_warns(
 
 def test_no_verify_without_an_endpoint_is_refused() -> None:
     with pytest.raises(SystemExit, match="--no-verify applies to --endpoint only"):
-        anykpl.demo.run(parse(*SHORT, "--no-verify"))
+        anykpl._commands.demo.run(parse(*SHORT, "--no-verify"))
 
 
 @pytest.mark.timeout(60)
@@ -282,7 +284,7 @@ def test_demo_with_ca_bundle_checks_the_certificate_and_passes(
     argv = [*SHORT, "--quiet", "--backend", backend, "--stream", stream, "--region", "us-east-1"]
     argv += ["--endpoint", self_signed_endpoint, "--ca-bundle", str(self_signed_certificate[0])]
     # verification stays on: any warning (urllib3's InsecureRequestWarning) fails the test
-    status = anykpl.demo.run(parse(*argv))
+    status = anykpl._commands.demo.run(parse(*argv))
     out = capsys.readouterr().out
     assert status == 0, out
     assert "verification is off" not in out
@@ -303,14 +305,14 @@ def test_ca_bundle_without_an_endpoint_is_refused(tmp_path: Path) -> None:
     bundle = tmp_path / "ca.pem"
     bundle.write_text("", encoding="ascii")
     with pytest.raises(SystemExit, match="--ca-bundle applies to --endpoint only"):
-        anykpl.demo.run(parse(*SHORT, "--ca-bundle", str(bundle)))
+        anykpl._commands.demo.run(parse(*SHORT, "--ca-bundle", str(bundle)))
 
 
 def test_missing_ca_bundle_is_one_clear_line(tmp_path: Path) -> None:
     missing = tmp_path / "nowhere.pem"
     argv = [*SHORT, "--endpoint", "https://localhost:1", "--ca-bundle", str(missing)]
     with pytest.raises(SystemExit, match=f"^anykpl demo: --ca-bundle {missing}: no such file$"):
-        anykpl.demo.run(parse(*argv))
+        anykpl._commands.demo.run(parse(*argv))
 
 
 # -- the producer over TLS: the CA bundle from the config or from botocore's chain ----------
@@ -689,7 +691,7 @@ def test_live_view_shows_the_figures_and_each_shard_against_its_limits() -> None
     from rich.console import Console
 
     console = Console(width=120, record=True, color_system=None)
-    console.print(anykpl.demo._LiveView(live=None, title="the title").render(progress()))
+    console.print(anykpl._commands.demo._LiveView(live=None, title="the title").render(progress()))
     text = console.export_text()
     for expected in ("the title", "12.5 s / 30 s", "4,012/s", "3,998/s", "48,210", "81 ms",
                      "190 ms", "measured by the emulator", "Kinesis records/s", "50%",
@@ -698,13 +700,15 @@ def test_live_view_shows_the_figures_and_each_shard_against_its_limits() -> None
     first_shard = next(line for line in text.splitlines() if "shardId-000000000000" in line)
     assert "█" * 10 + "░" * 10 in first_shard
     assert first_shard.rstrip(" │").endswith("17")
-    console.print(anykpl.demo._LiveView(None, "t").render(progress(elapsed=30.2, finished=True)))
+    console.print(
+        anykpl._commands.demo._LiveView(None, "t").render(progress(elapsed=30.2, finished=True))
+    )
     assert "30.2 s / 30 s done" in console.export_text()
 
 
 def test_plain_view_prints_a_line_every_two_seconds() -> None:
     lines: list[str] = []
-    view = anykpl.demo._PlainView(lines.append)
+    view = anykpl._commands.demo._PlainView(lines.append)
     for tick in range(13):
         view.update(progress(elapsed=tick * 0.5))
     view.update(progress(elapsed=6.1, finished=True))
@@ -722,13 +726,13 @@ def test_progress_view_falls_back_to_plain_lines(capsys: pytest.CaptureFixture[s
     from rich.console import Console
 
     not_a_terminal = Console(force_terminal=False)
-    with anykpl.demo._progress_view("auto", not_a_terminal, "t") as view:
-        assert isinstance(view, anykpl.demo._PlainView)
-    with anykpl.demo._progress_view("live", None, "t") as view:
-        assert isinstance(view, anykpl.demo._PlainView)
+    with anykpl._commands.demo._progress_view("auto", not_a_terminal, "t") as view:
+        assert isinstance(view, anykpl._commands.demo._PlainView)
+    with anykpl._commands.demo._progress_view("live", None, "t") as view:
+        assert isinstance(view, anykpl._commands.demo._PlainView)
     assert "no live view: rich is not installed" in capsys.readouterr().out
-    with anykpl.demo._progress_view("off", not_a_terminal, "t") as view:
-        assert isinstance(view, anykpl.demo._NoView)
+    with anykpl._commands.demo._progress_view("off", not_a_terminal, "t") as view:
+        assert isinstance(view, anykpl._commands.demo._NoView)
     terminal = Console(force_terminal=True, file=io.StringIO())
-    with anykpl.demo._progress_view("auto", terminal, "t") as view:
-        assert isinstance(view, anykpl.demo._LiveView)
+    with anykpl._commands.demo._progress_view("auto", terminal, "t") as view:
+        assert isinstance(view, anykpl._commands.demo._LiveView)

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import pytest
 
 from anykpl import Producer, ProducerConfig
-from anykpl._sender import _BotocoreTransport, open_transport
+from anykpl._transport._sender import _BotocoreTransport, open_transport
 
 from .conftest import CREDENTIALS, REGION, serving
 from .test_end_to_end import check_read_back, make_sent, read_stream_async
@@ -127,8 +127,8 @@ async def test_a_refused_signature_sends_everything_through_the_sdk(
     ours the service does not take."""
     from botocore.exceptions import ClientError
 
-    import anykpl._sender
-    from anykpl._sender import error_code, put_records_body
+    import anykpl._transport._sender
+    from anykpl._transport._sender import error_code, put_records_body
 
     stream = _new_stream(signing_moto)
     records = [{"Data": b"x" * 10, "PartitionKey": "k"}]
@@ -143,7 +143,7 @@ async def test_a_refused_signature_sends_everything_through_the_sdk(
         assert direct is not None
         response = await transport.put_records(stream, records)  # direct
         assert response["FailedRecordCount"] == 0
-        monkeypatch.setattr(anykpl._sender, "_signing_key", lambda *args: b"not the key")
+        monkeypatch.setattr(anykpl._transport._sender, "_signing_key", lambda *args: b"not the key")
         direct._keys.clear()
         body = put_records_body({"StreamName": stream, "Records": records})
         with pytest.raises(ClientError) as directly:
@@ -163,7 +163,7 @@ async def test_a_refused_signature_sends_everything_through_the_sdk(
 async def test_a_direct_error_is_the_sdks_error(moto_endpoint: str) -> None:
     """The same answer (a stream that does not exist) raises the same exception, with the same
     code and message, from the SDK's request and from a direct one."""
-    from anykpl._sender import error_code
+    from anykpl._transport._sender import error_code
 
     config = ProducerConfig(region=REGION, endpoint_url=moto_endpoint, **CREDENTIALS)
     records = [{"Data": b"x", "PartitionKey": "k"}]

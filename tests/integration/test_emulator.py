@@ -15,7 +15,7 @@ import pytest
 from botocore.exceptions import ClientError
 
 from anykpl import Producer
-from anykpl._limits import MAX_HASH_KEY, PUT_RECORDS_MAX_BYTES, PUT_RECORDS_MAX_RECORDS
+from anykpl._core._limits import MAX_HASH_KEY, PUT_RECORDS_MAX_BYTES, PUT_RECORDS_MAX_RECORDS
 from anykpl.emulator import (
     Emulator,
     EmulatorClient,

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from anykpl import SyncProducer
-from anykpl.cli import main
+from anykpl._commands.cli import main
 from anykpl.testing import KinesisEmulator
 
 

@@ -27,9 +27,9 @@ import pytest
 from aws_kinesis_agg import deaggregator
 
 from anykpl import PendingBatch, PendingRecord, Producer, ProducerConfig, RecordResult, errors
-from anykpl._limits import MAX_HASH_KEY
-from anykpl._records import RESOLVED_YIELD_EVERY
-from anykpl._wire import MAGIC, DecodedRecord, deaggregate
+from anykpl._core._limits import MAX_HASH_KEY
+from anykpl._core._records import RESOLVED_YIELD_EVERY
+from anykpl._core._wire import MAGIC, DecodedRecord, deaggregate
 
 pytestmark = pytest.mark.anyio
 AGGREGATION_MAX_SIZE = 51200  # the default, stated here so the oversized records stay oversized
@@ -774,7 +774,7 @@ async def test_httpx_sends_kept_bodies_in_pieces_that_arrive_whole(
     """Over httpx (trio's HTTP client, here on both backends), each PutRecords body is sent in
     pieces of a kept buffer (``_sender._BodyPieces``). With pieces of an odd 1,000 bytes, so
     every request has many and they cut through records, the stream holds every record."""
-    from anykpl import _sender
+    from anykpl._transport import _sender
 
     monkeypatch.setattr(_sender, "BODY_PIECE", 1000)
     pieces = Counter[str]()

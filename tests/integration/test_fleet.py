@@ -418,7 +418,7 @@ async def test_the_fleet_allocator_command_serves_workers_that_do_not_elect(
     moto_endpoint: str, bucket: str, s3: Any, anyio_backend: str
 ) -> None:
     command = [
-        *(sys.executable, "-m", "anykpl.cli", "fleet-allocator", "--bucket", bucket),
+        *(sys.executable, "-m", "anykpl._commands.cli", "fleet-allocator", "--bucket", bucket),
         *("--records-per-second", str(CAP), "--sync-interval", str(INTERVAL)),
         *("--endpoint-url", moto_endpoint, "--region", REGION, "--allocator-id", "boss"),
     ]

@@ -17,9 +17,9 @@ import anyio
 import pytest
 
 from anykpl import FleetConfig, Producer, ProducerConfig
+from anykpl._commands.cli import main as cli
 from anykpl._fleet import LeaseDocument, parse_grants
 from anykpl._fleet._dynamodb_store import OPERATIONS, TABLE_SCHEMA
-from anykpl.cli import main as cli
 
 from . import interop_servers
 from .conftest import CREDENTIALS, REGION

@@ -37,7 +37,7 @@ import pytest
 from aws_kinesis_agg import deaggregator, messages_pb2
 
 from anykpl import PendingRecord, Producer, RecordResult, errors
-from anykpl._limits import MAX_HASH_KEY
+from anykpl._core._limits import MAX_HASH_KEY
 
 from . import interop_servers
 from .interop_servers import CREDENTIALS, REGION

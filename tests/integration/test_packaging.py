@@ -81,7 +81,7 @@ def test_the_wheel_s_metadata(dist: Path) -> None:
     urls = dict(url.split(", ", 1) for url in metadata.get_all("Project-URL"))
     assert {"Homepage", "Documentation", "Repository", "Issues", "Changelog"} <= set(urls)
     assert metadata["Description-Content-Type"] == "text/markdown"
-    assert "anykpl = anykpl.cli:main" in entry_points
+    assert "anykpl = anykpl._commands.cli:main" in entry_points
     assert "[pytest11]" in entry_points
     assert "anykpl = anykpl.testing" in entry_points
     assert f"{info}/licenses/LICENSE" in names

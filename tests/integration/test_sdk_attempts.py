@@ -23,7 +23,7 @@ import pytest
 from botocore.exceptions import ClientError
 
 from anykpl import Producer, ProducerConfig
-from anykpl._aws import create_client
+from anykpl._transport._aws import create_client
 
 from .conftest import CREDENTIALS, REGION, serving
 

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from anykpl import Producer, _limits
+from anykpl import Producer
+from anykpl._core import _limits
 
 from .test_end_to_end import assert_success, check_read_back, make_sent, read_stream_async
 

@@ -203,7 +203,7 @@ async def test_two_producers_on_one_directory(tmp_path: Path) -> None:
             # another process too
             probe = textwrap.dedent(
                 f"""
-                from anykpl._spool import Spool
+                from anykpl._runtime._spool import Spool
                 from anykpl import errors
                 try:
                     Spool({str(spool_dir)!r}, 1 << 30).open()
@@ -225,7 +225,7 @@ async def test_a_lock_left_by_a_dead_process_is_taken_over(
     holder = textwrap.dedent(
         f"""
         import os, signal
-        from anykpl._spool import Spool
+        from anykpl._runtime._spool import Spool
         Spool({str(spool_dir)!r}, 1 << 30).open()
         print(os.getpid(), flush=True)
         os.kill(os.getpid(), signal.SIGKILL)

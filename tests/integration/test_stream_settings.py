@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from anykpl import Producer, StreamSettings, errors
-from anykpl._wire import MAGIC
+from anykpl._core._wire import MAGIC
 
 from .test_end_to_end import check_read_back, make_sent, read_stream_async
 

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from .._limits import (
+from .._core._limits import (
     PUT_RECORDS_MAX_BYTES,
     PUT_RECORDS_MAX_RECORDS,
     SHARD_BYTES_PER_SECOND,

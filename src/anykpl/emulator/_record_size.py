@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._limits import DEFAULT_MAX_RECORD_SIZE, LARGEST_MAX_RECORD_SIZE, PUT_RECORDS_MAX_BYTES
+from .._core._limits import DEFAULT_MAX_RECORD_SIZE, LARGEST_MAX_RECORD_SIZE, PUT_RECORDS_MAX_BYTES
 
 __all__ = (
     "LARGE_PUT_RECORDS_MAX_BYTES",

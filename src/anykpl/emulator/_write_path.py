@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from datetime import datetime, timezone
 from typing import Any
 
-from .._limits import (
+from .._core._limits import (
     DEFAULT_MAX_RECORD_SIZE,
     MAX_HASH_KEY,
     MAX_PARTITION_KEY_LENGTH,

@@ -36,7 +36,7 @@ here but in ``anykpl/_metrics.py``: the pipeline records into them whether or no
 uploaded, and the core does not depend on the sinks.
 """
 
-from .._metrics import MetricValue
+from .._core._metrics import MetricValue
 from ._cloudwatch import CloudWatchSink
 from ._opentelemetry import OpenTelemetrySink
 from ._prometheus import PrometheusSink

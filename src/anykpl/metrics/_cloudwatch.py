@@ -16,7 +16,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import quote_plus
 
-from .._metrics import MetricValue
+from .._core._metrics import MetricValue
 from ._sink import MetricsReport
 
 if TYPE_CHECKING:
@@ -203,7 +203,7 @@ class CloudWatchSink:
 
     @asynccontextmanager
     async def open(self, config: ProducerConfig) -> AsyncIterator[None]:
-        from .._aws import create_client
+        from .._transport._aws import create_client
 
         self._namespace = self.namespace or config.metrics_namespace
         if self.profile is not None or self.aws_access_key_id is not None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 
-from .._metrics import MetricValue
+from .._core._metrics import MetricValue
 from ._sink import COUNTERS, MetricsReport, nothing_to_open, snake_case, spread
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager, suppress
 from typing import TYPE_CHECKING, Any, Final
 
-from .._metrics import METRICS
+from .._core._metrics import METRICS
 from ._sink import COUNTERS, MetricsReport, nothing_to_open, snake_case, spread
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Final, Protocol, runtime_checkable
 
-from .._metrics import MetricValue
+from .._core._metrics import MetricValue
 
 if TYPE_CHECKING:
     from ..config import ProducerConfig

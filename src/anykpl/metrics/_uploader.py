@@ -1,4 +1,4 @@
-"""The producer's upload task: statistics out of :class:`~anykpl._metrics.Metrics`, reports
+"""The producer's upload task: statistics out of :class:`~anykpl._core._metrics.Metrics`, reports
 into the sinks, within the producer's close deadline.
 
 A producer given sinks (``Producer(..., metrics_sinks=[...])``) runs one :class:`Uploader` in
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 
-from .._metrics import Metrics, leaves, to_values, with_ancestors
+from .._core._metrics import Metrics, leaves, to_values, with_ancestors
 from ._sink import MetricsReport, MetricsSink
 
 if TYPE_CHECKING:

@@ -1,0 +1,592 @@
+"""The intake: what :meth:`Producer.submit` does for each record once it may admit it.
+
+Validation (:meth:`Intake.make_record`), the room check (:meth:`Intake.has_room`: the rule of
+admission, per shard), admission (:meth:`Intake.enqueue`: the record's clock starts, it is
+counted as outstanding and handed to its stream's :class:`~anykpl._core._aggregator.Aggregator`)
+and, on the way back, resolving records (:meth:`Intake.finish`, a whole Kinesis record's user
+records in one call). These are the
+per-record steps of the producer; they are plain synchronous code on plain objects, kept apart
+from the producer's lifecycle and its waits, so that the compiled build (mypyc, see
+``pyproject.toml``) compiles them together with the stages they call into. The pure-Python
+package runs the same code.
+
+Two objects: one :class:`Intake` per producer (the producer-wide caps, the set of outstanding
+records that is the producer's safety net, the partition key cache) and one
+:class:`StreamIntake` per stream (its shards' backlogs and their limits, its counts, its
+aggregator). The producer owns the first, each stream's pipeline the second; the stages never
+touch them, apart from the Retrier's calls to :meth:`StreamIntake.finish`.
+
+The rule (docs/admission.md). A record is admitted when it fits under the producer's caps
+(``max_outstanding_records``/``max_outstanding_bytes``) and under its own predicted shard's
+backlog limit: ``max_outstanding_time`` of what that shard delivers now (the pipeline plans it).
+Records whose shard is not known yet (the shard map is loading, or invalid) are held to the
+stream's limit instead, all of its shards together. Once the producer holds ``1 - RESERVE``
+of a cap, the rest of it (the reserve) is for quiet shards: a shard grows into it only while it
+holds less than an equal part of the reserve among the shards holding records and one more.
+However many shards are hot, part of the reserve is left for a shard that holds nothing yet.
+A hot shard's backlog thus makes only its own records wait.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Final
+
+from .. import errors
+from .._runtime._spool import Spool
+from . import _limits
+from ._aggregator import Aggregator
+from ._records import BatchCounter, KinesisRecord, PendingRecord, ShardBacklog, partition_key_hash
+from ._shard_map import ShardMap
+
+__all__ = (
+    "CHECKPOINT_EVERY",
+    "KEY_CACHE_LIMIT",
+    "RESERVE",
+    "Intake",
+    "StreamIntake",
+    "offset_clock",
+)
+
+#: Partition keys whose hash key and UTF-8 length are remembered (cleared when full).
+KEY_CACHE_LIMIT: Final = 65536
+
+#: A loop of submits that never has to wait yields to the event loop every this many admissions
+#: (letting the stages run and cancellation in): a checkpoint per call would cost more than the
+#: rest of the admission.
+CHECKPOINT_EVERY: Final = 128
+
+#: The share of each producer cap kept for quiet shards: once the producer holds the rest of a
+#: cap, only shards holding less than an equal part of the reserve (with one more shard to
+#: come) are admitted, so a shard that holds nothing yet always finds room.
+RESERVE: Final = 0.2
+
+
+class Intake:
+    """The producer-wide part of admission: caps, outstanding records, the key cache."""
+
+    def __init__(
+        self,
+        max_records: int,
+        max_bytes: int,
+        max_record_size: int,
+        clock: Callable[[], float],
+        on_finish: Callable[[], None],
+    ) -> None:
+        self.max_records = max_records
+        self.max_bytes = max_bytes
+        # past these in all, only quiet shards grow into the rest of the caps (RESERVE; at
+        # least one record of it)
+        self.reserved_records = max(1.0, max_records * RESERVE)
+        self.reserved_bytes = max_bytes * RESERVE
+        self.reserve_records = max_records - self.reserved_records
+        self.reserve_bytes = max_bytes - self.reserved_bytes
+        # shard backlogs (of every stream) that hold records
+        self.active_backlogs = 0
+        self.max_record_size = max_record_size
+        self.clock = clock
+        # called after records were resolved (the producer wakes submits waiting for room)
+        self.on_finish = on_finish
+        # Every admitted record until it is terminal: the producer's safety net (whatever
+        # happens to a stage, what is left here can be failed, so no awaiter ever hangs).
+        # A dict for its order: records are added as they are admitted, so the first is the
+        # oldest outstanding one (``oldest_arrival``).
+        self.outstanding: dict[PendingRecord, None] = {}
+        self.outstanding_bytes = 0
+        # partition key -> (hash key, UTF-8 length): IoT-style workloads reuse keys, and an
+        # MD5 costs more than the dictionary lookup
+        self.key_cache: dict[str, tuple[int, int]] = {}
+        # the durable spool (``spool_dir``): every admitted record is appended to it
+        self.spool: Spool | None = None
+        # while records recovered from the spool are admitted, new records wait (they go first)
+        self.recovering = False
+        # records failed by the producer's own end (close, a crashed stage) stay spooled, for
+        # the next producer on the directory
+        self.keep_spooled = False
+        # admissions since the producer's submits last yielded to the event loop
+        self.since_checkpoint = 0
+
+    def admit_now(
+        self,
+        stream_intake: StreamIntake,
+        stream: object,
+        data: object,
+        partition_key: object,
+        explicit_hash_key: object,
+    ) -> PendingRecord | None:
+        """:meth:`Producer.submit`'s common case in one call: validate the record and, if it
+        may be admitted without waiting (room now, no checkpoint due, the stream's shard map
+        ready), admit it and return it. ``None``: the caller takes the general path (the
+        record built here is dropped, not admitted).
+
+        :raises: as :meth:`make_record` and :meth:`enqueue`.
+        """
+        record = self.make_record(stream, data, partition_key, explicit_hash_key)
+        if self.checkpoint_due(stream_intake) or not self.has_room(record, stream_intake):
+            return None
+        self.since_checkpoint += 1
+        self.enqueue(stream_intake, record)
+        return record
+
+    def make_records(
+        self, stream: object, items: Iterable[object], batch: BatchCounter
+    ) -> list[PendingRecord]:
+        """Validate a batch (:meth:`Producer.submit_many`'s items) and build its handles, not
+        yet admitted, each counted in ``batch``. Each item is the record's data, or a tuple
+        ``(data, partition_key)`` or ``(data, partition_key, explicit_hash_key)``.
+
+        :raises: as :meth:`make_record`, the message naming the item (``records[3]: ...``).
+        """
+        made: list[PendingRecord] = []
+        for index, item in enumerate(items):
+            try:
+                data, partition_key, explicit_hash_key = _unpack_batch_record(item)
+                record = self.make_record(stream, data, partition_key, explicit_hash_key)
+            except (errors.RecordTypeError, errors.InvalidRecordError) as exc:
+                raise type(exc)(f"records[{index}]: {exc}") from None
+            record._batch = batch
+            made.append(record)
+        batch.remaining = len(made)
+        return made
+
+    def admit_ready(
+        self, stream_intake: StreamIntake, records: list[PendingRecord], start: int
+    ) -> int:
+        """Admit ``records[start:]`` in order for as long as each fits now (no wait, no
+        checkpoint: :meth:`Producer.submit_many`'s common case, one call for the batch), and
+        return the position of the first record not admitted (``len(records)``: all were).
+
+        :raises ~anykpl.errors.SpoolError: as :meth:`enqueue`, with ``admitted`` set to the
+            handles of the records admitted before it (those of ``records[:position]``).
+        """
+        position = start
+        end = len(records)
+        now = self.clock()  # admitted together: one arrival time for the batch
+        while position < end:
+            record = records[position]
+            if not self.has_room(record, stream_intake):
+                break
+            try:
+                self.enqueue_at(stream_intake, record, now)
+            except errors.SpoolError as exc:
+                exc.admitted = tuple(records[:position])
+                raise
+            position += 1
+        return position
+
+    def checkpoint_due(self, stream_intake: StreamIntake) -> bool:
+        """Whether the next admission that needs no wait should yield to the event loop first:
+        every :data:`CHECKPOINT_EVERY` admissions, and always while the stream's shard map is
+        not ready (ListShards must not wait behind a caller that never yields). The caller
+        counts admissions in ``since_checkpoint`` and sets it to 0 when it yields."""
+        return self.since_checkpoint + 1 >= CHECKPOINT_EVERY or not stream_intake.shard_map.ready
+
+    def make_record(
+        self,
+        stream: object,
+        data: object,
+        partition_key: object,
+        explicit_hash_key: object,
+    ) -> PendingRecord:
+        """Validate one record and build its handle (not yet admitted).
+
+        :raises ~anykpl.errors.RecordTypeError: an argument of the wrong type.
+        :raises ~anykpl.errors.InvalidRecordError: a value out of range.
+        """
+        if type(stream) is not str:
+            raise errors.RecordTypeError(f"stream must be a str, not {type(stream).__name__}")
+        payload = data if type(data) is bytes else _as_bytes(data)
+        key: str
+        if partition_key is None:
+            key = os.urandom(16).hex()
+        elif type(partition_key) is not str:
+            raise errors.RecordTypeError(
+                f"partition_key must be a str, not {type(partition_key).__name__}"
+            )
+        else:
+            key = partition_key
+            if not key or len(key) > _limits.MAX_PARTITION_KEY_LENGTH:
+                raise errors.InvalidRecordError(
+                    f"partition_key must be 1..{_limits.MAX_PARTITION_KEY_LENGTH} characters, "
+                    f"got {len(key)}"
+                )
+        ehk: str | None = None
+        if explicit_hash_key is None:
+            cached = self.key_cache.get(key)
+            if cached is None:
+                cached = _key_facts(key)
+                if len(self.key_cache) >= KEY_CACHE_LIMIT:
+                    self.key_cache.clear()
+                self.key_cache[key] = cached
+            hash_key, key_size = cached
+        else:
+            key_size = _key_facts(key)[1]
+            hash_key = _parse_explicit_hash_key(explicit_hash_key)
+            ehk = str(hash_key)
+        size = len(payload) + key_size
+        if size > self.max_record_size:
+            raise errors.InvalidRecordError(
+                f"record is {size} bytes (data + partition key), over the maximum of "
+                f"{self.max_record_size} (max_user_record_size)"
+            )
+        return PendingRecord(stream, key, payload, hash_key, ehk, 0.0, 0.0, 0.0, size)
+
+    def has_room(
+        self, record: PendingRecord, stream: StreamIntake, recovered: bool = False
+    ) -> bool:
+        """Whether ``record`` fits now: under the producer's caps, the reserve of them kept
+        for quiet shards, its shard's backlog limit (its stream's while its shard is
+        not known) and the spool's limit (see the module's docstring). An empty producer, or
+        shard, always takes one record. A ``recovered`` one (already on disk) skips the spool's
+        checks. Predicts the record's shard (``predicted_shard``) and sets the backlog it
+        would be counted in (``backlog``), for :meth:`enqueue`."""
+        size = record.size
+        # StreamIntake.place, inline (one call less per record)
+        shard = record.predicted_shard = stream.shard_map.shard_id(record.hash_key)
+        if shard is None:
+            backlog = stream.unplaced
+        else:
+            found = stream.backlogs.get(shard)
+            backlog = stream.place(record) if found is None else found
+        record.backlog = backlog
+        outstanding = len(self.outstanding)
+        if outstanding:
+            nbytes = self.outstanding_bytes + size
+            if outstanding >= self.max_records or nbytes > self.max_bytes:
+                return False
+            held = backlog.outstanding_records
+            if held:
+                held_bytes = backlog.outstanding_bytes
+                if backlog.shard is None:
+                    if not stream.has_room(size, backlog):
+                        return False
+                elif held >= backlog.limit_records or held_bytes + size > backlog.limit_bytes:
+                    return False  # the shard's own backlog limit (StreamIntake.has_room, inline)
+                if outstanding >= self.reserve_records or nbytes > self.reserve_bytes:
+                    # The caps run short: the reserve is for quiet shards, those that hold
+                    # less than an equal part of it with one more shard to come. Each may take
+                    # at most that part, so some of it is always left for a shard that holds
+                    # nothing yet, however many shards are hot.
+                    shards = self.active_backlogs + 1
+                    if (
+                        held * shards >= self.reserved_records
+                        or held_bytes * shards >= self.reserved_bytes
+                    ):
+                        return False
+        spool = self.spool
+        return (
+            spool is None
+            or recovered
+            or (not self.recovering and (not outstanding or spool.has_room(size)))
+        )
+
+    def oldest_arrival(self) -> float | None:
+        """When the oldest outstanding record was admitted (the producer's clock), ``None``
+        when none is: the first in ``outstanding``, which keeps the order of admission."""
+        for record in self.outstanding:
+            return record.arrival
+        return None
+
+    def no_room_reason(self, record: PendingRecord, stream: StreamIntake) -> str:
+        """What keeps ``record`` out now, in words (for
+        :class:`~anykpl.errors.BackpressureTimeout`)."""
+        size = record.size
+        backlog = stream.place(record)
+        outstanding = len(self.outstanding)
+        spool = self.spool
+        if spool is not None and self.recovering:
+            return "the records recovered from the spool are admitted first"
+        if spool is not None and outstanding and not spool.has_room(size):
+            return (
+                f"the spool holds {spool.bytes} bytes of spool_max_bytes={spool.max_bytes} "
+                f"in {len(spool.segments)} segment(s)"
+            )
+        held = backlog.outstanding_records
+        where = (
+            f"stream {record.stream!r}"
+            if backlog.shard is None
+            else f"shard {backlog.shard} of stream {record.stream!r}"
+        )
+        if outstanding and held and not stream.has_room(size, backlog):
+            if backlog.shard is None:
+                held_records, held_bytes = stream.outstanding_records, stream.outstanding_bytes
+                whose = "its shards deliver"  # the shard map is not ready
+            else:
+                held_records, held_bytes = held, backlog.outstanding_bytes
+                whose = "the shard delivers"
+            return (
+                f"{where} holds {held_records} records / {held_bytes} bytes, about "
+                f"max_outstanding_time={stream.backlog_time:g} s of what {whose} now"
+            )
+        caps = (
+            f"{outstanding} records / {self.outstanding_bytes} bytes outstanding in the "
+            f"producer (max_outstanding_records={self.max_records}, "
+            f"max_outstanding_bytes={self.max_bytes})"
+        )
+        if outstanding >= self.max_records or self.outstanding_bytes + size > self.max_bytes:
+            return caps
+        return (
+            f"{caps}; {where} holds {held} records / {backlog.outstanding_bytes} bytes, and "
+            f"the last {RESERVE:.0%} of each cap is kept for shards that hold less than an "
+            f"equal part of it ({self.active_backlogs} shards hold records)"
+        )
+
+    def enqueue(self, stream: StreamIntake, record: PendingRecord) -> None:
+        """Admit ``record``: it is outstanding from now on (on disk first, with a spool), and in
+        its stream's aggregator.
+
+        :raises ~anykpl.errors.SpoolError: the spool could not take it; it was not admitted.
+        """
+        self.enqueue_at(stream, record, self.clock())
+
+    def enqueue_at(self, stream: StreamIntake, record: PendingRecord, now: float) -> None:
+        """:meth:`enqueue` with the clock already read (a batch reads it once).
+
+        :raises ~anykpl.errors.SpoolError: the spool could not take it; it was not admitted.
+        """
+        spool = self.spool
+        if spool is not None and record.spool_segment is None:
+            spool.append(record)
+        backlog = record.backlog
+        if backlog is None:  # not checked by has_room (an admission that never waits)
+            backlog = record.backlog = stream.place(record)
+        # the record's clock starts at admission, as the KPL's starts when the daemon sees it
+        record.arrival = now
+        deadline = now + stream.max_buffered_time
+        expiration = now + stream.record_ttl
+        record.deadline = deadline if deadline < expiration else expiration
+        record.expiration = expiration
+        size = record.size
+        self.outstanding[record] = None
+        self.outstanding_bytes += size
+        if not backlog.outstanding_records:
+            self.active_backlogs += 1
+        backlog.outstanding_records += 1
+        backlog.outstanding_bytes += size
+        stream.outstanding_records += 1
+        stream.outstanding_bytes += size
+        stream.received += 1
+        stream.put(record)
+
+    def finish(self, records: Sequence[PendingRecord], success: bool) -> tuple[int, int]:
+        """Resolve the records still pending among ``records``; return how many there were,
+        and their bytes."""
+        outstanding = self.outstanding
+        spool = self.spool if not self.keep_spooled else None
+        released = count = 0
+        for record in records:
+            if not record._state:  # still pending: resolve exactly once
+                outstanding.pop(record, None)
+                size = record.size
+                released += size
+                count += 1
+                backlog = record.backlog
+                if backlog is not None:
+                    backlog.outstanding_records -= 1
+                    backlog.outstanding_bytes -= size
+                    if not backlog.outstanding_records:
+                        self.active_backlogs -= 1
+                if spool is not None:
+                    segment = record.spool_segment
+                    if segment is not None:
+                        record.spool_segment = None
+                        spool.finished(segment, success)
+                record._resolve(success)
+        self.outstanding_bytes -= released
+        self.on_finish()
+        return count, released
+
+
+class StreamIntake:
+    """One stream's part of admission: its shards' backlogs, its own limit (for records whose
+    shard is not known yet) and counts, and its aggregator."""
+
+    def __init__(
+        self,
+        finish: Callable[[Sequence[PendingRecord], bool], tuple[int, int]],
+        aggregator: Aggregator,
+        shard_map: ShardMap,
+        max_buffered_time: float,
+        record_ttl: float,
+        backlog_time: float,
+        ship: Callable[[list[KinesisRecord]], object],
+        wake: Callable[[], object],
+        request_refresh: Callable[[], object],
+    ) -> None:
+        # resolves records and returns how many were pending and their bytes (the producer's
+        # Intake.finish)
+        self._producer_finish = finish
+        self.aggregator = aggregator
+        self.shard_map = shard_map
+        self.max_buffered_time = max_buffered_time
+        self.record_ttl = record_ttl
+        # sends sealed Kinesis records to the Limiter; wakes the Aggregator's task (a record
+        # with an earlier deadline); asks for a ListShards
+        self.ship = ship
+        self.wake = wake
+        self.request_refresh = request_refresh
+        # records admitted for this stream and not yet terminal, and the most it may hold
+        # while the shard map is not ready (``max_outstanding_time``, planned by the pipeline)
+        self.outstanding_records = 0
+        self.outstanding_bytes = 0
+        self.backlog_time = backlog_time
+        self.backlog_records = math.inf
+        self.backlog_bytes = math.inf
+        # each predicted shard's backlog, and the limits a shard seen for the first time
+        # starts with (its ceiling's worth, planned by the pipeline); the records admitted
+        # before the shard map was ready count in ``unplaced``, under the stream's limit
+        self.backlogs: dict[str, ShardBacklog] = {}
+        self.new_shard_records = math.inf
+        self.new_shard_bytes = math.inf
+        self.unplaced = ShardBacklog(None, math.inf, math.inf)
+        self.received = 0  # user records admitted for this stream
+        # the earliest deadline the Aggregator's task was told of (it plans its own wake-ups
+        # from there on)
+        self.wake_at = math.inf
+        # adaptive batching: set by the pipeline while nothing is in flight or on its way to
+        # the Sender; the next record then asks for what the stages hold to go at once
+        # (``send_now``), and clears it
+        self.idle = False
+        self.send_now: Callable[[], object] = _nothing
+        self._sealed: list[KinesisRecord] = []
+
+    def place(self, record: PendingRecord) -> ShardBacklog:
+        """Predict ``record``'s shard (``predicted_shard``) and return the backlog it counts
+        in: its shard's, or ``unplaced`` while the shard map is not ready."""
+        shard = record.predicted_shard = self.shard_map.shard_id(record.hash_key)
+        if shard is None:
+            return self.unplaced
+        backlog = self.backlogs.get(shard)
+        if backlog is None:
+            backlog = self.backlogs[shard] = ShardBacklog(
+                shard, self.new_shard_records, self.new_shard_bytes
+            )
+        return backlog
+
+    def has_room(self, size: int, backlog: ShardBacklog) -> bool:
+        """Whether a record of ``size`` bytes fits in ``backlog``'s limit (a shard with
+        nothing outstanding always takes one record); for ``unplaced``, in the stream's limit
+        (likewise for a stream with nothing outstanding)."""
+        if backlog.shard is None:
+            held = self.outstanding_records
+            return not held or (
+                held < self.backlog_records and self.outstanding_bytes + size <= self.backlog_bytes
+            )
+        held = backlog.outstanding_records
+        return not held or (
+            held < backlog.limit_records and backlog.outstanding_bytes + size <= backlog.limit_bytes
+        )
+
+    def put(self, record: PendingRecord) -> None:
+        """Hand an admitted record to the aggregator, and what it seals to the Limiter."""
+        aggregator = self.aggregator
+        if aggregator.map_unavailable and not self.shard_map.refresh_requested:
+            # ListShards failed for good (a missing stream): this record goes out raw and
+            # fails fast; ListShards is tried again now records come (after its backoff)
+            self.shard_map.refresh_requested = True
+            self.request_refresh()
+        sealed = self._sealed
+        if aggregator.put_placed(record, sealed) and record.deadline < self.wake_at:
+            self.wake_at = record.deadline
+            self.wake()
+        if sealed:
+            self._sealed = []
+            self.ship(sealed)
+        if self.idle:
+            self.idle = False
+            self.send_now()
+
+    def finish(self, records: Sequence[PendingRecord], success: bool) -> None:
+        """Resolve records of this stream (the Retrier's, and the producer's when it fails
+        everything) and give their room back."""
+        count, nbytes = self._producer_finish(records, success)
+        self.outstanding_records -= count
+        self.outstanding_bytes -= nbytes
+
+
+def _nothing() -> None:
+    return None
+
+
+def offset_clock(base: Callable[[], float], offset: float) -> Callable[[], float]:
+    """A clock that reads ``base() + offset``, as one call."""
+
+    def clock() -> float:
+        return base() + offset
+
+    return clock
+
+
+def _key_facts(partition_key: str) -> tuple[int, int]:
+    """(hash key, UTF-8 length) of a partition key."""
+    try:
+        encoded = partition_key.encode()
+    except UnicodeEncodeError as exc:
+        raise errors.InvalidRecordError(f"partition_key is not valid Unicode: {exc}") from None
+    return partition_key_hash(encoded), len(encoded)
+
+
+def _unpack_batch_record(item: object) -> tuple[object, object, object]:
+    """(data, partition key, explicit hash key) of one item of :meth:`Producer.submit_many`."""
+    if isinstance(item, tuple):
+        size = len(item)
+        if size == 2:
+            return item[0], item[1], None
+        if size == 1:
+            return item[0], None, None
+        if size == 3:
+            return item[0], item[1], item[2]
+    elif isinstance(item, (bytes, bytearray, memoryview)):
+        return item, None, None
+    raise errors.RecordTypeError(
+        "each record is its data (bytes, bytearray or memoryview) or a tuple (data, "
+        f"partition_key[, explicit_hash_key]), not {type(item).__name__}"
+    )
+
+
+def _as_bytes(data: object) -> bytes:
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return bytes(data)
+    if isinstance(data, str):
+        raise errors.RecordTypeError(
+            "data must be bytes, bytearray or memoryview, not str: encode it first "
+            "(for example data.encode())"
+        )
+    raise errors.RecordTypeError(
+        f"data must be bytes, bytearray or memoryview, not {type(data).__name__}"
+    )
+
+
+def _parse_explicit_hash_key(value: object) -> int:
+    # Sizes are checked before any conversion: Python refuses to convert a str of more than
+    # 4,300 digits to an int, or such an int to a str, and a hash key never needs more than 39.
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise errors.RecordTypeError(
+            f"explicit_hash_key must be a decimal str or int, not {type(value).__name__}"
+        )
+    out_of_range = "explicit_hash_key must be in [0, 2**128 - 1]"
+    number: int
+    if isinstance(value, str):
+        if not value.isascii() or not value.isdigit():
+            shown = repr(value) if len(value) <= 60 else f"{value[:30]!r}... ({len(value)} chars)"
+            raise errors.InvalidRecordError(
+                f"explicit_hash_key must be a decimal integer, got {shown}"
+            )
+        digits = value.lstrip("0") or "0"
+        if len(digits) > len(str(_limits.MAX_HASH_KEY)):
+            raise errors.InvalidRecordError(
+                f"{out_of_range}, got a decimal integer of {len(digits)} digits"
+            )
+        number = int(digits)
+    else:
+        number = value
+    if not 0 <= number <= _limits.MAX_HASH_KEY:
+        if number.bit_length() <= 256:
+            raise errors.InvalidRecordError(f"{out_of_range}, got {number}")
+        sign = "a negative" if number < 0 else "an"
+        raise errors.InvalidRecordError(
+            f"{out_of_range}, got {sign} integer of {number.bit_length()} bits"
+        )
+    return number

@@ -1,0 +1,622 @@
+"""Records and their results: the per-record objects of the hot path.
+
+A user record *is* its :class:`PendingRecord`: one small slotted object carries the record's data,
+hash key, deadlines and attempt history, and is the one-shot handle the caller awaits. No task,
+no future and no event exist per record unless somebody awaits a record that is not yet done
+(the event is created lazily). A Kinesis record (:class:`KinesisRecord`) owns the handles of the
+user records it carries; the Retrier resolves them when the PutRecords outcome arrives.
+
+Attempt history follows the KPL (aws/kinesis/core/user_record.cc, ``to_put_record_result``):
+an attempt's ``delay`` is the time from the record's arrival (first attempt) or from the end of
+the previous attempt (later attempts) to the attempt's start; ``duration`` is the attempt's own
+length. Attempts are stored as shared :class:`AttemptRecord` objects — one per Kinesis record
+per try, shared by every user record in the aggregate — and turned into public
+:class:`Attempt` values only when a result is asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from collections.abc import Awaitable, Callable, Coroutine, Generator
+from hashlib import md5
+from typing import TYPE_CHECKING, Any, Final
+
+import anyio
+
+from .. import errors
+from .._compat import mypyc_attr
+from .._runtime import _awaiting
+from ._results import Attempt, RecordResult
+from ._wire import AggregateBuilder
+
+if TYPE_CHECKING:
+    from .._runtime._spool import Segment
+
+__all__ = (
+    "Attempt",
+    "BatchCounter",
+    "KinesisRecord",
+    "PendingRecord",
+    "RecordResult",
+    "ShardBacklog",
+)
+
+logger = logging.getLogger("anykpl.records")
+
+
+# Final: the compiled build keeps these in C variables instead of looking them up in the
+# module's dictionary on every use (they are read once or more per record)
+_new_tuple: Final = tuple.__new__
+
+
+@mypyc_attr(acyclic=True)
+class AttemptRecord:
+    """One try of one Kinesis record, shared by all the user records it carried.
+
+    Acyclic (compiled build): it holds numbers and strings only, so it stays out of the garbage
+    collector, as :class:`PendingRecord` does.
+    """
+
+    __slots__ = ("code", "end", "message", "start", "success")
+
+    def __init__(
+        self, start: float, end: float, success: bool, code: str | None, message: str | None
+    ) -> None:
+        self.start = start
+        self.end = end
+        self.success = success
+        self.code = code
+        self.message = message
+
+
+class BatchCounter:
+    """How many records of one :meth:`Producer.submit_many` batch are still pending, and how
+    many failed: what :class:`~anykpl.PendingBatch` reports without looking at each record.
+
+    Every record of the batch points to it (``PendingRecord._batch``) and counts itself out
+    when it becomes terminal, once. It refers to no record, so no cycle runs through it.
+    ``on_done``, if set, is called once, where the last record is resolved (SyncProducer's
+    batch future; it is cleared before the call).
+    """
+
+    __slots__ = ("_event", "failed", "on_done", "remaining")
+
+    def __init__(self) -> None:
+        self.remaining = 0
+        self.failed = 0
+        self._event: anyio.Event | None = None
+        self.on_done: Callable[[], None] | None = None
+
+    def record_done(self, success: bool) -> None:
+        """One record of the batch became terminal."""
+        if not success:
+            self.failed += 1
+        self.remaining -= 1
+        if not self.remaining:
+            event = self._event
+            if event is not None:
+                self._event = None
+                event.set()
+            on_done = self.on_done
+            if on_done is not None:
+                self.on_done = None
+                try:
+                    on_done()
+                except Exception:
+                    # as a record's hook: the stage resolving the batch must go on
+                    logger.exception("the completion hook of a batch failed")
+
+    def wait(self) -> Awaitable[None]:
+        """Wait until no record of the batch is pending (``await counter.wait()``)."""
+        if self.remaining:
+            return _awaiting.batch_done(self)
+        return _awaiting.checkpoint_or_nothing(resolved_checkpoint())
+
+    def _waiter(self) -> anyio.Event:
+        """The event set when no record of the batch is pending (made on first use); only
+        while some is."""
+        event = self._event
+        if event is None:
+            event = self._event = anyio.Event()
+        return event
+
+
+def _ready(record: PendingRecord) -> Generator[Any, None, RecordResult]:
+    """``await`` of a record that is done, where nothing is to be awaited first: a generator
+    that ends at its first step with the record's result (or raises its failure). Compiled
+    like the rest of this module, which is safe because it never suspends: nothing can be
+    thrown into it (see ``_awaiting``)."""
+    yield from ()  # a generator, and no step of its own
+    return record.result()
+
+
+#: Awaiting a handle whose result is already there does what awaiting a done future does in
+#: the running library, not a full checkpoint (a trip through the event loop, 3-4 µs per
+#: record, more than the rest of a record's path): under trio a cancellation check, as trio's
+#: own cheap operations do; under asyncio nothing, as a done ``asyncio.Future``. One such await
+#: in ``RESOLVED_YIELD_EVERY`` is a full checkpoint, so a loop over done handles lets other
+#: tasks run and, under asyncio, is cancelled within that many awaits.
+RESOLVED_YIELD_EVERY: Final = 64
+_resolved_awaits: Final = [0]
+#: trio's run context, once trio is imported: ``[context, trio module, fast]``. ``fast``: the
+#: cancellation check reads the task's cancel status directly, which is what
+#: ``trio.lowlevel.checkpoint_if_cancelled`` reads, without its coroutine and its second
+#: look-up of the task (0.2 µs against 0.8 µs per await, see the CHANGELOG); checked
+#: once against the trio installed, and the public function otherwise.
+_trio: Final[list[Any]] = [None, None, False]
+
+
+def resolved_checkpoint() -> Awaitable[None] | None:
+    """What an await whose result is already there awaits (``None``: nothing). A plain
+    function returning the backend's awaitable: no coroutine frame of its own on a path that
+    every awaited record takes."""
+    count = _resolved_awaits[0] + 1
+    if count >= RESOLVED_YIELD_EVERY:
+        _resolved_awaits[0] = 0
+        return anyio.lowlevel.checkpoint()
+    _resolved_awaits[0] = count
+    context = _trio[0]
+    if context is None:
+        if "trio" not in sys.modules:
+            return None
+        context = _find_trio()
+    task = getattr(context, "task", None)  # a trio task: a guest run on asyncio too
+    if task is None:
+        return None
+    if not _trio[2]:
+        return _trio[1].lowlevel.checkpoint_if_cancelled()  # type: ignore[no-any-return]
+    if task._cancel_status.effectively_cancelled:
+        return _trio[1].lowlevel.checkpoint()  # type: ignore[no-any-return]
+    return None
+
+
+def _find_trio() -> Any:
+    """Look trio's run context up once (see ``_trio``)."""
+    trio = sys.modules["trio"]
+    try:
+        from trio._core._run import GLOBAL_RUN_CONTEXT, CancelStatus
+    except ImportError:  # another layout: the public check only, with trio's own test
+        _trio[:] = [_PublicTrioContext(trio), trio, False]
+        return _trio[0]
+    fast = hasattr(trio.lowlevel.Task, "_cancel_status") and hasattr(
+        CancelStatus, "effectively_cancelled"
+    )
+    _trio[:] = [GLOBAL_RUN_CONTEXT, trio, fast]
+    return GLOBAL_RUN_CONTEXT
+
+
+class _PublicTrioContext:
+    """Stands for trio's run context where its module layout is not the one known here:
+    ``task`` is whether the caller is in a trio task."""
+
+    __slots__ = ("_trio",)
+
+    def __init__(self, trio: Any) -> None:
+        self._trio = trio
+
+    @property
+    def task(self) -> bool | None:
+        return True if self._trio.lowlevel.in_trio_task() else None
+
+
+class ShardBacklog:
+    """The admitted, unfinished user records of one predicted shard (or of a stream's records
+    admitted before their shard was known), and the most it may hold: what admission per
+    shard compares (``Intake.has_room``).
+
+    Every admitted record points to the backlog it was counted in (``PendingRecord.backlog``)
+    and counts itself out when it becomes terminal (``Intake.finish``), once, wherever it went
+    meanwhile (a retry after a reshard may send it to another shard). Like
+    :class:`BatchCounter`, it refers to no record.
+    """
+
+    __slots__ = (
+        "limit_bytes",
+        "limit_records",
+        "outstanding_bytes",
+        "outstanding_records",
+        "shard",
+        "waits",
+    )
+
+    def __init__(self, shard: str | None, limit_records: float, limit_bytes: float) -> None:
+        self.shard = shard  # None: the stream's records admitted before the shard map was ready
+        self.outstanding_records = 0
+        self.outstanding_bytes = 0
+        # planned by the stream's pipeline: ``max_outstanding_time`` of what the shard delivers
+        self.limit_records = limit_records
+        self.limit_bytes = limit_bytes
+        self.waits = 0  # records that had to wait for room here (``Admission.wait``)
+
+    def __repr__(self) -> str:
+        return (
+            f"<ShardBacklog {self.shard} {self.outstanding_records} records / "
+            f"{self.outstanding_bytes} bytes of {self.limit_records:g} / {self.limit_bytes:g}>"
+        )
+
+
+_PENDING: Final = 0
+_SUCCEEDED: Final = 1
+_FAILED: Final = 2
+
+
+# Acyclic in the compiled build: a PendingRecord is not a container the cyclic garbage collector
+# tracks (mypyc leaves out its GC header and traverse function). One record each lives from
+# submit to its PutRecords response, so tracked records filled the collector's older
+# generations and set off full collections over everything the process holds (a quarter of a
+# firehose's CPU, see the CHANGELOG). What makes that safe: a record refers to strings, bytes,
+# numbers and AttemptRecords only, apart from three slots that may lead back to it, each
+# cleared when the record becomes terminal (``_resolve`` clears ``_event`` and ``_on_done``,
+# ``Intake.finish`` clears ``spool_segment``), so no cycle runs through a finished record; and
+# no subclass can add one (a compiled class takes no interpreted subclasses). The pure-Python
+# package keeps the record tracked: ``mypyc_attr`` does nothing at run time.
+@mypyc_attr(acyclic=True)
+class PendingRecord:
+    """A record that was admitted by :meth:`Producer.submit`, and its result handle.
+
+    ``await pending`` returns the :class:`RecordResult` once the record succeeded, or raises
+    :class:`~anykpl.errors.RecordFailedError` once it failed. Cancelling an ``await`` cancels
+    only the wait, never the record: it is delivered (or fails) all the same.
+    """
+
+    __slots__ = (
+        "_batch",
+        "_earlier_attempts",
+        "_event",
+        "_last_attempt",
+        "_on_done",
+        "_state",
+        "arrival",
+        "backlog",
+        "data",
+        "deadline",
+        "expiration",
+        "explicit_hash_key",
+        "hash_key",
+        "partition_key",
+        "predicted_shard",
+        "sequence_number",
+        "shard_id",
+        "size",
+        "spool_segment",
+        "stream",
+        "sub_sequence_number",
+        "tenant",
+    )
+
+    def __init__(
+        self,
+        stream: str,
+        partition_key: str,
+        data: bytes,
+        hash_key: int,
+        explicit_hash_key: str | None,
+        arrival: float,
+        deadline: float,
+        expiration: float,
+        size: int | None = None,
+    ) -> None:
+        self.stream = stream
+        self.partition_key = partition_key
+        self.data = data
+        self.hash_key = hash_key
+        self.explicit_hash_key = explicit_hash_key
+        self.arrival = arrival
+        self.deadline = deadline
+        self.expiration = expiration
+        # data + UTF-8 partition key: what the record counts towards the limits
+        self.size = len(data) + len(partition_key.encode()) if size is None else size
+        self.predicted_shard: str | None = None
+        self.shard_id: str | None = None
+        self.sequence_number: str | None = None
+        self.sub_sequence_number: int | None = None
+        # the tenant it was put for (tenant quotas and the Limiter's fair queue), or None
+        self.tenant: str | None = None
+        # the spool segment that holds the record on disk (``spool_dir``), until it is terminal
+        self.spool_segment: Segment | None = None
+        # The latest attempt in a slot and earlier ones in a tuple: no list per record, since
+        # most records succeed at the first attempt (every allocation here costs GC time).
+        self._last_attempt: AttemptRecord | None = None
+        self._earlier_attempts: tuple[AttemptRecord, ...] = ()
+        self._state = _PENDING
+        self._event: anyio.Event | None = None
+        # Called once, with the record, when it becomes terminal (SyncProducer completes its
+        # futures with it). Private: one slot and one check per record, no callback list.
+        self._on_done: Callable[[PendingRecord], object] | None = None
+        # the counter of the submit_many batch it came in, or None
+        self._batch: BatchCounter | None = None
+        # the shard backlog it was admitted into (Intake.enqueue), None until then
+        self.backlog: ShardBacklog | None = None
+
+    def __repr__(self) -> str:
+        state = ("pending", "succeeded", "failed")[self._state]
+        return (
+            f"<PendingRecord stream={self.stream!r} partition_key={self.partition_key!r} "
+            f"{len(self.data)} bytes {state} after {len(self._attempts())} attempt(s)>"
+        )
+
+    def done(self) -> bool:
+        """Whether the record is terminal (succeeded or failed)."""
+        return self._state != _PENDING
+
+    def result(self) -> RecordResult:
+        """The record's result.
+
+        :raises RuntimeError: if the record is not done yet.
+        :raises ~anykpl.errors.RecordFailedError: if it failed.
+        """
+        if self._state == _PENDING:
+            raise RuntimeError("the record is not done yet; await it")
+        # Built on each call, not cached: a cached result would keep three more objects alive
+        # per record for the garbage collector to walk (see the CHANGELOG's measurements).
+        result = self._build_result()
+        if self._state == _FAILED:
+            raise errors.RecordFailedError(result)
+        return result
+
+    def wait(self) -> Coroutine[Any, Any, RecordResult]:
+        """Wait until the record is terminal; same as ``await pending``: ``await
+        pending.wait()``, a coroutine."""
+        return _awaiting.record_wait(self)
+
+    def _wait_done(self) -> Awaitable[None]:
+        """Wait until the record is terminal, without raising its failure."""
+        return _awaiting.record_done(self)
+
+    def _waiter(self) -> anyio.Event:
+        """The event set when the record becomes terminal (made on first use); only while it
+        is pending."""
+        event = self._event
+        if event is None:
+            event = self._event = anyio.Event()
+        return event
+
+    def __await__(self) -> Generator[Any, None, RecordResult]:
+        if self._state == _PENDING:
+            return _awaiting.record_result(self).__await__()
+        checkpoint = resolved_checkpoint()
+        if checkpoint is not None:
+            return _awaiting.result_after(checkpoint, self).__await__()
+        return _ready(self)
+
+    # -- used by the pipeline -------------------------------------------------------------
+
+    def _build_result(self) -> RecordResult:
+        success = self._state == _SUCCEEDED
+        a = self._last_attempt
+        if success and a is not None and not self._earlier_attempts:
+            # The common case, built with tuple.__new__ directly: a named tuple's generated
+            # __new__ is a Python function, and this runs once per record.
+            delay = a.start - self.arrival
+            duration = a.end - a.start
+            attempt = _new_tuple(
+                Attempt,
+                (
+                    delay if delay > 0.0 else 0.0,
+                    duration if duration > 0.0 else 0.0,
+                    True,
+                    None,
+                    None,
+                ),
+            )
+            return _new_tuple(
+                RecordResult,
+                (True, self.shard_id, self.sequence_number, self.sub_sequence_number, (attempt,)),
+            )
+        attempts = []
+        previous_end = self.arrival
+        for a in self._attempts():
+            attempts.append(
+                Attempt(
+                    delay=max(0.0, a.start - previous_end),
+                    duration=max(0.0, a.end - a.start),
+                    success=a.success,
+                    error_code=a.code,
+                    error_message=a.message,
+                )
+            )
+            previous_end = a.end
+        return RecordResult(
+            success=success,
+            shard_id=self.shard_id if success else None,
+            sequence_number=self.sequence_number if success else None,
+            sub_sequence_number=self.sub_sequence_number if success else None,
+            attempts=tuple(attempts),
+        )
+
+    def _attempts(self) -> tuple[AttemptRecord, ...]:
+        last = self._last_attempt
+        return self._earlier_attempts if last is None else (*self._earlier_attempts, last)
+
+    def _add_attempt(self, attempt: AttemptRecord) -> None:
+        if self._state != _PENDING:
+            # already terminal (failed at close while its request was in flight): its history
+            # ends with the attempt that decided it
+            return
+        last = self._last_attempt
+        if last is not None:
+            self._earlier_attempts = (*self._earlier_attempts, last)
+        self._last_attempt = attempt
+
+    def _resolve(self, success: bool) -> None:
+        self._state = _SUCCEEDED if success else _FAILED
+        batch = self._batch
+        if batch is not None:
+            batch.record_done(success)
+        event = self._event
+        if event is not None:
+            self._event = None  # its waiters hold it; a record holds nothing that leads back
+            event.set()
+        on_done = self._on_done
+        if on_done is not None:
+            self._on_done = None
+            try:
+                on_done(self)
+            except Exception:
+                # it runs inside the stage that resolves a whole batch: the other records of
+                # the batch must still be resolved
+                logger.exception("the completion hook of %r failed", self)
+
+
+class KinesisRecord:
+    """One Kinesis record: a single user record sent raw, or an aggregate of several.
+
+    It owns the handles of its user records. ``deadline`` and ``expiration`` are the earliest of
+    its records' (aws/kinesis/utils/time_sensitive.h), ``size`` is what the record counts
+    towards a PutRecords request (partition key + data, as the service counts it), and
+    ``predicted_shard`` is the shard the aggregator predicted, or ``None`` when the shard map
+    was not ready (such records bypass the limiter, as in the KPL).
+    """
+
+    __slots__ = (
+        "_builder",
+        "_data",
+        "deadline",
+        "expiration",
+        "explicit_hash_key",
+        "partition_key",
+        "predicted_shard",
+        "records",
+        "shared_paid",
+        "size",
+        "tenant",
+    )
+
+    def __init__(
+        self,
+        records: list[PendingRecord],
+        data: bytes,
+        partition_key: str,
+        explicit_hash_key: str,
+        predicted_shard: str | None,
+        deadline: float,
+        expiration: float,
+    ) -> None:
+        self.records = records
+        self._data: bytes | None = data
+        self._builder: AggregateBuilder | None = None
+        self.partition_key = partition_key
+        self.explicit_hash_key = explicit_hash_key
+        self.predicted_shard = predicted_shard
+        self.deadline = deadline
+        self.expiration = expiration
+        # data + UTF-8 partition key, as the service counts a record against its limits
+        self.size = len(data) + _utf8_length(partition_key)
+        # every user record of an aggregate has the same tenant (the Aggregator keeps tenants
+        # apart), so the Limiter can queue the Kinesis record fairly by tenant
+        self.tenant = records[0].tenant if records else None
+        # the Limiter reserved its tokens in the producer-wide (fleet) bucket already
+        self.shared_paid = False
+
+    def __repr__(self) -> str:
+        return (
+            f"<KinesisRecord {len(self.records)} user record(s) {self.size} bytes "
+            f"predicted={self.predicted_shard}>"
+        )
+
+    @classmethod
+    def aggregate(
+        cls,
+        records: list[PendingRecord],
+        builder: AggregateBuilder,
+        partition_key: str,
+        explicit_hash_key: str,
+        predicted_shard: str,
+        deadline: float,
+        expiration: float,
+    ) -> KinesisRecord:
+        """An aggregate of ``records``, built by ``builder``. Its bytes are made only when they
+        are sent (:attr:`data`): until then the user records' own bytes are the only copy of
+        the payload, so ``max_outstanding_bytes`` counts what is really held."""
+        kr = cls(
+            records, b"", partition_key, explicit_hash_key, predicted_shard, deadline, expiration
+        )
+        kr._data = None
+        kr._builder = builder
+        kr.size = builder.size + _utf8_length(partition_key)
+        return kr
+
+    @property
+    def data(self) -> bytes:
+        """The Kinesis record's bytes (an aggregate is serialized on first use)."""
+        data = self._data
+        if data is None:
+            assert self._builder is not None
+            data = self._data = self._builder.serialize()
+            self._builder = None
+        return data
+
+    def split(self, max_size: int) -> list[KinesisRecord]:
+        """This aggregate as smaller ones of at most ``max_size`` bytes, its user records in
+        order (itself alone if it is not an aggregate, already serialized, or small enough)."""
+        builder = self._builder
+        records = self.records
+        if builder is None or len(records) < 2 or builder.size <= max_size:
+            return [self]
+        pieces: list[KinesisRecord] = []
+        part: list[PendingRecord] = []
+        current = AggregateBuilder()
+        for record in records:
+            pk, ehk = record.partition_key, record.explicit_hash_key
+            if not current.add_within(pk, ehk, record.data, max_size):
+                if part:
+                    pieces.append(self._piece(part, current))
+                    part, current = [], AggregateBuilder()
+                # it starts the next piece, whatever its size (bigger than a piece: it goes
+                # alone, raw)
+                current.add_within(pk, ehk, record.data, math.inf)
+            part.append(record)
+        pieces.append(self._piece(part, current))
+        return pieces
+
+    def _piece(self, records: list[PendingRecord], builder: AggregateBuilder) -> KinesisRecord:
+        first = records[0]
+        if len(records) == 1:
+            piece = KinesisRecord.single(first)
+        else:
+            shard = self.predicted_shard
+            assert shard is not None  # an unserialized aggregate always has one
+            piece = KinesisRecord.aggregate(
+                records,
+                builder,
+                self.partition_key,
+                first.explicit_hash_key or str(first.hash_key),
+                shard,
+                min(r.deadline for r in records),
+                min(r.expiration for r in records),
+            )
+        piece.shared_paid = self.shared_paid
+        return piece
+
+    def release(self) -> None:
+        """Drop the serialized bytes of an aggregate once its request is done (the user
+        records keep their own)."""
+        if self._builder is None and len(self.records) > 1:
+            self._data = b""
+
+    @classmethod
+    def single(cls, record: PendingRecord) -> KinesisRecord:
+        """A Kinesis record carrying one user record, sent raw with the user's partition key and
+        the record's hash key as explicit hash key (always set, as in kinesis_record.cc)."""
+        return cls(
+            [record],
+            record.data,
+            record.partition_key,
+            record.explicit_hash_key or str(record.hash_key),
+            record.predicted_shard,
+            record.deadline,
+            record.expiration,
+        )
+
+
+def _utf8_length(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode())
+
+
+def partition_key_hash(partition_key: str | bytes) -> int:
+    """The KPL's hash key of a partition key: MD5 of its UTF-8 bytes as a big-endian uint128."""
+    if isinstance(partition_key, str):
+        partition_key = partition_key.encode()
+    return int.from_bytes(md5(partition_key, usedforsecurity=False).digest(), "big")

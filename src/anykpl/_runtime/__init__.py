@@ -1,0 +1,4 @@
+"""The runtime around the core: the producer's lifecycle, admission and its waits, each
+stream's tasks, the spool's store and syncer, and which event loop runs them (anyio, on
+asyncio or trio). It talks to Kinesis only through a transport (``_transport/``).
+"""

@@ -1,0 +1,178 @@
+"""The AWS SDK clients the producer makes, and which event loop runs them.
+
+One factory, :func:`create_client`, builds every aiobotocore client anykpl uses — the Kinesis
+transport (``_sender.py``), the fleet coordinator's S3 client (``_fleet/``) and the CloudWatch
+metrics sink — from the producer's settings. The SDK's own retries are off everywhere
+(``total_max_attempts=1``, one attempt per call), as the KPL builds its client with
+``DefaultRetryStrategy(0)``: the caller owns retrying. botocore's ``max_attempts`` counts
+*retries* after the first attempt, so ``max_attempts=1`` (what anykpl once passed) let the SDK
+repeat every call once on a 5xx, a throttling code, a timeout or a reset, unseen by the attempt
+history, the backoff, the retry budget and adaptive control.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any, overload
+
+# Imported with anykpl, not when a producer opens: these imports take 0.2-0.4 s (aiohttp,
+# botocore), and inside ``async with Producer(...)`` they would stall a running service's event
+# loop for that long, every task with it. aiobotocore's endpoint module also brings in its httpx
+# session (trio's HTTP client) when httpx is installed.
+from aiobotocore.config import AioConfig
+from aiobotocore.session import AioSession
+from botocore.loaders import Loader, create_loader
+
+from ..config import ProducerConfig
+
+__all__ = ("create_client", "http_backend", "running_trio")
+
+
+def running_trio() -> bool:
+    try:
+        import sniffio
+    except ImportError:  # pragma: no cover - trio depends on sniffio
+        return False
+    try:
+        return bool(sniffio.current_async_library() == "trio")
+    except sniffio.AsyncLibraryNotFoundError:
+        return False
+
+
+def http_backend(config: ProducerConfig) -> str:
+    """The HTTP client the producer's AWS clients use: ``"aiohttp"`` or ``"httpx"``
+    (``http_backend="auto"``: httpx under trio, aiohttp otherwise)."""
+    if config.http_backend == "auto":
+        return "httpx" if running_trio() else "aiohttp"
+    return config.http_backend
+
+
+def create_client(
+    config: ProducerConfig,
+    service: str,
+    *,
+    max_pool_connections: int,
+    region: str | None = None,
+    endpoint_url: str | None = None,
+) -> AbstractAsyncContextManager[Any]:
+    """An aiobotocore client for ``service`` with the producer's settings: credentials,
+    profile, region, certificate check, proxy, timeouts and HTTP backend (aiohttp under asyncio,
+    httpx under trio, unless ``http_backend`` says otherwise). The SDK makes exactly one
+    attempt per call (see the module's docstring): whoever calls it owns retrying. The Kinesis
+    transport, the fleet coordinator's S3 client and the CloudWatch metrics sink all use it."""
+    backend = http_backend(config)
+    options: dict[str, Any] = {
+        "max_pool_connections": max_pool_connections,
+        "connect_timeout": config.connect_timeout,
+        "read_timeout": config.request_timeout,
+        # total_max_attempts counts the first attempt; max_attempts would count retries
+        "retries": {"total_max_attempts": 1, "mode": "standard"},
+    }
+    if config.proxy_url is not None:
+        # every scheme: an endpoint over http (the emulator) or https goes through the proxy
+        options["proxies"] = {"http": config.proxy_url, "https": config.proxy_url}
+    if backend == "httpx":
+        from aiobotocore.httpxsession import HttpxSession
+
+        options["http_session_cls"] = HttpxSession
+    client: AbstractAsyncContextManager[Any] = _session(config.profile).create_client(
+        service,
+        region_name=region or config.region,
+        endpoint_url=endpoint_url,
+        aws_access_key_id=config.aws_access_key_id,
+        aws_secret_access_key=config.aws_secret_access_key,
+        aws_session_token=config.aws_session_token,
+        # None hands the choice to botocore's chain (AWS_CA_BUNDLE, the profile's ca_bundle)
+        verify=config.ca_bundle if config.verify_certificate else False,
+        config=AioConfig(**options),
+    )
+    return client
+
+
+# ---------------------------------------------------------------------------------------------
+# The SDK's data files, read once per process
+#
+# Every client needs botocore's models: the service's, its endpoint rules, endpoints.json.
+# A new AioSession reads them afresh, and before that lists every service's directory to check
+# that the service exists (about 400 directories): 70-100 ms of CPU for a Kinesis client on a
+# 2-core VM (2026-11-28), a third of it the listing, paid again by every producer, fleet store
+# and metrics sink the process opens. Every session made here shares one loader per data path
+# (what AWS_DATA_PATH or the profile's ``data_path`` says, its ``~`` and variables expanded
+# when the first session of the process names it), which keeps what it read, as botocore
+# keeps it for the clients of one session (models added under a data path later are not seen
+# by that process). Credentials and configuration stay each session's own.
+
+_loaders: dict[str | None, Loader] = {}
+_loaders_lock = threading.Lock()  # SyncProducer opens its producer on a thread of its own
+
+
+def _session(profile: str | None) -> AioSession:
+    """A new AioSession for ``profile`` that reads the SDK's data through the process's
+    shared loader (see above)."""
+    session = AioSession(profile=profile)
+    try:
+        data_path = session.get_config_variable("data_path")
+    except Exception:  # a profile that is not there: the session says so, as it always did
+        return session
+    with _loaders_lock:
+        loader = _loaders.get(data_path)
+        if loader is None:
+            # botocore's own loader for the path, as its session would make it, answering
+            # "is there a service X" for X alone
+            loader = create_loader(data_path)
+            loader.__class__ = _SharedLoader
+            _loaders[data_path] = loader
+    session.register_component("data_loader", loader)
+    return session
+
+
+class _SharedLoader(Loader):  # type: ignore[misc]  # botocore has no types
+    """botocore's loader (made by ``create_loader``, then given this class), that answers
+    "is there a service X" by looking for X alone."""
+
+    def list_available_services(self, type_name: str) -> Sequence[str]:
+        return _AvailableServices(self, type_name)
+
+
+class _AvailableServices(Sequence[str]):
+    """The services with a ``type_name`` model: membership is checked for the one service
+    asked about (what botocore does before it loads a model); the whole list, wanted only for
+    an error message, is botocore's own listing."""
+
+    def __init__(self, loader: _SharedLoader, type_name: str) -> None:
+        self._loader = loader
+        self._type_name = type_name
+
+    def __contains__(self, service: object) -> bool:
+        if not isinstance(service, str):
+            return False
+        for path in self._loader.search_paths:
+            # (named exactly, as botocore's listing names it, also where file names ignore case)
+            if not os.path.isdir(path) or service not in os.listdir(path):
+                continue
+            directory = os.path.join(path, service)
+            if not os.path.isdir(directory):
+                continue
+            for version in os.listdir(directory):
+                if self._loader.file_loader.exists(
+                    os.path.join(directory, version, self._type_name)
+                ):
+                    return True
+        return False
+
+    def _all(self) -> list[str]:
+        services: list[str] = Loader.list_available_services(self._loader, self._type_name)
+        return services
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[str]: ...
+    def __getitem__(self, index: int | slice) -> str | Sequence[str]:
+        return self._all()[index]
+
+    def __len__(self) -> int:
+        return len(self._all())
