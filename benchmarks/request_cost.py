@@ -32,7 +32,7 @@ async def measure(endpoint: str, args: argparse.Namespace) -> dict[str, list[tup
     import boto3
 
     from anykpl import ProducerConfig
-    from anykpl._transport._sender import open_transport
+    from anykpl._transport._botocore import open_transport
 
     stream = f"request-cost-{time.monotonic_ns()}"
     client = boto3.client("kinesis", region_name=REGION, endpoint_url=endpoint, **CREDENTIALS)

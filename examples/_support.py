@@ -24,7 +24,7 @@ from typing import Any
 import boto3
 import botocore.exceptions
 
-from anykpl._commands.demo.readback import count_user_records, judge
+from anykpl.readback import count_user_records, judge
 
 DUMMY_CREDENTIALS = {"aws_access_key_id": "example", "aws_secret_access_key": "example"}
 

@@ -10,12 +10,20 @@ ROOT = Path(__file__).parent.parent
 
 
 def compiled_modules() -> list[Path]:
-    """The modules listed for mypyc under ``[tool.hatch.build.targets.wheel.hooks.custom]``."""
+    """The modules listed for mypyc under ``[tool.hatch.build.targets.wheel.hooks.custom]``
+    (files, or directories: every module in them)."""
     text = (ROOT / "pyproject.toml").read_text()
     section = text.split("[tool.hatch.build.targets.wheel.hooks.custom]", 1)[1].split("\n[", 1)[0]
-    listed = re.findall(r'"/(src/anykpl/[\w/]+\.py)"', section)
-    assert listed, "no compiled module found in pyproject.toml"
-    return [ROOT / path for path in listed]
+    listed = re.findall(r'"/(src/anykpl/[\w/.]+)"', section)
+    modules = [
+        module
+        for path in listed
+        for module in (
+            [ROOT / path] if path.endswith(".py") else sorted((ROOT / path).rglob("*.py"))
+        )
+    ]
+    assert modules, "no compiled module found in pyproject.toml"
+    return modules
 
 
 def test_the_compiled_modules_hold_no_coroutine() -> None:

@@ -15,6 +15,7 @@ import pytest
 from anykpl import PendingRecord, errors
 from anykpl._core import _records as records_module
 from anykpl._core._records import AttemptRecord
+from anykpl._runtime import _awaiting
 
 
 def make_record() -> PendingRecord:
@@ -147,13 +148,13 @@ async def test_under_trio_a_done_record_checks_for_cancellation(
     # (the trio installed must be such a one), and asks trio's public function otherwise
     import trio
 
-    records_module._find_trio()
+    _awaiting.find_trio(records_module._trio)
     assert records_module._trio[2] is True
     if layout == "unknown":
         monkeypatch.setattr(
             records_module,
             "_trio",
-            [records_module._PublicTrioContext(trio), trio, False],
+            [_awaiting._PublicTrioContext(trio), trio, False],
         )
     record = resolved_record()
     with anyio.CancelScope() as scope:

@@ -13,9 +13,8 @@ import pytest
 from anykpl import errors
 from anykpl._core._limits import MAX_HASH_KEY as MAX_HASH
 from anykpl._core._records import Attempt, KinesisRecord, PendingRecord
-from anykpl._core._retrier import Observe, Retrier, StatisticSet
+from anykpl._core._retrier import Observe, Outcome, Retrier, StatisticSet
 from anykpl._core._shard_map import ShardMap
-from anykpl._transport._sender import Outcome
 
 HALF = MAX_HASH // 2
 SHARD_0 = "shardId-000000000000"

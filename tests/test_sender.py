@@ -12,11 +12,12 @@ from botocore import exceptions as be
 
 from anykpl import errors
 from anykpl._core._records import KinesisRecord, PendingRecord
-from anykpl._transport._sender import (
+from anykpl._core._retrier import Outcome
+from anykpl._runtime._sender import run_sender
+from anykpl._transport._botocore import (
     BODY_PIECE,
     KEPT_BODY_BUFFER_MAX,
     KEPT_BODY_BUFFERS,
-    Outcome,
     _BodyBuffers,
     _BodyPieces,
     _BodySlot,
@@ -27,9 +28,8 @@ from anykpl._transport._sender import (
     error_code,
     put_records_body,
     put_records_body_parts,
-    run_sender,
 )
-from anykpl._transport._sender import _host as signed_host
+from anykpl._transport._botocore import _host as signed_host
 
 
 def _client_error(code: str, status: int, message: str = "m") -> be.ClientError:
@@ -590,7 +590,7 @@ async def test_a_client_without_credentials_sends_everything_through_the_sdk() -
 
 def test_lambdas_trace_id_is_read_for_each_request(monkeypatch: pytest.MonkeyPatch) -> None:
     """As botocore's recursion-detection handler: only in Lambda, quoted as botocore quotes it."""
-    from anykpl._transport._sender import _trace_header
+    from anykpl._transport._botocore import _trace_header
 
     monkeypatch.delenv("AWS_LAMBDA_FUNCTION_NAME", raising=False)
     monkeypatch.setenv("_X_AMZN_TRACE_ID", "Root=1-a")

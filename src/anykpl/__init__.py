@@ -52,7 +52,7 @@ from ._runtime._statistics import ShardStatistics as ShardStatistics
 from ._runtime._statistics import StreamStatistics as StreamStatistics
 from ._runtime._tenants import TenantStatistics as TenantStatistics
 from ._sync import SyncProducer as SyncProducer
-from ._transport._sender import Transport as Transport
+from ._transport._protocol import Transport as Transport
 from .config import FleetConfig as FleetConfig
 from .config import ProducerConfig as ProducerConfig
 from .config import StreamSettings as StreamSettings

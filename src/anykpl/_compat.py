@@ -1,4 +1,6 @@
-"""``mypyc_attr`` for the modules the compiled build compiles, with or without mypy installed.
+"""What anykpl runs on: the build (compiled or pure, and ``mypyc_attr`` for the modules the
+compiled build compiles, with or without mypy installed) and the event loop
+(:func:`running_trio`).
 
 mypyc reads ``@mypyc_attr(...)`` when it builds the compiled package; at run time the decorator
 does nothing. ``mypy_extensions`` (where it lives) is not a dependency of anykpl, so without it
@@ -11,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
-__all__ = ("build_kind", "mypyc_attr")
+__all__ = ("build_kind", "mypyc_attr", "running_trio")
 
 _T = TypeVar("_T")
 
@@ -32,3 +34,16 @@ def build_kind() -> str:
     from ._core import _wire  # compiled with the hot path, and imports nothing that imports this
 
     return "pure Python" if _wire.__file__.endswith(".py") else "compiled"
+
+
+def running_trio() -> bool:
+    """Whether the caller runs under trio (the producer's clocks and the HTTP client the
+    transport picks depend on it)."""
+    try:
+        import sniffio
+    except ImportError:  # pragma: no cover - trio depends on sniffio
+        return False
+    try:
+        return bool(sniffio.current_async_library() == "trio")
+    except sniffio.AsyncLibraryNotFoundError:
+        return False

@@ -96,14 +96,14 @@ from anyio.abc import TaskStatus
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from . import errors
+from ._compat import running_trio
 from ._core._intake import CHECKPOINT_EVERY
 from ._core._metrics import MetricValue
 from ._core._records import PendingRecord, RecordResult
 from ._runtime._batch import BatchResult, PendingBatch
 from ._runtime._producer import BatchRecord, Producer
 from ._runtime._statistics import ProducerStatistics
-from ._transport._aws import running_trio
-from ._transport._sender import Transport
+from ._transport._protocol import Transport
 from .config import ProducerConfig
 from .metrics import MetricsSink
 

@@ -43,9 +43,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from ._commands.demo.readback import ReadRecord
     from .config import ProducerConfig
     from .emulator import Emulator, EmulatorClient
+    from .readback import ReadRecord
 
 __all__ = ("KinesisEmulator", "kinesis_emulator")
 
@@ -123,11 +123,11 @@ class KinesisEmulator:
     def records(self, stream: str) -> list[ReadRecord]:
         """Every user record in ``stream`` as a consumer reads it: each shard from
         ``TRIM_HORIZON``, aggregates deaggregated as the KCL does. Each is a
-        :class:`~anykpl._commands.demo.readback.ReadRecord` (``shard_id``, ``sequence_number``,
+        :class:`~anykpl.readback.ReadRecord` (``shard_id``, ``sequence_number``,
         ``sub_sequence_number``, ``partition_key``, ``data``), in shard order and, within a
         shard, in the order stored. Synchronous: from async code, call it through
         ``anyio.to_thread.run_sync``."""
-        from ._commands.demo.readback import read_user_records
+        from .readback import read_user_records
 
         client = self.kinesis_client()
         try:

@@ -65,7 +65,7 @@ def arm(kill: str) -> tuple[str, int]:
 
         Spool.append = torn_append  # type: ignore[method-assign]
     elif mode == "request":
-        from anykpl._transport._sender import _BotocoreTransport
+        from anykpl._transport._botocore import _BotocoreTransport
 
         original_put = _BotocoreTransport.put_records
         responses = [0]

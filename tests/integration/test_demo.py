@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 import anykpl._commands.demo
-import anykpl._commands.demo.readback
+import anykpl.readback
 from anykpl._commands.demo import (
     DeviceGroup,
     LatencyHistogram,
@@ -43,8 +43,8 @@ from anykpl._commands.demo import (
     shard_rates_from_emulator,
     workload_from,
 )
-from anykpl._commands.demo.readback import count_user_records, judge, read_user_records
 from anykpl._core._wire import encode_aggregate
+from anykpl.readback import count_user_records, judge, read_user_records
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -97,7 +97,7 @@ def test_demo_json_is_one_document_on_stdout(capsys: pytest.CaptureFixture[str])
 def test_demo_fails_when_an_acknowledged_record_is_missing(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = anykpl._commands.demo.readback.count_user_records
+    real = anykpl.readback.count_user_records
     lost: list[tuple[str, bytes]] = []
 
     def lose_one(*args: Any, **kwargs: Any) -> tuple[Counter[tuple[str, bytes]], int]:
@@ -107,7 +107,7 @@ def test_demo_fails_when_an_acknowledged_record_is_missing(
         lost.append(record)
         return found, left_out
 
-    monkeypatch.setattr(anykpl._commands.demo.readback, "count_user_records", lose_one)
+    monkeypatch.setattr(anykpl.readback, "count_user_records", lose_one)
     # and without rich, as after a plain ``pip install anykpl[emulator]``
     monkeypatch.setattr(anykpl._commands.demo, "_rich_console", lambda: None)
     status = anykpl._commands.demo.run(parse(*SHORT, "--duration", "1", "--quiet"))

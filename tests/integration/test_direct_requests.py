@@ -1,5 +1,6 @@
 """PutRecords after a stream's first: built and signed by the producer, sent through the SDK
-client's HTTP session (``_sender.py``, "PutRecords without the SDK's per-request machinery").
+client's HTTP session (``_transport/_botocore.py``, "PutRecords without the SDK's per-request
+machinery").
 
 moto's own server checks every request's SigV4 signature against the secret of an IAM user it
 knows once ``INITIAL_NO_AUTH_ACTION_COUNT`` unauthenticated calls have been made, as AWS does:
@@ -24,7 +25,7 @@ from typing import Any, ClassVar
 import pytest
 
 from anykpl import Producer, ProducerConfig
-from anykpl._transport._sender import _BotocoreTransport, open_transport
+from anykpl._transport._botocore import _BotocoreTransport, open_transport
 
 from .conftest import CREDENTIALS, REGION, serving
 from .test_end_to_end import check_read_back, make_sent, read_stream_async
@@ -127,8 +128,8 @@ async def test_a_refused_signature_sends_everything_through_the_sdk(
     ours the service does not take."""
     from botocore.exceptions import ClientError
 
-    import anykpl._transport._sender
-    from anykpl._transport._sender import error_code, put_records_body
+    import anykpl._transport._botocore
+    from anykpl._transport._botocore import error_code, put_records_body
 
     stream = _new_stream(signing_moto)
     records = [{"Data": b"x" * 10, "PartitionKey": "k"}]
@@ -143,7 +144,9 @@ async def test_a_refused_signature_sends_everything_through_the_sdk(
         assert direct is not None
         response = await transport.put_records(stream, records)  # direct
         assert response["FailedRecordCount"] == 0
-        monkeypatch.setattr(anykpl._transport._sender, "_signing_key", lambda *args: b"not the key")
+        monkeypatch.setattr(
+            anykpl._transport._botocore, "_signing_key", lambda *args: b"not the key"
+        )
         direct._keys.clear()
         body = put_records_body({"StreamName": stream, "Records": records})
         with pytest.raises(ClientError) as directly:
@@ -163,7 +166,7 @@ async def test_a_refused_signature_sends_everything_through_the_sdk(
 async def test_a_direct_error_is_the_sdks_error(moto_endpoint: str) -> None:
     """The same answer (a stream that does not exist) raises the same exception, with the same
     code and message, from the SDK's request and from a direct one."""
-    from anykpl._transport._sender import error_code
+    from anykpl._transport._botocore import error_code
 
     config = ProducerConfig(region=REGION, endpoint_url=moto_endpoint, **CREDENTIALS)
     records = [{"Data": b"x", "PartitionKey": "k"}]

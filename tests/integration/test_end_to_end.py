@@ -772,9 +772,9 @@ async def test_httpx_sends_kept_bodies_in_pieces_that_arrive_whole(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Over httpx (trio's HTTP client, here on both backends), each PutRecords body is sent in
-    pieces of a kept buffer (``_sender._BodyPieces``). With pieces of an odd 1,000 bytes, so
+    pieces of a kept buffer (``_botocore._BodyPieces``). With pieces of an odd 1,000 bytes, so
     every request has many and they cut through records, the stream holds every record."""
-    from anykpl._transport import _sender
+    from anykpl._transport import _botocore as _sender
 
     monkeypatch.setattr(_sender, "BODY_PIECE", 1000)
     pieces = Counter[str]()

@@ -141,7 +141,8 @@ def workload(seed: int) -> dict[int, Sent]:
     one in ten with an explicit hash key. The data starts with the record's id."""
     rng = random.Random(seed)
     # one key in ten has characters that JSON escapes (the producer writes PutRecords bodies
-    # itself, see _sender.put_records_body): a raw record carries its key in the request
+    # itself, see _transport._botocore.put_records_body): a raw record carries its key in
+    # the request
     keys = [f"device-{i:03d}" + ("" if i % 10 else ' "d\u00e9\\\U0001f600\t') for i in range(400)]
     sent = {}
     for uid in range(RECORDS):

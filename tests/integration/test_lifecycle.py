@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from anykpl import Producer, ProducerConfig, Transport, errors
-from anykpl._transport._sender import open_transport
+from anykpl._transport._botocore import open_transport
 
 pytestmark = pytest.mark.anyio
 

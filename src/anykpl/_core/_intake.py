@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
-from typing import Final
+from collections.abc import Callable, Iterable, Sequence, Sized
+from typing import Any, Final, Protocol
 
 from .. import errors
-from .._runtime._spool import Spool
 from . import _limits
 from ._aggregator import Aggregator
 from ._records import BatchCounter, KinesisRecord, PendingRecord, ShardBacklog, partition_key_hash
@@ -46,6 +45,7 @@ __all__ = (
     "KEY_CACHE_LIMIT",
     "RESERVE",
     "Intake",
+    "SpoolStore",
     "StreamIntake",
     "offset_clock",
 )
@@ -62,6 +62,22 @@ CHECKPOINT_EVERY: Final = 128
 #: cap, only shards holding less than an equal part of the reserve (with one more shard to
 #: come) are admitted, so a shard that holds nothing yet always finds room.
 RESERVE: Final = 0.2
+
+
+class SpoolStore(Protocol):
+    """What the intake asks of the durable spool's store (``_runtime/_spool.py``, which
+    writes the files): room, an append when a record is admitted and a word when it is
+    terminal."""
+
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def max_bytes(self) -> int: ...
+    @property
+    def segments(self) -> Sized: ...
+    def has_room(self, size: int) -> bool: ...
+    def append(self, record: PendingRecord) -> None: ...
+    def finished(self, segment: Any, success: bool) -> None: ...
 
 
 class Intake:
@@ -99,7 +115,7 @@ class Intake:
         # MD5 costs more than the dictionary lookup
         self.key_cache: dict[str, tuple[int, int]] = {}
         # the durable spool (``spool_dir``): every admitted record is appended to it
-        self.spool: Spool | None = None
+        self.spool: SpoolStore | None = None
         # while records recovered from the spool are admitted, new records wait (they go first)
         self.recovering = False
         # records failed by the producer's own end (close, a crashed stage) stay spooled, for

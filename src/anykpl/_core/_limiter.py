@@ -41,16 +41,23 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 
-from .._runtime._statistics import LimiterShardStatistics, LimiterStatistics
 from . import _limits
 from ._adaptive import RateController
 from ._records import KinesisRecord
 from ._shard_queue import DeadlineQueue, FairQueue, QueuedRecord, ShardQueue
 from ._token_bucket import BURST_SECONDS, TokenBucket
 
-__all__ = ("AdaptiveSettings", "Limiter", "ShardCounters")
+__all__ = (
+    "AdaptiveSettings",
+    "Limiter",
+    "LimiterShardStatistics",
+    "LimiterStatistics",
+    "ShardCounters",
+)
 
 logger = logging.getLogger("anykpl.limiter")
 
@@ -87,6 +94,32 @@ SAMPLE_SIZE = 5 * 1024
 
 # QueuedRecord without its generated __new__ (a Python call): this is once per Kinesis record
 _new_queued = tuple.__new__
+
+
+@dataclass(frozen=True, slots=True)
+class LimiterShardStatistics:
+    """One shard of the Limiter: its rate, what it released and waited, its rate control."""
+
+    rate: tuple[float, float]
+    records_sent: int
+    bytes_sent: int
+    token_wait: float
+    queued: int
+    cuts: int
+    noise: float
+
+
+@dataclass(frozen=True, slots=True)
+class LimiterStatistics:
+    """The Limiter of one stream (``Limiter.statistics``)."""
+
+    ceiling: tuple[float, float]
+    shards: Mapping[str, LimiterShardStatistics]
+    token_levels: Mapping[str, tuple[float, float]]
+    queue_depths: Mapping[str, int]
+    offered_records: int
+    offered_bytes: int
+    queued: int
 
 
 class AdaptiveSettings:

@@ -21,29 +21,62 @@ import math
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from hashlib import md5
-from typing import TYPE_CHECKING, Any, Final
-
-import anyio
+from typing import Any, Final, Protocol
 
 from .. import errors
 from .._compat import mypyc_attr
-from .._runtime import _awaiting
 from ._results import Attempt, RecordResult
 from ._wire import AggregateBuilder
-
-if TYPE_CHECKING:
-    from .._runtime._spool import Segment
 
 __all__ = (
     "Attempt",
     "BatchCounter",
+    "Event",
     "KinesisRecord",
     "PendingRecord",
     "RecordResult",
     "ShardBacklog",
+    "Waiting",
+    "use_waiting",
 )
 
 logger = logging.getLogger("anykpl.records")
+
+
+class Event(Protocol):
+    """The event a waiter sleeps on (``anyio.Event``, made by the runtime)."""
+
+    def set(self) -> None: ...
+    def wait(self) -> Awaitable[None]: ...
+
+
+class Waiting(Protocol):
+    """What waiting takes of the event loop: the coroutines behind ``await``, the
+    :class:`Event` a waiter sleeps on, a checkpoint and trio's run context. The runtime's
+    ``_awaiting`` module is the one (``_runtime/__init__.py`` gives it, :func:`use_waiting`):
+    the core imports no event loop, and a record is awaited only where a runtime made it."""
+
+    def new_event(self) -> Event: ...
+    def checkpoint(self) -> Awaitable[None]: ...
+    def find_trio(self, slot: list[Any]) -> Any: ...
+    def record_result(self, record: PendingRecord) -> Coroutine[Any, Any, RecordResult]: ...
+    def result_after(
+        self, checkpoint: Awaitable[None], record: PendingRecord
+    ) -> Coroutine[Any, Any, RecordResult]: ...
+    def checkpoint_or_nothing(
+        self, checkpoint: Awaitable[None] | None
+    ) -> Coroutine[Any, Any, None]: ...
+    def record_wait(self, record: PendingRecord) -> Coroutine[Any, Any, RecordResult]: ...
+    def record_done(self, record: PendingRecord) -> Coroutine[Any, Any, None]: ...
+    def batch_done(self, counter: BatchCounter) -> Coroutine[Any, Any, None]: ...
+
+
+_waiting: Final[list[Waiting]] = []
+
+
+def use_waiting(waiting: Waiting) -> None:
+    """Give the core its :class:`Waiting`."""
+    _waiting[:] = [waiting]
 
 
 # Final: the compiled build keeps these in C variables instead of looking them up in the
@@ -86,7 +119,7 @@ class BatchCounter:
     def __init__(self) -> None:
         self.remaining = 0
         self.failed = 0
-        self._event: anyio.Event | None = None
+        self._event: Event | None = None
         self.on_done: Callable[[], None] | None = None
 
     def record_done(self, success: bool) -> None:
@@ -111,15 +144,15 @@ class BatchCounter:
     def wait(self) -> Awaitable[None]:
         """Wait until no record of the batch is pending (``await counter.wait()``)."""
         if self.remaining:
-            return _awaiting.batch_done(self)
-        return _awaiting.checkpoint_or_nothing(resolved_checkpoint())
+            return _waiting[0].batch_done(self)
+        return _waiting[0].checkpoint_or_nothing(resolved_checkpoint())
 
-    def _waiter(self) -> anyio.Event:
+    def _waiter(self) -> Event:
         """The event set when no record of the batch is pending (made on first use); only
         while some is."""
         event = self._event
         if event is None:
-            event = self._event = anyio.Event()
+            event = self._event = _waiting[0].new_event()
         return event
 
 
@@ -127,7 +160,7 @@ def _ready(record: PendingRecord) -> Generator[Any, None, RecordResult]:
     """``await`` of a record that is done, where nothing is to be awaited first: a generator
     that ends at its first step with the record's result (or raises its failure). Compiled
     like the rest of this module, which is safe because it never suspends: nothing can be
-    thrown into it (see ``_awaiting``)."""
+    thrown into it (see ``_runtime/_awaiting.py``)."""
     yield from ()  # a generator, and no step of its own
     return record.result()
 
@@ -155,13 +188,13 @@ def resolved_checkpoint() -> Awaitable[None] | None:
     count = _resolved_awaits[0] + 1
     if count >= RESOLVED_YIELD_EVERY:
         _resolved_awaits[0] = 0
-        return anyio.lowlevel.checkpoint()
+        return _waiting[0].checkpoint()
     _resolved_awaits[0] = count
     context = _trio[0]
     if context is None:
         if "trio" not in sys.modules:
             return None
-        context = _find_trio()
+        context = _waiting[0].find_trio(_trio)
     task = getattr(context, "task", None)  # a trio task: a guest run on asyncio too
     if task is None:
         return None
@@ -170,35 +203,6 @@ def resolved_checkpoint() -> Awaitable[None] | None:
     if task._cancel_status.effectively_cancelled:
         return _trio[1].lowlevel.checkpoint()  # type: ignore[no-any-return]
     return None
-
-
-def _find_trio() -> Any:
-    """Look trio's run context up once (see ``_trio``)."""
-    trio = sys.modules["trio"]
-    try:
-        from trio._core._run import GLOBAL_RUN_CONTEXT, CancelStatus
-    except ImportError:  # another layout: the public check only, with trio's own test
-        _trio[:] = [_PublicTrioContext(trio), trio, False]
-        return _trio[0]
-    fast = hasattr(trio.lowlevel.Task, "_cancel_status") and hasattr(
-        CancelStatus, "effectively_cancelled"
-    )
-    _trio[:] = [GLOBAL_RUN_CONTEXT, trio, fast]
-    return GLOBAL_RUN_CONTEXT
-
-
-class _PublicTrioContext:
-    """Stands for trio's run context where its module layout is not the one known here:
-    ``task`` is whether the caller is in a trio task."""
-
-    __slots__ = ("_trio",)
-
-    def __init__(self, trio: Any) -> None:
-        self._trio = trio
-
-    @property
-    def task(self) -> bool | None:
-        return True if self._trio.lowlevel.in_trio_task() else None
 
 
 class ShardBacklog:
@@ -315,13 +319,13 @@ class PendingRecord:
         # the tenant it was put for (tenant quotas and the Limiter's fair queue), or None
         self.tenant: str | None = None
         # the spool segment that holds the record on disk (``spool_dir``), until it is terminal
-        self.spool_segment: Segment | None = None
+        self.spool_segment: Any = None
         # The latest attempt in a slot and earlier ones in a tuple: no list per record, since
         # most records succeed at the first attempt (every allocation here costs GC time).
         self._last_attempt: AttemptRecord | None = None
         self._earlier_attempts: tuple[AttemptRecord, ...] = ()
         self._state = _PENDING
-        self._event: anyio.Event | None = None
+        self._event: Event | None = None
         # Called once, with the record, when it becomes terminal (SyncProducer completes its
         # futures with it). Private: one slot and one check per record, no callback list.
         self._on_done: Callable[[PendingRecord], object] | None = None
@@ -359,26 +363,26 @@ class PendingRecord:
     def wait(self) -> Coroutine[Any, Any, RecordResult]:
         """Wait until the record is terminal; same as ``await pending``: ``await
         pending.wait()``, a coroutine."""
-        return _awaiting.record_wait(self)
+        return _waiting[0].record_wait(self)
 
     def _wait_done(self) -> Awaitable[None]:
         """Wait until the record is terminal, without raising its failure."""
-        return _awaiting.record_done(self)
+        return _waiting[0].record_done(self)
 
-    def _waiter(self) -> anyio.Event:
+    def _waiter(self) -> Event:
         """The event set when the record becomes terminal (made on first use); only while it
         is pending."""
         event = self._event
         if event is None:
-            event = self._event = anyio.Event()
+            event = self._event = _waiting[0].new_event()
         return event
 
     def __await__(self) -> Generator[Any, None, RecordResult]:
         if self._state == _PENDING:
-            return _awaiting.record_result(self).__await__()
+            return _waiting[0].record_result(self).__await__()
         checkpoint = resolved_checkpoint()
         if checkpoint is not None:
-            return _awaiting.result_after(checkpoint, self).__await__()
+            return _waiting[0].result_after(checkpoint, self).__await__()
         return _ready(self)
 
     # -- used by the pipeline -------------------------------------------------------------

@@ -44,15 +44,15 @@ import heapq
 import logging
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from .. import errors
-from .._runtime._statistics import RetrierStatistics
-from .._transport._sender import Outcome
 from ._records import AttemptRecord, KinesisRecord, PendingRecord
 from ._shard_map import ShardMap, shard_number
 
-__all__ = ("Retrier", "RetryBudget", "StatisticSet")
+__all__ = ("Outcome", "Retrier", "RetrierStatistics", "RetryBudget", "StatisticSet")
 
 logger = logging.getLogger("anykpl.retrier")
 
@@ -63,6 +63,40 @@ Observe = Callable[[str, str | None, str | None, "StatisticSet"], None]
 #: (shard, Kinesis records sent, of them throttled, accepted records, accepted bytes, when
 #: their request was sent, now): one call per predicted shard of a PutRecords response
 ShardOutcome = Callable[[str, int, int, int, int, float, float], None]
+
+
+@dataclass(frozen=True, slots=True)
+class RetrierStatistics:
+    """The Retrier of one stream (``Retrier.statistics``)."""
+
+    throttled: Mapping[str, int]
+    backoff_time: Mapping[str | None, float]
+    delayed_records: int
+    retry_budget_exhausted: int
+
+
+class Outcome:
+    """One PutRecords call: the request's records, its timing, and the response or error."""
+
+    __slots__ = ("end", "error_code", "error_message", "records", "response", "start", "stream")
+
+    def __init__(
+        self,
+        stream: str,
+        records: Sequence[Any],
+        start: float,
+        end: float,
+        response: Mapping[str, Any] | None,
+        error_code: str | None = None,
+        error_message: str | None = None,
+    ) -> None:
+        self.stream = stream
+        self.records = records
+        self.start = start
+        self.end = end
+        self.response = response
+        self.error_code = error_code
+        self.error_message = error_message
 
 
 class StatisticSet:

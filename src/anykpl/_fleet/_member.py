@@ -25,7 +25,7 @@ from typing import Any
 import anyio
 
 from .._transport._aws import create_client
-from .._transport._sender import error_code
+from .._transport._botocore import error_code
 from ..config import FleetConfig, ProducerConfig
 from ..errors import CONNECTION_ERROR, TIMEOUT
 from ._allocation import Allocator, ObservedReport
@@ -165,7 +165,7 @@ ClientFactory = Callable[[], AbstractAsyncContextManager[Any]]
 def is_strain(code: str) -> bool:
     """Whether an error code says the store is overloaded (see :data:`STRAIN_CODES`): a named
     one, or a bare 5xx status (an error without a body: botocore names it by its status,
-    ``"503"``, or :func:`~anykpl._transport._sender.error_code` as ``"HTTP503"``)."""
+    ``"503"``, or :func:`~anykpl._transport._botocore.error_code` as ``"HTTP503"``)."""
     status = code.removeprefix("HTTP")
     return code in STRAIN_CODES or (len(status) == 3 and status.isdigit() and status[0] == "5")
 

@@ -2,3 +2,8 @@
 stream's tasks, the spool's store and syncer, and which event loop runs them (anyio, on
 asyncio or trio). It talks to Kinesis only through a transport (``_transport/``).
 """
+
+from .._core._records import use_waiting
+from . import _awaiting
+
+use_waiting(_awaiting)  # the core's records are awaited through the runtime's event loop

@@ -41,11 +41,13 @@ from .._core._intake import StreamIntake
 from .._core._limiter import AdaptiveSettings, Limiter
 from .._core._metrics import Metrics
 from .._core._records import AttemptRecord, KinesisRecord, PendingRecord, ShardBacklog
-from .._core._retrier import Retrier, RetryBudget, StatisticSet
+from .._core._retrier import Outcome, Retrier, RetryBudget, StatisticSet
 from .._core._shard_map import ShardMap
 from .._core._token_bucket import TokenBucket
-from .._transport._sender import Outcome, Transport, error_code, run_sender
+from .._transport._botocore import error_code
+from .._transport._protocol import Transport
 from ..config import ProducerConfig
+from ._sender import run_sender
 from ._shard_refresh import run_shard_map
 from ._statistics import ShardStatistics, StreamStatistics
 

@@ -29,14 +29,15 @@ from typing import Any, Final
 import anyio
 
 from .. import errors
+from .._compat import running_trio
 from .._core._intake import CHECKPOINT_EVERY, Intake, offset_clock
 from .._core._limits import MAX_TENANT_LENGTH
 from .._core._metrics import Metrics, MetricValue
 from .._core._records import AttemptRecord, BatchCounter, PendingRecord, RecordResult
 from .._core._token_bucket import BURST_SECONDS, TokenBucket
 from .._fleet import FleetDemand, FleetWorker
-from .._transport._aws import running_trio
-from .._transport._sender import Transport, open_transport
+from .._transport._botocore import open_transport
+from .._transport._protocol import Transport
 from ..config import ProducerConfig
 from ..metrics import FINAL_REPORT_WHEN_CANCELLED, MetricsSink
 from ..metrics._uploader import Uploader

@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 
 from .._core._shard_map import CLOSED_SHARD_TTL, ShardMap
-from .._transport._sender import stream_parameters
+from .._transport._protocol import stream_parameters
 
 __all__ = ("ListShards", "run_shard_map")
 

@@ -1,10 +1,11 @@
-"""The frozen snapshots ``statistics()`` returns, and the stages' own.
+"""The frozen snapshots ``statistics()`` returns.
 
 Each object that owns state answers for it with a frozen snapshot (anyio's memory streams and
-trio's channels do the same): the Limiter a :class:`LimiterStatistics`, the Retrier a
-:class:`RetrierStatistics`, the Pipeline of a stream its :class:`StreamStatistics` built from
-them, and the Producer the :class:`ProducerStatistics` of every stream. Nothing reads another
-object's fields to build them.
+trio's channels do the same): the Limiter a :class:`~anykpl._core._limiter.LimiterStatistics`,
+the Retrier a :class:`~anykpl._core._retrier.RetrierStatistics` (each defined beside its owner),
+the Pipeline of a stream its :class:`StreamStatistics` built from them, and the Producer the
+:class:`ProducerStatistics` of every stream. Nothing reads another object's fields to build
+them.
 """
 
 from __future__ import annotations
@@ -21,49 +22,10 @@ if TYPE_CHECKING:
     from ._tenants import TenantStatistics
 
 __all__ = (
-    "LimiterShardStatistics",
-    "LimiterStatistics",
     "ProducerStatistics",
-    "RetrierStatistics",
     "ShardStatistics",
     "StreamStatistics",
 )
-
-
-@dataclass(frozen=True, slots=True)
-class LimiterShardStatistics:
-    """One shard of the Limiter: its rate, what it released and waited, its rate control."""
-
-    rate: tuple[float, float]
-    records_sent: int
-    bytes_sent: int
-    token_wait: float
-    queued: int
-    cuts: int
-    noise: float
-
-
-@dataclass(frozen=True, slots=True)
-class LimiterStatistics:
-    """The Limiter of one stream (``Limiter.statistics``)."""
-
-    ceiling: tuple[float, float]
-    shards: Mapping[str, LimiterShardStatistics]
-    token_levels: Mapping[str, tuple[float, float]]
-    queue_depths: Mapping[str, int]
-    offered_records: int
-    offered_bytes: int
-    queued: int
-
-
-@dataclass(frozen=True, slots=True)
-class RetrierStatistics:
-    """The Retrier of one stream (``Retrier.statistics``)."""
-
-    throttled: Mapping[str, int]
-    backoff_time: Mapping[str | None, float]
-    delayed_records: int
-    retry_budget_exhausted: int
 
 
 @dataclass(frozen=True, slots=True)

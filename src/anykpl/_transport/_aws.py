@@ -1,7 +1,7 @@
 """The AWS SDK clients the producer makes, and which event loop runs them.
 
 One factory, :func:`create_client`, builds every aiobotocore client anykpl uses — the Kinesis
-transport (``_sender.py``), the fleet coordinator's S3 client (``_fleet/``) and the CloudWatch
+transport (``_botocore.py``), the fleet coordinator's S3 client (``_fleet/``) and the CloudWatch
 metrics sink — from the producer's settings. The SDK's own retries are off everywhere
 (``total_max_attempts=1``, one attempt per call), as the KPL builds its client with
 ``DefaultRetryStrategy(0)``: the caller owns retrying. botocore's ``max_attempts`` counts
@@ -26,20 +26,10 @@ from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
 from botocore.loaders import Loader, create_loader
 
+from .._compat import running_trio
 from ..config import ProducerConfig
 
-__all__ = ("create_client", "http_backend", "running_trio")
-
-
-def running_trio() -> bool:
-    try:
-        import sniffio
-    except ImportError:  # pragma: no cover - trio depends on sniffio
-        return False
-    try:
-        return bool(sniffio.current_async_library() == "trio")
-    except sniffio.AsyncLibraryNotFoundError:
-        return False
+__all__ = ("create_client", "http_backend")
 
 
 def http_backend(config: ProducerConfig) -> str:

@@ -31,7 +31,6 @@ same way)::
     _bookkeeping.py  counts, latencies, per-shard rates (Tally, LatencyHistogram, ShardRate)
     _views.py        the progress while it runs: a rich live table, plain lines, or nothing
     _report.py       the summary after it: the producer's figures, each shard, the verdict
-    readback.py      reading the stream back and judging it (public: works on any stream)
 
 The workload and the bookkeeping are synchronous and take the time as an argument, so they are
 tested without an event loop; only ``_putting.py`` awaits. The names the demo's single module
@@ -50,7 +49,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO
 
-from . import readback
+from ... import readback
 from ._bookkeeping import RATE_WINDOW as RATE_WINDOW
 from ._bookkeeping import LatencyHistogram, ShardRate, Tally, shard_rates_from_emulator
 from ._bookkeeping import percentile as percentile

@@ -3,7 +3,7 @@ limits (:func:`report_run`), then the read-back's verdict (:func:`report_verdict
 
 Everything goes through a :class:`Printer`, which styles the lines through ``rich`` when it is
 installed and prints them plainly otherwise; the verdict itself is
-:func:`anykpl._commands.demo.readback.judge`'s.
+:func:`anykpl.readback.judge`'s.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from ..._core._limits import SHARD_BYTES_PER_SECOND, SHARD_RECORDS_PER_SECOND
 from ._views import MIB, format_ms
 
 if TYPE_CHECKING:
-    from . import readback
+    from ... import readback
     from ._putting import RunReport
 
 __all__ = ("Printer", "report_run", "report_verdict")

@@ -1,4 +1,6 @@
-"""Reading a stream back as a consumer would, and judging it against what was acknowledged.
+"""Reading a stream back as a consumer would, and judging it against what was acknowledged:
+on any stream, the service's or a local one (``anykpl demo`` and the ``kinesis_emulator``
+fixture use it).
 
 "Nothing lost" is proved from the stream itself (docs/demo.md), never by counting callbacks: every
 shard — open or closed — is read from ``TRIM_HORIZON`` with GetRecords, each Kinesis record is
@@ -23,7 +25,7 @@ from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..._core._wire import deaggregate
+from ._core._wire import deaggregate
 
 __all__ = (
     "ReadRecord",

@@ -1,4 +1,5 @@
-"""The Sender: PutRecords requests → the network → outcomes for the Retrier.
+"""The producer's transport on aiobotocore: PutRecords and ListShards, their request bodies,
+and botocore's errors as error codes.
 
 The transport is aiobotocore. Under asyncio it uses its default aiohttp session; under trio
 (detected at start, or chosen with ``http_backend="httpx"``) it uses ``HttpxSession``, which
@@ -9,8 +10,9 @@ This module is the **only** place botocore and HTTP errors are seen: :func:`erro
 them into an error code and message at this boundary, so everything downstream works on codes.
 Cancellation is never turned into an outcome — it propagates.
 
-The transport sits behind the small :class:`Transport` protocol so unit tests can drive the
-pipeline with a fake that throttles, fails or hangs on demand.
+It implements the small :class:`~anykpl.Transport` protocol (``_protocol.py``), which is also
+what lets tests drive the pipeline with a fake that throttles, fails or hangs on demand. The
+task that sends requests through it is the runtime's (``_runtime/_sender.py``).
 """
 
 from __future__ import annotations
@@ -23,14 +25,12 @@ import inspect
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
-from typing import Any, Final, Protocol
+from typing import Any, Final
 from urllib.parse import quote, urlsplit
 
-import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from botocore.auth import SIGNED_HEADERS_BLACKLIST
 from botocore.awsrequest import AWSPreparedRequest
 from botocore.exceptions import ClientError, NoCredentialsError
@@ -38,53 +38,11 @@ from botocore.exceptions import ClientError, NoCredentialsError
 from .. import errors
 from ..config import ProducerConfig
 from ._aws import create_client, http_backend
+from ._protocol import Transport, stream_parameters
 
-__all__ = (
-    "Outcome",
-    "Transport",
-    "error_code",
-    "open_transport",
-    "put_records_body",
-    "run_sender",
-    "stream_parameters",
-)
+__all__ = ("error_code", "open_transport", "put_records_body", "put_records_body_parts")
 
 logger = logging.getLogger("anykpl.sender")
-
-
-class Transport(Protocol):
-    """What the producer needs from a Kinesis client. Errors may be any exception; the Sender
-    translates them with :func:`error_code`."""
-
-    async def put_records(
-        self, stream: str, records: list[dict[str, Any]]
-    ) -> Mapping[str, Any]: ...
-
-    async def list_shards(self, **kwargs: Any) -> Mapping[str, Any]: ...
-
-
-class Outcome:
-    """One PutRecords call: the request's records, its timing, and the response or error."""
-
-    __slots__ = ("end", "error_code", "error_message", "records", "response", "start", "stream")
-
-    def __init__(
-        self,
-        stream: str,
-        records: Sequence[Any],
-        start: float,
-        end: float,
-        response: Mapping[str, Any] | None,
-        error_code: str | None = None,
-        error_message: str | None = None,
-    ) -> None:
-        self.stream = stream
-        self.records = records
-        self.start = start
-        self.end = end
-        self.response = response
-        self.error_code = error_code
-        self.error_message = error_message
 
 
 def error_code(exc: BaseException) -> tuple[str, str]:
@@ -110,14 +68,6 @@ def error_code(exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, OSError):
         return errors.CONNECTION_ERROR, f"{type(exc).__name__}: {exc}"
     return type(exc).__name__, str(exc)
-
-
-def stream_parameters(stream: str) -> dict[str, str]:
-    """How a request names ``stream``: ``StreamARN`` for a stream ARN (cross-account access,
-    as the KPL 0.15.9 sends it), ``StreamName`` otherwise."""
-    if stream.startswith("arn:"):
-        return {"StreamARN": stream}
-    return {"StreamName": stream}
 
 
 def put_records_body(parameters: Mapping[str, Any]) -> bytes:
@@ -771,53 +721,3 @@ async def open_transport(config: ProducerConfig) -> AsyncIterator[Transport]:
         yield _BotocoreTransport(
             client, body_pieces=backend == "httpx", aiohttp=backend == "aiohttp"
         )
-
-
-async def run_sender(
-    stream: str,
-    transport: Transport,
-    requests: MemoryObjectReceiveStream[list[Any]],
-    outcomes: MemoryObjectSendStream[Outcome],
-    *,
-    max_connections: int,
-    request_timeout: float,
-) -> None:
-    """Send each request with at most ``max_connections`` in flight; pass every outcome on."""
-    slots = anyio.Semaphore(max_connections)
-
-    async def send(batch: list[Any]) -> None:
-        try:
-            entries = [
-                {
-                    "Data": kr.data,
-                    "PartitionKey": kr.partition_key,
-                    "ExplicitHashKey": kr.explicit_hash_key,
-                }
-                for kr in batch
-            ]
-            start = anyio.current_time()
-            response: Mapping[str, Any] | None = None
-            code = message = None
-            try:
-                with anyio.fail_after(request_timeout):
-                    response = await transport.put_records(stream, entries)
-            except anyio.get_cancelled_exc_class():
-                raise
-            except Exception as exc:
-                code, message = error_code(exc)
-            del entries
-            for kr in batch:
-                kr.release()  # an aggregate's bytes: the user records keep their own
-            outcome = Outcome(stream, batch, start, anyio.current_time(), response, code, message)
-            try:
-                outcomes.send_nowait(outcome)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                # the Retrier is gone: the producer is shutting down and fails what is left
-                return
-        finally:
-            slots.release()
-
-    async with requests, outcomes, anyio.create_task_group() as tg:
-        async for batch in requests:
-            await slots.acquire()
-            tg.start_soon(send, batch)
