@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from anykpl import Producer, SyncProducer, TenantQuota, TenantStatistics, errors
 from anykpl._core._limits import MAX_HASH_KEY as MAX_HASH
-from anykpl._runtime._tenants import Reservation, TenantQuotas
+from anykpl._core._tenant_quotas import Reservation, TenantQuotas
 
 from .fakes import FakeKinesis
 

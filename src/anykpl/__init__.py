@@ -1,39 +1,32 @@
 """anykpl: a pure-Python port of the Amazon Kinesis Producer Library on anyio.
 
-General layout (one private module per stage; follow a record top to bottom):
+The package in layers (docs/architecture.md draws them; tests/test_layout.py keeps them):
 
-- ``_producer.py``: the :class:`Producer` facade — validation, admission (backpressure),
-  flush, close, idle streams; it asks its pipelines, never their stages.
-- ``_pipeline.py``: one stream's stages, the anyio memory object streams between them, their
-  task group, and the stream's statistics (``_statistics.py`` holds every snapshot type).
-- ``_aggregator.py``: user records → Kinesis records per predicted shard (``_wire.py`` is the
-  KPL aggregation format).
-- ``_shard_map.py``: ListShards cache and shard prediction.
-- ``_limiter.py``: per-shard token buckets (``_token_bucket.py``), adaptive control
-  (``_adaptive.py``).
-- ``_collector.py``: Kinesis records → PutRecords requests.
-- ``_sender.py``: the Kinesis transport, the only place botocore errors are seen; ``_aws.py``
-  makes every AWS client.
-- ``_retrier.py``: outcome classification, results, retries with backoff.
-- ``_records.py``: :class:`PendingRecord`, :class:`RecordResult`, :class:`Attempt`;
-  ``_batch.py``: :class:`PendingBatch` and :class:`BatchResult`, ``submit_many``'s handle.
+- ``_core/``: the sans-IO core, what happens to a record, with time passed in and no event
+  loop, network or SDK; exactly what the compiled build compiles. The stages, one module each
+  (``_aggregator.py`` with the KPL's format in ``_wire.py``, ``_shard_map.py``, ``_limiter.py``
+  with ``_token_bucket.py``, ``_shard_queue.py`` and ``_adaptive.py``, ``_collector.py``,
+  ``_retrier.py``), the per-record part of admission (``_intake.py``), the records and their
+  results (``_records.py``, ``_results.py``), the KPL's metrics (``_metrics.py``) and every
+  limit (``_limits.py``).
+- ``_runtime/``: the producer around the core: :class:`Producer` (``_producer.py``: lifecycle,
+  flush, close), admission's waits (``_admission.py``, tenants in ``_tenants.py``), each
+  stream's tasks (``_pipeline.py``, the Sender in ``_sender.py``, ListShards in
+  ``_shard_refresh.py``), awaiting a handle (``_awaiting.py``, ``_batch.py``), the durable
+  spool (``_spool.py``) and the snapshots ``statistics()`` returns (``_statistics.py``).
+- ``_transport/``: :class:`Transport` (``_protocol.py``), and the producer's own on
+  aiobotocore (``_botocore.py``: request bodies, botocore's errors as codes, the only place
+  they are seen; ``_aws.py`` makes every AWS client).
 - ``_sync.py``: :class:`SyncProducer`, the blocking facade (a Producer in a portal thread).
-- ``_metrics.py``: the KPL's metrics, counted in process; ``metrics/`` (public): the upload
-  task and the sinks that ship them (``MetricsSink``, ``CloudWatchSink``, ``PrometheusSink``,
-  ``OpenTelemetrySink``), one module each.
-- ``_limits.py``: Kinesis service limits, the one source of each number.
-- ``_intake.py``: the per-record part of admission (validation, room, enqueue, finish).
-- ``_spool.py``: the durable spool (``spool_dir``): segment files on disk, recovery.
-- ``_tenants.py``: tenant quotas (per-tenant token buckets with reservations), checked at
-  admission.
-- ``_fleet/``: fleet-wide caps shared through S3 — pure allocation, documents and worker
-  state, and the async shell (:class:`FleetWorker`, one per producer with a ``FleetConfig``;
-  :class:`FleetAllocator`, run standalone by ``fleet_allocator.py``, the
-  ``anykpl fleet-allocator`` command). Its ``__init__`` maps it.
+- ``_fleet/``: fleet-wide caps through S3 or DynamoDB, a pure core and its async shell (its
+  ``__init__`` maps it).
+- ``_commands/``: the tools the ``anykpl`` command runs (demo, bench, the fleet's commands);
+  the library never imports them.
 
-Public modules: this package, :mod:`anykpl.errors`, :mod:`anykpl.config` and
-:mod:`anykpl.metrics`. Tools users run live apart (``emulator/``, ``demo/``, ``bench/``,
-``cli.py``); the core never imports them.
+Public modules: this package, :mod:`anykpl.errors` (imports nothing of the package),
+:mod:`anykpl.config`, :mod:`anykpl.metrics`, :mod:`anykpl.aggregation` and
+:mod:`anykpl.readback` (for consumers), :mod:`anykpl.schema_registry`, :mod:`anykpl.testing`
+(the ``kinesis_emulator`` fixture) and :mod:`anykpl.emulator`.
 """
 
 from . import errors as errors
@@ -42,6 +35,7 @@ from ._core._metrics import MetricValue as MetricValue
 from ._core._records import PendingRecord as PendingRecord
 from ._core._results import Attempt as Attempt
 from ._core._results import RecordResult as RecordResult
+from ._core._tenant_quotas import TenantStatistics as TenantStatistics
 from ._fleet import FleetStatistics as FleetStatistics
 from ._runtime._batch import BatchResult as BatchResult
 from ._runtime._batch import PendingBatch as PendingBatch
@@ -50,7 +44,6 @@ from ._runtime._spool import SpoolStatistics as SpoolStatistics
 from ._runtime._statistics import ProducerStatistics as ProducerStatistics
 from ._runtime._statistics import ShardStatistics as ShardStatistics
 from ._runtime._statistics import StreamStatistics as StreamStatistics
-from ._runtime._tenants import TenantStatistics as TenantStatistics
 from ._sync import SyncProducer as SyncProducer
 from ._transport._protocol import Transport as Transport
 from .config import FleetConfig as FleetConfig

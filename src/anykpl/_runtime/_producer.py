@@ -34,6 +34,7 @@ from .._core._intake import CHECKPOINT_EVERY, Intake, offset_clock
 from .._core._limits import MAX_TENANT_LENGTH
 from .._core._metrics import Metrics, MetricValue
 from .._core._records import AttemptRecord, BatchCounter, PendingRecord, RecordResult
+from .._core._tenant_quotas import Reservation
 from .._core._token_bucket import BURST_SECONDS, TokenBucket
 from .._fleet import FleetDemand, FleetWorker
 from .._transport._botocore import open_transport
@@ -46,7 +47,7 @@ from ._batch import PendingBatch
 from ._pipeline import Pipeline
 from ._spool import RecoveredSegment, Spool, SpoolSyncer
 from ._statistics import ProducerStatistics
-from ._tenants import Reservation, TenantAdmission
+from ._tenants import TenantAdmission
 
 logger = logging.getLogger("anykpl.producer")
 

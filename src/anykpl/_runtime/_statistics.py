@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .._core._metrics import MetricKey
+    from .._core._tenant_quotas import TenantStatistics
     from .._fleet import FleetStatistics
     from ._spool import SpoolStatistics
-    from ._tenants import TenantStatistics
 
 __all__ = (
     "ProducerStatistics",
