@@ -12,14 +12,13 @@ import pytest
 
 from anykpl import errors
 from anykpl._core._records import PendingRecord
-from anykpl._runtime._spool import (
+from anykpl._core._spool_format import (
     ENTRY_HEADER_SIZE,
     FILE_HEADER_SIZE,
     RecoveredEntry,
-    Spool,
-    SpoolSyncer,
     parse_segment,
 )
+from anykpl._runtime._spool import Spool, SpoolSyncer
 
 MAX = 64 * 1024 * 1024
 

@@ -16,20 +16,8 @@ process; it survives power loss once the file is synced, which ``spool_fsync`` d
 (``"off"``, ``"commit"``: every submit waits for a sync shared by every record appended
 meanwhile, ``"interval"``: a sync every ``spool_fsync_interval`` seconds).
 
-File layout, little-endian throughout::
-
-    file header (32 bytes): b"ANYKPLSP", version u32, generation u32, sequence u64,
-                            CRC-32 of those 24 bytes u32, 4 zero
-    entry: magic u16, version u8, 0 u8, generation u32, body length u32, CRC-32 u32, body
-    body:  stream length u16, key length u16, hash key length u8, tenant length u16,
-           stream, partition key, explicit hash key (decimal ASCII), tenant (UTF-8), data
-
-The CRC covers the generation and the body. An entry whose generation differs from its
-file's is stale (it was written before the segment was rewound: its record is terminal) and
-ends the log. A run of zero bytes ends it too. Anything else that does not check is a torn or
-corrupt entry: recovery counts it, looks for the next entry that checks (by its magic) and
-goes on, so one bad entry never hides the records after it, and no record is ever replayed
-with bytes that fail their checksum.
+The file format (entries, checksums, what ends a log) is the core's:
+``_core/_spool_format.py``.
 
 Recovery (:meth:`Spool.open`) reads the segments left by a previous process, oldest first,
 and hands their records back; those segments stay on disk, read-only, until every record read
@@ -43,7 +31,6 @@ import errno
 import logging
 import mmap
 import os
-import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,54 +39,38 @@ from typing import TYPE_CHECKING, Final
 import anyio
 
 from .. import errors
-from .._core._limits import MAX_SEGMENT_BYTES, MAX_TENANT_LENGTH, MIN_SEGMENT_BYTES
+from .._core._spool_format import (
+    END_MARK,
+    ENTRY_HEADER,
+    ENTRY_HEADER_SIZE,
+    ENTRY_MAGIC,
+    ENTRY_OVERHEAD,
+    FILE_HEADER_SIZE,
+    VERSION,
+    RecoveredEntry,
+    encode_prefix,
+    generation_seed,
+    pack_file_header,
+    parse_segment,
+    round_up,
+    segment_bytes_for,
+)
 from ..config import SpoolFsync
 
 if TYPE_CHECKING:
     from .._core._records import PendingRecord
 
-__all__ = (
-    "ENTRY_OVERHEAD",
-    "FILE_HEADER_SIZE",
-    "RecoveredEntry",
-    "RecoveredSegment",
-    "Segment",
-    "Spool",
-    "SpoolStatistics",
-    "SpoolSyncer",
-    "segment_bytes_for",
-)
+__all__ = ("RecoveredSegment", "Segment", "Spool", "SpoolStatistics", "SpoolSyncer")
 
 logger = logging.getLogger("anykpl.spool")
 #: A segment's data to disk: ``fdatasync`` where the platform has it, ``fsync`` (which also
 #: syncs the file's metadata) where not (macOS's Python has no ``os.fdatasync``).
 _fdatasync = getattr(os, "fdatasync", os.fsync)
 
-FILE_MAGIC: Final = b"ANYKPLSP"
-VERSION: Final = 1
-_FILE_HEADER = struct.Struct("<8sIIQI4x")  # the last u32: CRC-32 of the 24 bytes before it
-FILE_HEADER_SIZE: Final = _FILE_HEADER.size  # 32
-ENTRY_MAGIC: Final = 0x5BA7
-_ENTRY_MAGIC_BYTES: Final = struct.pack("<H", ENTRY_MAGIC)
-_ENTRY_HEADER = struct.Struct("<HBBIII")
-ENTRY_HEADER_SIZE: Final = _ENTRY_HEADER.size  # 16
-_BODY_PREFIX = struct.Struct("<HHBH")
-_GENERATION = struct.Struct("<I")
-_END_MARK: Final = bytes(ENTRY_HEADER_SIZE)
-#: The most an entry adds to a record's size (data + UTF-8 partition key, which the record
-#: already counts): the entry header, the body prefix, a stream ARN of 2048 bytes, a hash key
-#: of 39 digits, a tenant of 256 characters of up to 4 bytes.
-ENTRY_OVERHEAD: Final = ENTRY_HEADER_SIZE + _BODY_PREFIX.size + 2048 + 39 + 4 * MAX_TENANT_LENGTH
 #: Prefixes (stream, key, hash key, tenant → encoded) remembered, cleared when full.
 _PREFIX_CACHE_LIMIT: Final = 65536
 LOCK_NAME: Final = "LOCK"
 _SUFFIX: Final = ".seg"
-
-
-def segment_bytes_for(max_bytes: int) -> int:
-    """The size of a new segment under a spool limit of ``max_bytes``."""
-    size = max(MIN_SEGMENT_BYTES, min(MAX_SEGMENT_BYTES, max_bytes // 16))
-    return size - size % mmap.PAGESIZE
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,18 +134,7 @@ class Segment:
 
     def set_generation(self, generation: int) -> None:
         self.generation = generation
-        self.seed = zlib.crc32(_GENERATION.pack(generation))
-
-
-@dataclass(frozen=True, slots=True)
-class RecoveredEntry:
-    """One record read back from a segment."""
-
-    stream: str
-    partition_key: str
-    explicit_hash_key: str | None
-    tenant: str | None
-    data: bytes
+        self.seed = generation_seed(generation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,7 +273,7 @@ class Spool:
         need = size + ENTRY_OVERHEAD
         if active is not None and active.pos + need <= active.size:
             return True
-        grown = max(self.segment_bytes, _round_up(FILE_HEADER_SIZE + need))
+        grown = max(self.segment_bytes, round_up(FILE_HEADER_SIZE + need))
         used = self.bytes
         if active is not None and active.live == 0:
             used -= active.size  # an empty active segment makes way for the new one
@@ -327,7 +287,7 @@ class Spool:
         key = (record.stream, record.partition_key, record.explicit_hash_key, record.tenant)
         prefix = self._prefixes.get(key)
         if prefix is None:
-            prefix = _encode_prefix(*key)
+            prefix = encode_prefix(*key)
             if len(self._prefixes) >= _PREFIX_CACHE_LIMIT:
                 self._prefixes.clear()
             self._prefixes[key] = prefix
@@ -347,8 +307,8 @@ class Spool:
         end = pos + end_of_entry
         if segment.generation > 1 and end + ENTRY_HEADER_SIZE <= segment.size:
             # the segment started over: mark the end, where an older entry may be cut in two
-            mm[end : end + ENTRY_HEADER_SIZE] = _END_MARK
-        _ENTRY_HEADER.pack_into(mm, pos, ENTRY_MAGIC, VERSION, 0, segment.generation, body, crc)
+            mm[end : end + ENTRY_HEADER_SIZE] = END_MARK
+        ENTRY_HEADER.pack_into(mm, pos, ENTRY_MAGIC, VERSION, 0, segment.generation, body, crc)
         segment.pos = end
         segment.live += 1
         self.records += 1
@@ -365,7 +325,7 @@ class Spool:
                 self._drop(old)
             else:
                 self._seal(old)
-        size = max(self.segment_bytes, _round_up(FILE_HEADER_SIZE + entry_size))
+        size = max(self.segment_bytes, round_up(FILE_HEADER_SIZE + entry_size))
         sequence = self._next_sequence
         self._next_sequence += 1
         path = self.directory / f"{sequence:016d}{_SUFFIX}"
@@ -385,7 +345,7 @@ class Spool:
         segment.fd = fd
         segment.mm = mm
         segment.set_generation(1)
-        _pack_file_header(mm, 1, sequence)
+        pack_file_header(mm, 1, sequence)
         self.segments[sequence] = segment
         self.bytes += size
         self.active = segment
@@ -407,8 +367,8 @@ class Spool:
             assert mm is not None
             generation = segment.generation + 1
             segment.set_generation(generation)
-            _pack_file_header(mm, generation, segment.sequence)
-            mm[FILE_HEADER_SIZE : FILE_HEADER_SIZE + ENTRY_HEADER_SIZE] = _END_MARK
+            pack_file_header(mm, generation, segment.sequence)
+            mm[FILE_HEADER_SIZE : FILE_HEADER_SIZE + ENTRY_HEADER_SIZE] = END_MARK
             segment.pos = FILE_HEADER_SIZE
             return
         self._drop(segment)
@@ -574,97 +534,6 @@ class Spool:
             recovered_failed=self.recovered_failed,
             corrupt_entries=self.corrupt_entries,
         )
-
-
-def parse_segment(content: bytes) -> tuple[list[RecoveredEntry], int, int]:
-    """The records of one segment file, the number of torn or corrupt entries skipped, and
-    where the last entry that checks ends."""
-    if len(content) < FILE_HEADER_SIZE:
-        return [], 1 if content else 0, 0
-    magic, version, generation, _sequence, header_crc = _FILE_HEADER.unpack_from(content, 0)
-    if magic != FILE_MAGIC or version != VERSION or zlib.crc32(content[:24]) != header_crc:
-        return [], 1, 0
-    seed = zlib.crc32(_GENERATION.pack(generation))
-    entries: list[RecoveredEntry] = []
-    corrupt = 0
-    in_bad_run = False
-    pos = valid_end = FILE_HEADER_SIZE
-    end = len(content)
-    while pos + ENTRY_HEADER_SIZE <= end:
-        entry_magic, entry_version, _zero, entry_generation, body, crc = _ENTRY_HEADER.unpack_from(
-            content, pos
-        )
-        if entry_magic == 0 and body == 0 and crc == 0:
-            break  # never written: the end of the log
-        start = pos + ENTRY_HEADER_SIZE
-        checks = (
-            entry_magic == ENTRY_MAGIC
-            and entry_version == VERSION
-            and _BODY_PREFIX.size <= body <= end - start
-        )
-        if checks:
-            if entry_generation != generation:
-                stale_seed = zlib.crc32(_GENERATION.pack(entry_generation))
-                if zlib.crc32(content[start : start + body], stale_seed) == crc:
-                    break  # written before the segment started over: the end of the log
-                checks = False
-            else:
-                checks = zlib.crc32(content[start : start + body], seed) == crc
-        entry = _decode_body(content, start, body) if checks else None
-        if entry is None:
-            # torn or corrupt: go on at the next entry that checks, if there is one (a run of
-            # bad bytes between two good entries counts once)
-            if not in_bad_run:
-                corrupt += 1
-                in_bad_run = True
-            found = content.find(_ENTRY_MAGIC_BYTES, pos + 1)
-            if found < 0:
-                break
-            pos = found
-            continue
-        entries.append(entry)
-        in_bad_run = False
-        pos = valid_end = start + body
-    return entries, corrupt, valid_end
-
-
-def _pack_file_header(mm: mmap.mmap, generation: int, sequence: int) -> None:
-    head = struct.pack("<8sIIQ", FILE_MAGIC, VERSION, generation, sequence)
-    _FILE_HEADER.pack_into(mm, 0, FILE_MAGIC, VERSION, generation, sequence, zlib.crc32(head))
-
-
-def _decode_body(content: bytes, start: int, body: int) -> RecoveredEntry | None:
-    stream_len, key_len, ehk_len, tenant_len = _BODY_PREFIX.unpack_from(content, start)
-    pos = start + _BODY_PREFIX.size
-    data_start = pos + stream_len + key_len + ehk_len + tenant_len
-    if data_start > start + body or not stream_len or not key_len:
-        return None
-    try:
-        stream = content[pos : pos + stream_len].decode()
-        pos += stream_len
-        key = content[pos : pos + key_len].decode()
-        pos += key_len
-        ehk = content[pos : pos + ehk_len].decode("ascii") if ehk_len else None
-        pos += ehk_len
-        tenant = content[pos : pos + tenant_len].decode() if tenant_len else None
-    except UnicodeDecodeError:
-        return None
-    return RecoveredEntry(stream, key, ehk, tenant, content[data_start : start + body])
-
-
-def _encode_prefix(
-    stream: str, partition_key: str, explicit_hash_key: str | None, tenant: str | None
-) -> bytes:
-    s = stream.encode()
-    k = partition_key.encode()
-    e = b"" if explicit_hash_key is None else explicit_hash_key.encode("ascii")
-    t = b"" if tenant is None else tenant.encode()
-    return _BODY_PREFIX.pack(len(s), len(k), len(e), len(t)) + s + k + e + t
-
-
-def _round_up(size: int) -> int:
-    page = mmap.PAGESIZE
-    return (size + page - 1) // page * page
 
 
 def _allocate(fd: int, size: int) -> None:
