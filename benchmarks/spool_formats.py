@@ -24,13 +24,13 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from anykpl._core._records import PendingRecord
+from anykpl._core._records import PendingRecord, Record
 from anykpl._runtime._spool import Spool
 
 
 def records(n: int, size: int) -> list[PendingRecord]:
     data = b"x" * size
-    return [PendingRecord("stream", f"device-{i % 2000}", data, 0, None, 0, 0, 0) for i in range(n)]
+    return [Record("stream", f"device-{i % 2000}", data, 0, None, 0, 0, 0) for i in range(n)]
 
 
 def spool_way(directory: str, batch: list[PendingRecord]) -> tuple[float, float]:

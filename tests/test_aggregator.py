@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from anykpl._core import _wire
 from anykpl._core._aggregator import SHARD_MAP_WAIT, Aggregator
-from anykpl._core._records import KinesisRecord, PendingRecord, partition_key_hash
+from anykpl._core._records import KinesisRecord, PendingRecord, Record, partition_key_hash
 from anykpl._core._shard_queue import FAIR_QUANTUM
 
 SHARD = "shardId-000000000000"
@@ -27,7 +27,7 @@ def make_record(
 ) -> PendingRecord:
     hash_key = partition_key_hash(partition_key) if explicit_hash_key is None else explicit_hash_key
     ehk = None if explicit_hash_key is None else str(explicit_hash_key)
-    return PendingRecord("stream", partition_key, data, hash_key, ehk, 0.0, deadline, expiration)
+    return Record("stream", partition_key, data, hash_key, ehk, 0.0, deadline, expiration)
 
 
 def make_aggregator(
@@ -302,7 +302,7 @@ def test_records_go_raw_at_once_while_the_shard_map_is_unavailable() -> None:
     """ListShards failed for good (a missing stream): records do not wait for a map that
     will not come, they go raw and fail fast with the service's error."""
     agg = make_aggregator(predict=lambda _: None)
-    agg.map_unavailable = True
+    agg.shard_map_failed()
     out: list[KinesisRecord] = []
     agg.put(make_record("a", deadline=1.0), out)
     assert [len(kr.records) for kr in out] == [1]
@@ -509,9 +509,7 @@ def test_a_serialized_aggregate_or_a_raw_record_is_not_split() -> None:
 
 
 def _arrived(key: str, hash_key: int, arrival: float, size: int = 1000) -> PendingRecord:
-    return PendingRecord(
-        "stream", key, b"x" * size, hash_key, str(hash_key), arrival, arrival + 0.1, 30.0
-    )
+    return Record("stream", key, b"x" * size, hash_key, str(hash_key), arrival, arrival + 0.1, 30.0)
 
 
 def test_seal_all_leaves_busy_shards_and_aggregates_about_to_fill_gathering() -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from anykpl._core import _limits
 from anykpl._core._collector import Collector
-from anykpl._core._records import KinesisRecord, PendingRecord
+from anykpl._core._records import KinesisRecord, Record
 
 
 def make_kinesis_record(
@@ -19,7 +19,7 @@ def make_kinesis_record(
     expiration: float = 30.0,
 ) -> KinesisRecord:
     data = bytes(size - 1)
-    user = PendingRecord("stream", "k", data, 1, None, 0.0, deadline, expiration)
+    user = Record("stream", "k", data, 1, None, 0.0, deadline, expiration)
     return KinesisRecord([user], data, "k", "1", shard, deadline, expiration)
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from anykpl._core import _limits
 from anykpl._core._limiter import MIN_REFILL_WAIT, SAMPLE_SIZE, Limiter
-from anykpl._core._records import KinesisRecord, PendingRecord
+from anykpl._core._records import KinesisRecord, PendingRecord, Record
 from anykpl._core._token_bucket import BURST_SECONDS
 
 SHARD = "shardId-000000000000"
@@ -24,7 +24,7 @@ def make_kinesis_record(
     arrival: float = 0.0,
 ) -> KinesisRecord:
     data = bytes(size - 1)
-    user = PendingRecord("stream", "k", data, 1, None, arrival, deadline, expiration)
+    user = Record("stream", "k", data, 1, None, arrival, deadline, expiration)
     return KinesisRecord([user], data, "k", "1", shard, deadline, expiration)
 
 
@@ -510,7 +510,7 @@ def _aggregate(records: int, size: int, *, deadline: float = 0.0) -> KinesisReco
     users = []
     for i in range(records):
         data = bytes(size)
-        users.append(PendingRecord("stream", f"k{i}", data, 1, None, 0.0, deadline, 1000.0))
+        users.append(Record("stream", f"k{i}", data, 1, None, 0.0, deadline, 1000.0))
         builder.add(f"k{i}", None, data)
     return KinesisRecord.aggregate(users, builder, "a", "1", SHARD, deadline, 1000.0)
 
@@ -537,7 +537,7 @@ def test_aggregates_leave_in_pieces_while_the_controller_weighs_the_evidence() -
 
 
 def _user(arrival: float) -> PendingRecord:
-    return PendingRecord("stream", "k", b"x" * 9, 1, None, arrival, 5.0, 1000.0)
+    return Record("stream", "k", b"x" * 9, 1, None, arrival, 5.0, 1000.0)
 
 
 def test_a_paced_record_leaves_once_it_has_waited_the_pace() -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from anykpl._core import _limits
 from anykpl._core._metrics import Metrics
-from anykpl._core._records import PendingRecord
+from anykpl._core._records import PendingRecord, Record
 from anykpl._core._token_bucket import TokenBucket
 from anykpl._runtime._pipeline import Pipeline
 from anykpl.config import ProducerConfig
@@ -54,7 +54,7 @@ def record(pipeline: Pipeline, key: str, data: bytes) -> PendingRecord:
     now = anyio.current_time()
     config = pipeline.config
     size = len(data) + len(key)
-    pending = PendingRecord(
+    pending = Record(
         STREAM,
         key,
         data,
@@ -331,7 +331,7 @@ async def test_each_shard_has_its_own_backlog_limit_and_a_fleet_grant_bounds_the
         with anyio.fail_after(5):
             await finished.all_done.wait()
         for shard in fake.shards:  # a record's backlog for each shard
-            pending = PendingRecord(STREAM, "k", b"x", shard.start, None, 0.0, 0.0, 0.0)
+            pending = Record(STREAM, "k", b"x", shard.start, None, 0.0, 0.0, 0.0)
             pipeline.intake.place(pending)
         now = anyio.current_time() + 1.0
         pipeline.update_backlog_limit(now)
@@ -357,7 +357,7 @@ async def test_each_shard_has_its_own_backlog_limit_and_a_fleet_grant_bounds_the
         with anyio.fail_after(5):
             await finished.all_done.wait()
         for shard in fake.shards:
-            fleet.intake.place(PendingRecord(STREAM, "k", b"x", shard.start, None, 0.0, 0.0, 0.0))
+            fleet.intake.place(Record(STREAM, "k", b"x", shard.start, None, 0.0, 0.0, 0.0))
         fleet.update_backlog_limit(anyio.current_time() + 1.0)
         # the grant split over the shards (each was bounded by the whole grant, four times it)
         total = sum(backlog.limit_bytes for backlog in fleet.intake.backlogs.values())

@@ -1,5 +1,5 @@
-"""PendingRecord's completion hook, and what makes it safe to keep records out of the garbage
-collector in the compiled build (the rest of PendingRecord is tested through the producer in
+"""A record's completion hook, and what makes it safe to keep records out of the garbage
+collector in the compiled build (the rest of the record is tested through the producer in
 test_producer.py)."""
 
 from __future__ import annotations
@@ -12,30 +12,30 @@ from typing import Any
 import anyio
 import pytest
 
-from anykpl import PendingRecord, errors
+from anykpl import errors
 from anykpl._core import _records as records_module
-from anykpl._core._records import AttemptRecord
+from anykpl._core._records import AttemptRecord, Record
 from anykpl._runtime import _awaiting
 
 
-def make_record() -> PendingRecord:
-    return PendingRecord("stream", "key", b"data", 1, None, 0.0, 0.0, 0.0)
+def make_record() -> Record:
+    return Record("stream", "key", b"data", 1, None, 0.0, 0.0, 0.0)
 
 
-def hook_of(record: PendingRecord) -> object:
-    return record._on_done
+def hook_of(record: Record) -> object:
+    return record.on_done
 
 
 @pytest.mark.parametrize("success", [True, False])
 def test_the_hook_is_called_once_with_the_terminal_record(success: bool) -> None:
     record = make_record()
-    record._add_attempt(AttemptRecord(0.0, 0.1, success, None if success else "Code", "msg"))
-    seen: list[tuple[PendingRecord, bool]] = []
-    record._on_done = lambda r: seen.append((r, r.done()))
-    record._resolve(success)
+    record.add_attempt(AttemptRecord(0.0, 0.1, success, None if success else "Code", "msg"))
+    seen: list[tuple[Record, bool]] = []
+    record.on_done = lambda r: seen.append((r, r.done()))
+    record.resolve(success)
     assert seen == [(record, True)]
     assert hook_of(record) is None  # cleared: it holds nothing once it has run
-    record._resolve(success)  # resolved again (the producer never does): no second call
+    record.resolve(success)  # resolved again (the producer never does): no second call
     assert len(seen) == 1
     if success:
         assert record.result().success
@@ -46,21 +46,21 @@ def test_the_hook_is_called_once_with_the_terminal_record(success: bool) -> None
 
 def test_a_record_without_a_hook_resolves() -> None:
     record = make_record()
-    record._resolve(True)
+    record.resolve(True)
     assert record.done()
 
 
 def test_a_failing_hook_is_logged_not_raised(caplog: pytest.LogCaptureFixture) -> None:
     # the hook runs inside the stage that resolves a whole batch: it must not stop the batch
-    def broken(record: PendingRecord) -> None:
+    def broken(record: Record) -> None:
         raise RuntimeError("hook broke")
 
     records = [make_record() for _ in range(3)]
     for record in records:
-        record._on_done = broken
+        record.on_done = broken
     with caplog.at_level(logging.ERROR, logger="anykpl.records"):
         for record in records:
-            record._resolve(True)
+            record.resolve(True)
     assert all(record.done() for record in records)
     assert len(caplog.records) == 3
     assert "completion hook" in caplog.records[0].getMessage()
@@ -95,11 +95,11 @@ async def test_a_terminal_record_holds_nothing_that_leads_back_to_it(success: bo
         tg.start_soon(waiter)
         await anyio.wait_all_tasks_blocked()
         assert record._event is not None  # two waiters share one event
-        record._on_done = lambda r: outcomes.append("hook")
-        record._add_attempt(AttemptRecord(0.0, 0.1, success, None if success else "Code", "m"))
-        record._resolve(success)
+        record.on_done = lambda r: outcomes.append("hook")
+        record.add_attempt(AttemptRecord(0.0, 0.1, success, None if success else "Code", "m"))
+        record.resolve(success)
         assert record._event is None
-        assert record._on_done is None
+        assert record.on_done is None
         assert record.spool_segment is None
     assert len(outcomes) == 3
     assert outcomes[0] == "hook"
@@ -111,10 +111,10 @@ async def test_a_terminal_record_holds_nothing_that_leads_back_to_it(success: bo
     assert sys.getrefcount(record) == 2
 
 
-def resolved_record() -> PendingRecord:
+def resolved_record() -> Record:
     record = make_record()
-    record._add_attempt(AttemptRecord(0.0, 0.1, True, None, ""))
-    record._resolve(True)
+    record.add_attempt(AttemptRecord(0.0, 0.1, True, None, ""))
+    record.resolve(True)
     return record
 
 
@@ -173,13 +173,13 @@ async def test_a_cancelled_wait_for_a_pending_record_or_batch_warns_of_nothing()
     record = make_record()
     counter = records_module.BatchCounter()
     counter.remaining = 1
-    for wait in (lambda: record, record.wait, record._wait_done, counter.wait):
+    for wait in (lambda: record, record.wait, record.wait_done, counter.wait):
         with anyio.move_on_after(0.01) as scope:
             await wait()
         assert scope.cancelled_caught
     assert not record.done()
-    record._add_attempt(AttemptRecord(0.0, 0.1, True, None, ""))
-    record._resolve(True)
+    record.add_attempt(AttemptRecord(0.0, 0.1, True, None, ""))
+    record.resolve(True)
     assert (await record).success
     counter.record_done(True)
     await counter.wait()
@@ -198,8 +198,8 @@ async def test_wait_is_a_coroutine_for_the_tools_that_need_one() -> None:
         tg.start_soon(record.wait)
         tg.start_soon(keep, record.wait())
         await anyio.sleep(0.01)
-        record._add_attempt(AttemptRecord(0.0, 0.1, True, None, ""))
-        record._resolve(True)
+        record.add_attempt(AttemptRecord(0.0, 0.1, True, None, ""))
+        record.resolve(True)
     assert len(results) == 1
     assert getattr(results[0], "success", None) is True
 

@@ -12,7 +12,7 @@ import pytest
 
 from anykpl import errors
 from anykpl._core._limits import MAX_HASH_KEY as MAX_HASH
-from anykpl._core._records import Attempt, KinesisRecord, PendingRecord
+from anykpl._core._records import Attempt, KinesisRecord, PendingRecord, Record
 from anykpl._core._retrier import Observe, Outcome, Retrier, StatisticSet
 from anykpl._core._shard_map import ShardMap
 
@@ -77,7 +77,7 @@ class Harness:
     def _finish(self, records: Sequence[PendingRecord], success: bool) -> None:
         for record in records:
             assert not record.done(), "a record was finished twice"
-            record._resolve(success)
+            record.resolve(success)
         self.finished.append((list(records), success))
 
     def _count(self, name: str, value: int, shard: str | None, code: str | None) -> None:
@@ -93,7 +93,7 @@ class Harness:
 def make_record(
     hash_key: int = 1, *, arrival: float = 0.0, expiration: float = 30.0
 ) -> PendingRecord:
-    return PendingRecord(
+    return Record(
         "stream", f"pk{hash_key}", b"data", hash_key, None, arrival, arrival + 0.1, expiration
     )
 
@@ -137,7 +137,7 @@ def attempts(record: PendingRecord) -> tuple[Attempt, ...]:
 
 
 def codes(record: PendingRecord) -> list[str | None]:
-    return [a.error_code for a in record._build_result().attempts]
+    return [a.error_code for a in record.build_result().attempts]
 
 
 # -- success ---------------------------------------------------------------------------------
@@ -589,11 +589,11 @@ def test_take_all_includes_what_is_held_with_the_attempt_that_stored_it() -> Non
     assert h.retrier.take_all() == records
     assert h.retrier.held_records == 0
     assert codes(records[0]) == codes(records[1]) == [errors.WRONG_SHARD]
-    (attempt,) = records[0]._build_result().attempts
+    (attempt,) = records[0].build_result().attempts
     assert CHILD in (attempt.error_message or "")
     h.retrier.settle_held(2.0, give_up_before=math.inf)  # nothing left to decide
     assert h.finished == []
-    assert len(records[0]._build_result().attempts) == 1
+    assert len(records[0].build_result().attempts) == 1
 
 
 @pytest.mark.parametrize("count", [1, 3])

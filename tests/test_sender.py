@@ -11,7 +11,7 @@ import pytest
 from botocore import exceptions as be
 
 from anykpl import errors
-from anykpl._core._records import KinesisRecord, PendingRecord
+from anykpl._core._records import KinesisRecord, Record
 from anykpl._core._retrier import Outcome
 from anykpl._runtime._sender import run_sender
 from anykpl._transport._botocore import (
@@ -79,7 +79,7 @@ def test_terminal_and_retried_transport_codes() -> None:
 
 
 def _request(n: int) -> list[KinesisRecord]:
-    user = PendingRecord("s", "k", b"d", 1, None, 0.0, 1.0, 30.0)
+    user = Record("s", "k", b"d", 1, None, 0.0, 1.0, 30.0)
     return [KinesisRecord.single(user) for _ in range(n)]
 
 

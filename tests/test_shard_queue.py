@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from anykpl._core._records import KinesisRecord, PendingRecord
+from anykpl._core._records import KinesisRecord, Record
 from anykpl._core._shard_queue import (
     FAIR_QUANTUM,
     DeadlineQueue,
@@ -29,7 +29,7 @@ def record(
     expiration: float = 1000.0,
 ) -> KinesisRecord:
     data = bytes(size - 1)
-    user = PendingRecord("stream", "k", data, 1, None, 0.0, deadline, expiration)
+    user = Record("stream", "k", data, 1, None, 0.0, deadline, expiration)
     kr = KinesisRecord([user], data, "k", "1", SHARD, deadline, expiration)
     kr.tenant = tenant
     return kr

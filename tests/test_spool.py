@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 from anykpl import errors
-from anykpl._core._records import PendingRecord
+from anykpl._core._records import PendingRecord, Record
 from anykpl._core._spool_format import (
     ENTRY_HEADER_SIZE,
     FILE_HEADER_SIZE,
@@ -25,7 +25,7 @@ MAX = 64 * 1024 * 1024
 
 def record(i: int, *, ehk: str | None = None, tenant: str | None = None) -> PendingRecord:
     data = f"{i:07d}|".encode().ljust(50 + i % 7, b".")
-    r = PendingRecord("stream", f"kéy-{i}", data, 0, ehk, 0.0, 0.0, 0.0)
+    r = Record("stream", f"kéy-{i}", data, 0, ehk, 0.0, 0.0, 0.0)
     r.tenant = tenant
     return r
 

@@ -26,7 +26,7 @@ open, then closes it) and the *admitter*.
   thread's records keep their order.
 - The record's :class:`concurrent.futures.Future` is completed where the record is resolved:
   on admission the admitter sets the :class:`PendingRecord`'s completion hook
-  (``PendingRecord._on_done``, one slot), and the stage that resolves the record calls it. No
+  (``Record.on_done``, one slot), and the stage that resolves the record calls it. No
   task, no polling: a record that finishes while an older one is still retrying completes its
   future at once, and every future of a flushed record is done when ``Producer.flush`` returns.
 - ``put_record`` is ``submit`` followed by ``future.result(timeout)``.
@@ -88,7 +88,7 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from contextlib import AbstractContextManager, suppress
 from functools import partial
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.lowlevel
@@ -99,8 +99,8 @@ from . import errors
 from ._compat import running_trio
 from ._core._intake import CHECKPOINT_EVERY
 from ._core._metrics import MetricValue
-from ._core._records import PendingRecord, RecordResult
-from ._runtime._batch import BatchResult, PendingBatch
+from ._core._records import PendingRecord, Record, RecordResult
+from ._runtime._batch import BatchResult, PendingBatch, set_done_hook
 from ._runtime._producer import BatchRecord, Producer
 from ._runtime._statistics import ProducerStatistics
 from ._transport._protocol import Transport
@@ -230,7 +230,7 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         self._admitter_idle = False
         self._admitter_wakeup: anyio.Event | None = None
         # admitted records whose future is not done yet; only the loop thread changes it
-        self._futures: dict[PendingRecord, Future[RecordResult]] = {}
+        self._futures: dict[Record, Future[RecordResult]] = {}
         # likewise for submit_many's batches
         self._batch_futures: dict[PendingBatch, Future[BatchResult]] = {}
         self._close_requested: anyio.Event | None = None
@@ -551,9 +551,7 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
             queued = self._take_queued()
         self._refuse(queued)
         # read from this thread while the loop thread may still change it: a count for the log
-        outstanding = len(self._futures) + sum(
-            batch._counter.remaining for batch in list(self._batch_futures)
-        )
+        outstanding = len(self._futures) + sum(batch.pending for batch in list(self._batch_futures))
         if outstanding:
             logger.error(
                 "SyncProducer: the event loop did not close within %.1f s; abandoning its "
@@ -746,13 +744,14 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         finally:
             item.signal.release()
 
-    def _hand_over(self, pending: PendingRecord, item: _Admission) -> None:
+    def _hand_over(self, handle: PendingRecord, item: _Admission) -> None:
         """The admitted record completes its caller's future when it is terminal."""
+        pending = cast(Record, handle)  # the producer's handles are its records
         if pending.done():  # pragma: no cover - resolved within submit (a crash, say)
             _complete(pending, item.future)
         else:
             self._futures[pending] = item.future
-            pending._on_done = self._record_done
+            pending.on_done = self._record_done
 
     def _hand_over_batch(self, batch: PendingBatch, future: Future[BatchResult]) -> None:
         """The admitted batch completes its caller's future when its last record is terminal."""
@@ -760,13 +759,13 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
             future.set_result(batch.result())
         else:
             self._batch_futures[batch] = future
-            batch._counter.on_done = partial(self._batch_done, batch)
+            set_done_hook(batch, partial(self._batch_done, batch))
 
     def _batch_done(self, batch: PendingBatch) -> None:
         """The completion hook of a batch (runs where its last record is resolved)."""
         self._batch_futures.pop(batch).set_result(batch.result())
 
-    def _record_done(self, pending: PendingRecord) -> None:
+    def _record_done(self, pending: Record) -> None:
         """The completion hook of every admitted record (runs where the record is resolved)."""
         _complete(pending, self._futures.pop(pending))
 
@@ -804,7 +803,7 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         batch_futures = self._batch_futures
         while batch_futures:  # pragma: no cover
             batch, batch_future = batch_futures.popitem()
-            batch._counter.on_done = None
+            set_done_hook(batch, None)
             if batch.done():
                 batch_future.set_result(batch.result())
             else:
@@ -814,7 +813,7 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         futures = self._futures
         while futures:  # pragma: no cover
             pending, future = futures.popitem()
-            pending._on_done = None
+            pending.on_done = None
             if pending.done():
                 _complete(pending, future)
             else:
@@ -826,7 +825,7 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         self._loop_thread = None
 
 
-def _complete(pending: PendingRecord, future: Future[RecordResult]) -> None:
+def _complete(pending: Record, future: Future[RecordResult]) -> None:
     try:
         result = pending.result()
     except errors.RecordFailedError as exc:

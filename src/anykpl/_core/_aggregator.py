@@ -37,7 +37,7 @@ import math
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
-from ._records import KinesisRecord, PendingRecord
+from ._records import KinesisRecord, Record
 from ._shard_queue import FAIR_QUANTUM
 from ._wire import AggregateBuilder
 
@@ -64,7 +64,7 @@ class _OpenAggregate:
         # aggregate, so the Limiter can queue each tenant's Kinesis records fairly
         self.key = key
         self.builder = AggregateBuilder()
-        self.records: list[PendingRecord] = []
+        self.records: list[Record] = []
         self.deadline = math.inf
         self.expiration = math.inf
 
@@ -96,9 +96,9 @@ class Aggregator:
         self._counter = 0
         self.buffered_records = 0
         # records waiting for the shard map, and when the first of them stops waiting
-        self._unmapped: list[PendingRecord] = []
+        self._unmapped: list[Record] = []
         self._unmapped_until = math.inf
-        # ListShards failed for good (the pipeline says): records without a shard go out raw
+        # ListShards failed for good (shard_map_failed): records without a shard go out raw
         # at once instead of waiting for a map that will not come
         self.map_unavailable = False
         # a flush came while records waited for the shard map
@@ -134,7 +134,7 @@ class Aggregator:
             depths[agg.shard] = depths.get(agg.shard, 0) + len(agg.records)
         return depths
 
-    def put(self, record: PendingRecord, out: list[KinesisRecord]) -> bool:
+    def put(self, record: Record, out: list[KinesisRecord]) -> bool:
         """Add ``record``; append any sealed Kinesis records to ``out``.
 
         Returns True if the earliest deadline may have moved earlier (the caller should wake
@@ -143,7 +143,7 @@ class Aggregator:
         record.predicted_shard = self.predict(record.hash_key)
         return self.put_placed(record, out)
 
-    def put_placed(self, record: PendingRecord, out: list[KinesisRecord]) -> bool:
+    def put_placed(self, record: Record, out: list[KinesisRecord]) -> bool:
         """:meth:`put` for a record whose shard was predicted already (``predicted_shard``,
         ``None`` while the shard map was not ready): the intake predicts it to admit the record
         by its shard's backlog, and the prediction is not repeated."""
@@ -240,11 +240,20 @@ class Aggregator:
             else:
                 self.put(record, out)
 
-    def stop_waiting_for_shard_map(self) -> None:
-        """The map will not come (ListShards failed for good): the records waiting for it go
-        out raw at the next :meth:`flush_due`."""
-        if self._unmapped:
-            self._unmapped_until = -math.inf
+    def shard_map_failed(self) -> bool:
+        """The map will not come (ListShards failed for good, a missing stream): records
+        without a shard go out raw from now on, to fail fast, and those waiting for it go at
+        the next :meth:`flush_due`. Returns whether any were waiting (the caller wakes the
+        task that flushes)."""
+        self.map_unavailable = True
+        if not self._unmapped:
+            return False
+        self._unmapped_until = -math.inf
+        return True
+
+    def shard_map_ready(self) -> None:
+        """The map is there (again): records are placed by their shards."""
+        self.map_unavailable = False
 
     def flush_due(self, now: float, out: list[KinesisRecord]) -> None:
         """Seal every aggregate whose deadline has passed; release records that waited for the
@@ -322,7 +331,7 @@ class Aggregator:
             return True
         return False
 
-    def take_all_records(self) -> list[PendingRecord]:
+    def take_all_records(self) -> list[Record]:
         """Remove and return every buffered user record (used when failing everything)."""
         records = [r for agg in self._open.values() for r in agg.records]
         records.extend(self._unmapped)

@@ -37,7 +37,7 @@ from typing import Any, Final, Protocol
 from .. import errors
 from . import _limits
 from ._aggregator import Aggregator
-from ._records import BatchCounter, KinesisRecord, PendingRecord, ShardBacklog, partition_key_hash
+from ._records import BatchCounter, KinesisRecord, Record, ShardBacklog, partition_key_hash
 from ._shard_map import ShardMap
 
 __all__ = (
@@ -76,7 +76,7 @@ class SpoolStore(Protocol):
     @property
     def segments(self) -> Sized: ...
     def has_room(self, size: int) -> bool: ...
-    def append(self, record: PendingRecord) -> None: ...
+    def append(self, record: Record) -> None: ...
     def finished(self, segment: Any, success: bool) -> None: ...
 
 
@@ -109,7 +109,7 @@ class Intake:
         # happens to a stage, what is left here can be failed, so no awaiter ever hangs).
         # A dict for its order: records are added as they are admitted, so the first is the
         # oldest outstanding one (``oldest_arrival``).
-        self.outstanding: dict[PendingRecord, None] = {}
+        self.outstanding: dict[Record, None] = {}
         self.outstanding_bytes = 0
         # partition key -> (hash key, UTF-8 length): IoT-style workloads reuse keys, and an
         # MD5 costs more than the dictionary lookup
@@ -131,7 +131,7 @@ class Intake:
         data: object,
         partition_key: object,
         explicit_hash_key: object,
-    ) -> PendingRecord | None:
+    ) -> Record | None:
         """:meth:`Producer.submit`'s common case in one call: validate the record and, if it
         may be admitted without waiting (room now, no checkpoint due, the stream's shard map
         ready), admit it and return it. ``None``: the caller takes the general path (the
@@ -148,28 +148,26 @@ class Intake:
 
     def make_records(
         self, stream: object, items: Iterable[object], batch: BatchCounter
-    ) -> list[PendingRecord]:
+    ) -> list[Record]:
         """Validate a batch (:meth:`Producer.submit_many`'s items) and build its handles, not
         yet admitted, each counted in ``batch``. Each item is the record's data, or a tuple
         ``(data, partition_key)`` or ``(data, partition_key, explicit_hash_key)``.
 
         :raises: as :meth:`make_record`, the message naming the item (``records[3]: ...``).
         """
-        made: list[PendingRecord] = []
+        made: list[Record] = []
         for index, item in enumerate(items):
             try:
                 data, partition_key, explicit_hash_key = _unpack_batch_record(item)
                 record = self.make_record(stream, data, partition_key, explicit_hash_key)
             except (errors.RecordTypeError, errors.InvalidRecordError) as exc:
                 raise type(exc)(f"records[{index}]: {exc}") from None
-            record._batch = batch
+            record.batch = batch
             made.append(record)
         batch.remaining = len(made)
         return made
 
-    def admit_ready(
-        self, stream_intake: StreamIntake, records: list[PendingRecord], start: int
-    ) -> int:
+    def admit_ready(self, stream_intake: StreamIntake, records: list[Record], start: int) -> int:
         """Admit ``records[start:]`` in order for as long as each fits now (no wait, no
         checkpoint: :meth:`Producer.submit_many`'s common case, one call for the batch), and
         return the position of the first record not admitted (``len(records)``: all were).
@@ -205,7 +203,7 @@ class Intake:
         data: object,
         partition_key: object,
         explicit_hash_key: object,
-    ) -> PendingRecord:
+    ) -> Record:
         """Validate one record and build its handle (not yet admitted).
 
         :raises ~anykpl.errors.RecordTypeError: an argument of the wrong type.
@@ -247,11 +245,9 @@ class Intake:
                 f"record is {size} bytes (data + partition key), over the maximum of "
                 f"{self.max_record_size} (max_user_record_size)"
             )
-        return PendingRecord(stream, key, payload, hash_key, ehk, 0.0, 0.0, 0.0, size)
+        return Record(stream, key, payload, hash_key, ehk, 0.0, 0.0, 0.0, size)
 
-    def has_room(
-        self, record: PendingRecord, stream: StreamIntake, recovered: bool = False
-    ) -> bool:
+    def has_room(self, record: Record, stream: StreamIntake, recovered: bool = False) -> bool:
         """Whether ``record`` fits now: under the producer's caps, the reserve of them kept
         for quiet shards, its shard's backlog limit (its stream's while its shard is
         not known) and the spool's limit (see the module's docstring). An empty producer, or
@@ -305,7 +301,7 @@ class Intake:
             return record.arrival
         return None
 
-    def no_room_reason(self, record: PendingRecord, stream: StreamIntake) -> str:
+    def no_room_reason(self, record: Record, stream: StreamIntake) -> str:
         """What keeps ``record`` out now, in words (for
         :class:`~anykpl.errors.BackpressureTimeout`)."""
         size = record.size
@@ -349,7 +345,7 @@ class Intake:
             f"equal part of it ({self.active_backlogs} shards hold records)"
         )
 
-    def enqueue(self, stream: StreamIntake, record: PendingRecord) -> None:
+    def enqueue(self, stream: StreamIntake, record: Record) -> None:
         """Admit ``record``: it is outstanding from now on (on disk first, with a spool), and in
         its stream's aggregator.
 
@@ -357,7 +353,7 @@ class Intake:
         """
         self.enqueue_at(stream, record, self.clock())
 
-    def enqueue_at(self, stream: StreamIntake, record: PendingRecord, now: float) -> None:
+    def enqueue_at(self, stream: StreamIntake, record: Record, now: float) -> None:
         """:meth:`enqueue` with the clock already read (a batch reads it once).
 
         :raises ~anykpl.errors.SpoolError: the spool could not take it; it was not admitted.
@@ -386,14 +382,14 @@ class Intake:
         stream.received += 1
         stream.put(record)
 
-    def finish(self, records: Sequence[PendingRecord], success: bool) -> tuple[int, int]:
+    def finish(self, records: Sequence[Record], success: bool) -> tuple[int, int]:
         """Resolve the records still pending among ``records``; return how many there were,
         and their bytes."""
         outstanding = self.outstanding
         spool = self.spool if not self.keep_spooled else None
         released = count = 0
         for record in records:
-            if not record._state:  # still pending: resolve exactly once
+            if not record.done():  # still pending: resolve exactly once
                 outstanding.pop(record, None)
                 size = record.size
                 released += size
@@ -409,7 +405,7 @@ class Intake:
                     if segment is not None:
                         record.spool_segment = None
                         spool.finished(segment, success)
-                record._resolve(success)
+                record.resolve(success)
         self.outstanding_bytes -= released
         self.on_finish()
         return count, released
@@ -421,7 +417,7 @@ class StreamIntake:
 
     def __init__(
         self,
-        finish: Callable[[Sequence[PendingRecord], bool], tuple[int, int]],
+        finish: Callable[[Sequence[Record], bool], tuple[int, int]],
         aggregator: Aggregator,
         shard_map: ShardMap,
         max_buffered_time: float,
@@ -468,7 +464,7 @@ class StreamIntake:
         self.send_now: Callable[[], object] = _nothing
         self._sealed: list[KinesisRecord] = []
 
-    def place(self, record: PendingRecord) -> ShardBacklog:
+    def place(self, record: Record) -> ShardBacklog:
         """Predict ``record``'s shard (``predicted_shard``) and return the backlog it counts
         in: its shard's, or ``unplaced`` while the shard map is not ready."""
         shard = record.predicted_shard = self.shard_map.shard_id(record.hash_key)
@@ -495,7 +491,7 @@ class StreamIntake:
             held < backlog.limit_records and backlog.outstanding_bytes + size <= backlog.limit_bytes
         )
 
-    def put(self, record: PendingRecord) -> None:
+    def put(self, record: Record) -> None:
         """Hand an admitted record to the aggregator, and what it seals to the Limiter."""
         aggregator = self.aggregator
         if aggregator.map_unavailable and not self.shard_map.refresh_requested:
@@ -514,7 +510,7 @@ class StreamIntake:
             self.idle = False
             self.send_now()
 
-    def finish(self, records: Sequence[PendingRecord], success: bool) -> None:
+    def finish(self, records: Sequence[Record], success: bool) -> None:
         """Resolve records of this stream (the Retrier's, and the producer's when it fails
         everything) and give their room back."""
         count, nbytes = self._producer_finish(records, success)

@@ -21,7 +21,7 @@ import math
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from hashlib import md5
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, runtime_checkable
 
 from .. import errors
 from .._compat import mypyc_attr
@@ -34,6 +34,7 @@ __all__ = (
     "Event",
     "KinesisRecord",
     "PendingRecord",
+    "Record",
     "RecordResult",
     "ShardBacklog",
     "Waiting",
@@ -59,15 +60,15 @@ class Waiting(Protocol):
     def new_event(self) -> Event: ...
     def checkpoint(self) -> Awaitable[None]: ...
     def find_trio(self, slot: list[Any]) -> Any: ...
-    def record_result(self, record: PendingRecord) -> Coroutine[Any, Any, RecordResult]: ...
+    def record_result(self, record: Record) -> Coroutine[Any, Any, RecordResult]: ...
     def result_after(
-        self, checkpoint: Awaitable[None], record: PendingRecord
+        self, checkpoint: Awaitable[None], record: Record
     ) -> Coroutine[Any, Any, RecordResult]: ...
     def checkpoint_or_nothing(
         self, checkpoint: Awaitable[None] | None
     ) -> Coroutine[Any, Any, None]: ...
-    def record_wait(self, record: PendingRecord) -> Coroutine[Any, Any, RecordResult]: ...
-    def record_done(self, record: PendingRecord) -> Coroutine[Any, Any, None]: ...
+    def record_wait(self, record: Record) -> Coroutine[Any, Any, RecordResult]: ...
+    def record_done(self, record: Record) -> Coroutine[Any, Any, None]: ...
     def batch_done(self, counter: BatchCounter) -> Coroutine[Any, Any, None]: ...
 
 
@@ -147,7 +148,7 @@ class BatchCounter:
             return _waiting[0].batch_done(self)
         return _waiting[0].checkpoint_or_nothing(resolved_checkpoint())
 
-    def _waiter(self) -> Event:
+    def waiter(self) -> Event:
         """The event set when no record of the batch is pending (made on first use); only
         while some is."""
         event = self._event
@@ -156,7 +157,7 @@ class BatchCounter:
         return event
 
 
-def _ready(record: PendingRecord) -> Generator[Any, None, RecordResult]:
+def _ready(record: Record) -> Generator[Any, None, RecordResult]:
     """``await`` of a record that is done, where nothing is to be awaited first: a generator
     that ends at its first step with the record's result (or raises its failure). Compiled
     like the rest of this module, which is safe because it never suspends: nothing can be
@@ -246,39 +247,86 @@ _SUCCEEDED: Final = 1
 _FAILED: Final = 2
 
 
-# Acyclic in the compiled build: a PendingRecord is not a container the cyclic garbage collector
-# tracks (mypyc leaves out its GC header and traverse function). One record each lives from
-# submit to its PutRecords response, so tracked records filled the collector's older
-# generations and set off full collections over everything the process holds (a quarter of a
-# firehose's CPU, see the CHANGELOG). What makes that safe: a record refers to strings, bytes,
-# numbers and AttemptRecords only, apart from three slots that may lead back to it, each
-# cleared when the record becomes terminal (``_resolve`` clears ``_event`` and ``_on_done``,
-# ``Intake.finish`` clears ``spool_segment``), so no cycle runs through a finished record; and
-# no subclass can add one (a compiled class takes no interpreted subclasses). The pure-Python
-# package keeps the record tracked: ``mypyc_attr`` does nothing at run time.
-@mypyc_attr(acyclic=True)
-class PendingRecord:
+@runtime_checkable
+class PendingRecord(Protocol):
     """A record that was admitted by :meth:`Producer.submit`, and its result handle.
 
     ``await pending`` returns the :class:`RecordResult` once the record succeeded, or raises
     :class:`~anykpl.errors.RecordFailedError` once it failed. Cancelling an ``await`` cancels
     only the wait, never the record: it is delivered (or fails) all the same.
+
+    Read-only: what the record is (``stream``, ``partition_key``, ``explicit_hash_key``,
+    ``data``, ``tenant``) and how it ended. The producer's own record object is one; what the
+    pipeline keeps in it is not part of the handle.
     """
 
+    @property
+    def stream(self) -> str:
+        """The stream it was put to (a name or an ARN)."""
+
+    @property
+    def partition_key(self) -> str:
+        """Its partition key."""
+
+    @property
+    def explicit_hash_key(self) -> str | None:
+        """Its explicit hash key (decimal), or ``None``."""
+
+    @property
+    def data(self) -> bytes:
+        """Its data."""
+
+    @property
+    def tenant(self) -> str | None:
+        """The tenant it was put for, or ``None``."""
+
+    def done(self) -> bool:
+        """Whether the record is terminal (succeeded or failed)."""
+
+    def result(self) -> RecordResult:
+        """The record's result.
+
+        :raises RuntimeError: if the record is not done yet.
+        :raises ~anykpl.errors.RecordFailedError: if it failed.
+        """
+
+    def wait(self) -> Coroutine[Any, Any, RecordResult]:
+        """Wait until the record is terminal; same as ``await pending``: ``await
+        pending.wait()``, a coroutine."""
+
+    def __await__(self) -> Generator[Any, None, RecordResult]: ...
+
+
+# Acyclic in the compiled build: a Record is not a container the cyclic garbage collector
+# tracks (mypyc leaves out its GC header and traverse function). One record each lives from
+# submit to its PutRecords response, so tracked records filled the collector's older
+# generations and set off full collections over everything the process holds (a quarter of a
+# firehose's CPU, see the CHANGELOG). What makes that safe: a record refers to strings, bytes,
+# numbers and AttemptRecords only, apart from three slots that may lead back to it, each
+# cleared when the record becomes terminal (``resolve`` clears ``_event`` and ``on_done``,
+# ``Intake.finish`` clears ``spool_segment``), so no cycle runs through a finished record; and
+# no subclass can add one (a compiled class takes no interpreted subclasses). The pure-Python
+# package keeps the record tracked: ``mypyc_attr`` does nothing at run time.
+@mypyc_attr(acyclic=True)
+class Record:
+    """A user record in the producer: what it is, where the pipeline has it, its attempts, and
+    the one-shot handle its caller awaits. Users see it as a :class:`PendingRecord`, which
+    reads; the stages change it through its methods and fields below."""
+
     __slots__ = (
-        "_batch",
         "_earlier_attempts",
         "_event",
-        "_last_attempt",
-        "_on_done",
         "_state",
         "arrival",
         "backlog",
+        "batch",
         "data",
         "deadline",
         "expiration",
         "explicit_hash_key",
         "hash_key",
+        "last_attempt",
+        "on_done",
         "partition_key",
         "predicted_shard",
         "sequence_number",
@@ -322,15 +370,15 @@ class PendingRecord:
         self.spool_segment: Any = None
         # The latest attempt in a slot and earlier ones in a tuple: no list per record, since
         # most records succeed at the first attempt (every allocation here costs GC time).
-        self._last_attempt: AttemptRecord | None = None
+        self.last_attempt: AttemptRecord | None = None
         self._earlier_attempts: tuple[AttemptRecord, ...] = ()
         self._state = _PENDING
         self._event: Event | None = None
         # Called once, with the record, when it becomes terminal (SyncProducer completes its
         # futures with it). Private: one slot and one check per record, no callback list.
-        self._on_done: Callable[[PendingRecord], object] | None = None
+        self.on_done: Callable[[Record], object] | None = None
         # the counter of the submit_many batch it came in, or None
-        self._batch: BatchCounter | None = None
+        self.batch: BatchCounter | None = None
         # the shard backlog it was admitted into (Intake.enqueue), None until then
         self.backlog: ShardBacklog | None = None
 
@@ -355,7 +403,7 @@ class PendingRecord:
             raise RuntimeError("the record is not done yet; await it")
         # Built on each call, not cached: a cached result would keep three more objects alive
         # per record for the garbage collector to walk (see the CHANGELOG's measurements).
-        result = self._build_result()
+        result = self.build_result()
         if self._state == _FAILED:
             raise errors.RecordFailedError(result)
         return result
@@ -365,11 +413,11 @@ class PendingRecord:
         pending.wait()``, a coroutine."""
         return _waiting[0].record_wait(self)
 
-    def _wait_done(self) -> Awaitable[None]:
+    def wait_done(self) -> Awaitable[None]:
         """Wait until the record is terminal, without raising its failure."""
         return _waiting[0].record_done(self)
 
-    def _waiter(self) -> Event:
+    def waiter(self) -> Event:
         """The event set when the record becomes terminal (made on first use); only while it
         is pending."""
         event = self._event
@@ -387,9 +435,9 @@ class PendingRecord:
 
     # -- used by the pipeline -------------------------------------------------------------
 
-    def _build_result(self) -> RecordResult:
+    def build_result(self) -> RecordResult:
         success = self._state == _SUCCEEDED
-        a = self._last_attempt
+        a = self.last_attempt
         if success and a is not None and not self._earlier_attempts:
             # The common case, built with tuple.__new__ directly: a named tuple's generated
             # __new__ is a Python function, and this runs once per record.
@@ -431,31 +479,31 @@ class PendingRecord:
         )
 
     def _attempts(self) -> tuple[AttemptRecord, ...]:
-        last = self._last_attempt
+        last = self.last_attempt
         return self._earlier_attempts if last is None else (*self._earlier_attempts, last)
 
-    def _add_attempt(self, attempt: AttemptRecord) -> None:
+    def add_attempt(self, attempt: AttemptRecord) -> None:
         if self._state != _PENDING:
             # already terminal (failed at close while its request was in flight): its history
             # ends with the attempt that decided it
             return
-        last = self._last_attempt
+        last = self.last_attempt
         if last is not None:
             self._earlier_attempts = (*self._earlier_attempts, last)
-        self._last_attempt = attempt
+        self.last_attempt = attempt
 
-    def _resolve(self, success: bool) -> None:
+    def resolve(self, success: bool) -> None:
         self._state = _SUCCEEDED if success else _FAILED
-        batch = self._batch
+        batch = self.batch
         if batch is not None:
             batch.record_done(success)
         event = self._event
         if event is not None:
             self._event = None  # its waiters hold it; a record holds nothing that leads back
             event.set()
-        on_done = self._on_done
+        on_done = self.on_done
         if on_done is not None:
-            self._on_done = None
+            self.on_done = None
             try:
                 on_done(self)
             except Exception:
@@ -490,7 +538,7 @@ class KinesisRecord:
 
     def __init__(
         self,
-        records: list[PendingRecord],
+        records: list[Record],
         data: bytes,
         partition_key: str,
         explicit_hash_key: str,
@@ -523,7 +571,7 @@ class KinesisRecord:
     @classmethod
     def aggregate(
         cls,
-        records: list[PendingRecord],
+        records: list[Record],
         builder: AggregateBuilder,
         partition_key: str,
         explicit_hash_key: str,
@@ -560,7 +608,7 @@ class KinesisRecord:
         if builder is None or len(records) < 2 or builder.size <= max_size:
             return [self]
         pieces: list[KinesisRecord] = []
-        part: list[PendingRecord] = []
+        part: list[Record] = []
         current = AggregateBuilder()
         for record in records:
             pk, ehk = record.partition_key, record.explicit_hash_key
@@ -575,7 +623,7 @@ class KinesisRecord:
         pieces.append(self._piece(part, current))
         return pieces
 
-    def _piece(self, records: list[PendingRecord], builder: AggregateBuilder) -> KinesisRecord:
+    def _piece(self, records: list[Record], builder: AggregateBuilder) -> KinesisRecord:
         first = records[0]
         if len(records) == 1:
             piece = KinesisRecord.single(first)
@@ -601,7 +649,7 @@ class KinesisRecord:
             self._data = b""
 
     @classmethod
-    def single(cls, record: PendingRecord) -> KinesisRecord:
+    def single(cls, record: Record) -> KinesisRecord:
         """A Kinesis record carrying one user record, sent raw with the user's partition key and
         the record's hash key as explicit hash key (always set, as in kinesis_record.cc)."""
         return cls(

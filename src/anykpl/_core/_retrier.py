@@ -49,14 +49,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import errors
-from ._records import AttemptRecord, KinesisRecord, PendingRecord
+from ._records import AttemptRecord, KinesisRecord, Record
 from ._shard_map import ShardMap, shard_number
 
 __all__ = ("Outcome", "Retrier", "RetrierStatistics", "RetryBudget", "StatisticSet")
 
 logger = logging.getLogger("anykpl.retrier")
 
-Finish = Callable[[Sequence[PendingRecord], bool], None]
+Finish = Callable[[Sequence[Record], bool], None]
 Count = Callable[[str, int, str | None, str | None], None]
 #: (name, shard, error code, statistic set): what one outcome adds to a metric
 Observe = Callable[[str, str | None, str | None, "StatisticSet"], None]
@@ -256,7 +256,7 @@ class Retrier:
         # shards whose streak this outcome already advanced: one failed request with twenty
         # Kinesis records for a shard is one step of backoff, not twenty
         self._advanced: set[str | None] = set()
-        self._delayed: list[tuple[float, int, list[PendingRecord]]] = []
+        self._delayed: list[tuple[float, int, list[Record]]] = []
         # outcomes stored in a shard the map has not seen (see _hold)
         self._held: list[_Held] = []
         # records failed for good while handling one outcome: code -> (count, a message)
@@ -417,7 +417,7 @@ class Retrier:
             # BufferingTime, per Kinesis record: how long its oldest user record waited since
             # it arrived or its previous attempt ended (the KPL samples every user record)
             oldest = kr.records[0]
-            last = oldest._last_attempt
+            last = oldest.last_attempt
             wait = (start - (oldest.arrival if last is None else last.end)) * 1000
             request = by_shard.get(kr.predicted_shard)
             if request is None:
@@ -493,7 +493,7 @@ class Retrier:
             sizes = users[actual] = StatisticSet(0, 0, math.inf, 0)
         sizes.count += len(kr.records)
         for index, record in enumerate(kr.records):
-            record._add_attempt(attempt)
+            record.add_attempt(attempt)
             record.shard_id = actual
             record.sequence_number = sequence_number
             record.sub_sequence_number = index
@@ -618,12 +618,10 @@ class Retrier:
         else:
             self._retry(kr.records, attempt, now, shard=shard, backoff_key=shard, backoff=True)
 
-    def _fail(
-        self, records: Sequence[PendingRecord], attempt: AttemptRecord, shard: str | None
-    ) -> None:
+    def _fail(self, records: Sequence[Record], attempt: AttemptRecord, shard: str | None) -> None:
         """Fail user records for good (``shard``: their predicted shard, for the metrics)."""
         for record in records:
-            record._add_attempt(attempt)
+            record.add_attempt(attempt)
         failed = len(records)
         code = attempt.code or "UnknownError"
         earlier, _ = self._failed.get(code, (0, ""))
@@ -646,7 +644,7 @@ class Retrier:
 
     def _retry(
         self,
-        records: Sequence[PendingRecord],
+        records: Sequence[Record],
         attempt: AttemptRecord,
         now: float,
         *,
@@ -655,10 +653,10 @@ class Retrier:
         backoff: bool,
     ) -> None:
         expired_attempt: AttemptRecord | None = None
-        retry: list[PendingRecord] = []
-        expired: list[PendingRecord] = []
+        retry: list[Record] = []
+        expired: list[Record] = []
         for record in records:
-            record._add_attempt(attempt)
+            record.add_attempt(attempt)
             if record.expiration < now:
                 expired.append(record)
             else:
@@ -708,15 +706,15 @@ class Retrier:
     def next_release(self) -> float:
         return self._delayed[0][0] if self._delayed else math.inf
 
-    def take_due(self, now: float) -> list[PendingRecord]:
+    def take_due(self, now: float) -> list[Record]:
         """The retried records whose backoff has passed."""
-        due: list[PendingRecord] = []
+        due: list[Record] = []
         while self._delayed and self._delayed[0][0] <= now:
             due.extend(heapq.heappop(self._delayed)[2])
         self.delayed_records -= len(due)
         return due
 
-    def take_all(self) -> list[PendingRecord]:
+    def take_all(self) -> list[Record]:
         records = [r for item in self._delayed for r in item[2]]
         for held in self._held:
             # stored, in a shard whose range was never learned: the records keep that attempt
@@ -729,7 +727,7 @@ class Retrier:
                 "whether a reader keeps it",
             )
             for record in held.kr.records:
-                record._add_attempt(attempt)
+                record.add_attempt(attempt)
                 records.append(record)
         self._held.clear()
         self._delayed.clear()

@@ -26,7 +26,7 @@ import anyio
 
 from .. import errors
 from .._core._intake import Intake, StreamIntake
-from .._core._records import PendingRecord
+from .._core._records import Record
 
 __all__ = ("Admission",)
 
@@ -67,7 +67,7 @@ class Admission:
 
     async def wait(
         self,
-        record: PendingRecord,
+        record: Record,
         stream: StreamIntake,
         *,
         waited: float = 0.0,

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 if TYPE_CHECKING:
-    from .._core._records import BatchCounter, PendingRecord, RecordResult
+    from .._core._records import BatchCounter, Record, RecordResult
 
 __all__ = (
     "batch_done",
@@ -34,15 +34,15 @@ __all__ = (
 )
 
 
-async def record_result(record: PendingRecord) -> RecordResult:
+async def record_result(record: Record) -> RecordResult:
     """``await record`` while it is pending: its result once it is terminal (raises its
     failure)."""
     if not record.done():
-        await record._waiter().wait()
+        await record.waiter().wait()
     return record.result()
 
 
-async def result_after(checkpoint: Awaitable[None], record: PendingRecord) -> RecordResult:
+async def result_after(checkpoint: Awaitable[None], record: Record) -> RecordResult:
     """``await record`` once it is done, where ``checkpoint`` is to be awaited first (see
     ``_records.resolved_checkpoint``)."""
     await checkpoint
@@ -55,22 +55,22 @@ async def checkpoint_or_nothing(checkpoint: Awaitable[None] | None) -> None:
         await checkpoint
 
 
-async def record_wait(record: PendingRecord) -> RecordResult:
+async def record_wait(record: Record) -> RecordResult:
     """``pending.wait()``: a coroutine (for ``create_task``, ``start_soon`` and the like)
     that is ``await pending``."""
     return await record
 
 
-async def record_done(record: PendingRecord) -> None:
+async def record_done(record: Record) -> None:
     """Wait until ``record`` is terminal, without raising its failure."""
     if not record.done():
-        await record._waiter().wait()
+        await record.waiter().wait()
 
 
 async def batch_done(counter: BatchCounter) -> None:
     """Wait until no record of a batch is pending."""
     if counter.remaining:
-        await counter._waiter().wait()
+        await counter.waiter().wait()
 
 
 #: the event a waiter sleeps on, and a full checkpoint

@@ -2,19 +2,19 @@
 own completion, so a firehose need not look at every record to learn that all went well.
 
 Each record of the batch counts itself out of the batch's :class:`BatchCounter` when it
-becomes terminal (``PendingRecord._resolve``, compiled code), so :meth:`PendingBatch.done` and
+becomes terminal (``Record.resolve``, compiled code), so :meth:`PendingBatch.done` and
 the counts are one read each, however big the batch. Results are built only when asked for:
 :meth:`PendingBatch.result` builds one for each failed record, none for the others.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any, NamedTuple, overload
 
-from .._core._records import BatchCounter, PendingRecord, RecordResult
+from .._core._records import BatchCounter, PendingRecord, Record, RecordResult
 
-__all__ = ("BatchResult", "PendingBatch")
+__all__ = ("BatchResult", "PendingBatch", "set_done_hook")
 
 
 class BatchResult(NamedTuple):
@@ -45,7 +45,7 @@ class PendingBatch(Sequence[PendingRecord]):
 
     __slots__ = ("_counter", "_records")
 
-    def __init__(self, records: list[PendingRecord], counter: BatchCounter) -> None:
+    def __init__(self, records: list[Record], counter: BatchCounter) -> None:
         self._records = records
         self._counter = counter
 
@@ -59,6 +59,9 @@ class PendingBatch(Sequence[PendingRecord]):
     def __getitem__(self, index: slice) -> list[PendingRecord]: ...
 
     def __getitem__(self, index: int | slice) -> PendingRecord | list[PendingRecord]:
+        if isinstance(index, slice):
+            handles: list[PendingRecord] = [*self._records[index]]
+            return handles
         return self._records[index]
 
     def __iter__(self) -> Iterator[PendingRecord]:
@@ -86,6 +89,11 @@ class PendingBatch(Sequence[PendingRecord]):
         """How many records of the batch have failed so far."""
         return self._counter.failed
 
+    @property
+    def pending(self) -> int:
+        """How many records of the batch are not terminal yet."""
+        return self._counter.remaining
+
     def result(self) -> BatchResult:
         """The batch's result.
 
@@ -99,7 +107,7 @@ class PendingBatch(Sequence[PendingRecord]):
         failures: list[tuple[int, RecordResult]] = []
         if counter.failed:
             for position, pending in enumerate(self._records):
-                outcome = pending._build_result()
+                outcome = pending.build_result()
                 if not outcome.success:
                     failures.append((position, outcome))
         return BatchResult(self.succeeded, counter.failed, tuple(failures))
@@ -111,3 +119,9 @@ class PendingBatch(Sequence[PendingRecord]):
 
     def __await__(self) -> Generator[Any, None, BatchResult]:
         return self.wait().__await__()
+
+
+def set_done_hook(batch: PendingBatch, hook: Callable[[], None] | None) -> None:
+    """Have ``hook`` called once, where the batch's last record is resolved (``None``: no
+    more). One slot, the runtime's: ``SyncProducer`` completes a batch's future with it."""
+    batch._counter.on_done = hook

@@ -40,7 +40,7 @@ from .._core._collector import Collector
 from .._core._intake import StreamIntake
 from .._core._limiter import AdaptiveSettings, Limiter
 from .._core._metrics import Metrics
-from .._core._records import AttemptRecord, KinesisRecord, PendingRecord, ShardBacklog
+from .._core._records import AttemptRecord, KinesisRecord, Record, ShardBacklog
 from .._core._retrier import Outcome, Retrier, RetryBudget, StatisticSet
 from .._core._shard_map import ShardMap
 from .._core._token_bucket import TokenBucket
@@ -54,7 +54,7 @@ from ._statistics import ShardStatistics, StreamStatistics
 __all__ = ("Pipeline",)
 
 #: Resolves records and returns how many were still pending and their bytes (the producer's).
-ProducerFinish = Callable[[Sequence[PendingRecord], bool], tuple[int, int]]
+ProducerFinish = Callable[[Sequence[Record], bool], tuple[int, int]]
 
 #: How often the stream's backlog limit is planned again (by the Limiter's task), and how
 #: many Kinesis records must have been released before their aggregation ratio is trusted.
@@ -86,7 +86,7 @@ WAKE, FLUSH, END, SEND_NOW = Control.WAKE, Control.FLUSH, Control.END, Control.S
 #: What travels each stream: the Aggregator's input carries retries (user records); the
 #: Limiter's and the Collector's, Kinesis records; the Sender's, PutRecords requests; the
 #: Retrier's, outcomes; control messages ride along where a stage needs them.
-AggregatorMessage = list[PendingRecord] | Control
+AggregatorMessage = list[Record] | Control
 LimiterMessage = list[KinesisRecord] | Control
 CollectorMessage = list[KinesisRecord] | Control
 _T = TypeVar("_T")
@@ -267,7 +267,7 @@ class Pipeline:
 
     # -- intake (called synchronously by the producer) ------------------------------------
 
-    def put(self, record: PendingRecord) -> None:
+    def put(self, record: Record) -> None:
         """Hand an admitted record to the aggregator (:meth:`StreamIntake.put`), its shard
         predicted now."""
         self.intake.place(record)
@@ -353,19 +353,19 @@ class Pipeline:
         backlog limit (a stream with nothing outstanding always takes one record)."""
         return self.intake.has_room(size, self.intake.unplaced)
 
-    def finish(self, records: Sequence[PendingRecord], success: bool) -> None:
+    def finish(self, records: Sequence[Record], success: bool) -> None:
         """Resolve records of this stream (the Retrier's, and the producer's when it fails
         everything) and give their room back."""
         self.intake.finish(records, success)
 
-    def fail_all(self, records: Sequence[PendingRecord], attempt: AttemptRecord) -> None:
+    def fail_all(self, records: Sequence[Record], attempt: AttemptRecord) -> None:
         """Fail ``records`` (this stream's outstanding ones, wherever they are: in a stage,
         in flight, in backoff) with ``attempt``, and drop what the stages hold."""
         self.aggregator.take_all_records()
         self.limiter.take_all()
         self.retrier.take_all()
         for record in records:
-            record._add_attempt(attempt)
+            record.add_attempt(attempt)
         if not records:
             return
         failed = len(records)
@@ -560,9 +560,7 @@ class Pipeline:
         # records waiting for it go now, raw, and fail fast with the service's error code, as
         # do the records that come later. ListShards is tried again only when they come: an
         # idle producer does not call it for a missing stream for ever.
-        self.aggregator.map_unavailable = True
-        if self.aggregator.waiting_for_shard_map:
-            self.aggregator.stop_waiting_for_shard_map()
+        if self.aggregator.shard_map_failed():
             self.aggregator_send.send_nowait(WAKE)
         return False
 
@@ -579,7 +577,7 @@ class Pipeline:
 
     def _shard_map_ready(self) -> None:
         self._settle_held()
-        self.aggregator.map_unavailable = False
+        self.aggregator.shard_map_ready()
         # records waiting under the stream's limit may fit their shards' now
         self._next_backlog_update = -math.inf
         if self.on_room is not None:

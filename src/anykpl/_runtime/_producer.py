@@ -33,7 +33,7 @@ from .._compat import running_trio
 from .._core._intake import CHECKPOINT_EVERY, Intake, offset_clock
 from .._core._limits import MAX_TENANT_LENGTH
 from .._core._metrics import Metrics, MetricValue
-from .._core._records import AttemptRecord, BatchCounter, PendingRecord, RecordResult
+from .._core._records import AttemptRecord, BatchCounter, PendingRecord, Record, RecordResult
 from .._core._tenant_quotas import Reservation
 from .._core._token_bucket import BURST_SECONDS, TokenBucket
 from .._fleet import FleetDemand, FleetWorker
@@ -278,7 +278,7 @@ class Producer(anyio.AsyncContextManagerMixin):
                         except errors.ProducerClosedError:
                             return  # the rest stays in the spool, for the next producer
                     if self._on_recovered is not None:
-                        record._on_done = self._on_recovered
+                        record.on_done = self._on_recovered
                     self._enqueue(entry.stream, pipeline, record)
                     self._metrics.add("UserRecordsRecovered", 1, entry.stream, None, None)
                     admitted += 1
@@ -598,7 +598,7 @@ class Producer(anyio.AsyncContextManagerMixin):
         self._enqueue(stream, pipeline, record)
         return record
 
-    def _enqueue(self, stream: str, pipeline: Pipeline, record: PendingRecord) -> None:
+    def _enqueue(self, stream: str, pipeline: Pipeline, record: Record) -> None:
         """Admit ``record``: it is outstanding from now on, and in its stream's pipeline."""
         if pipeline.stopped:
             # the stream went idle and its pipeline closed while the caller waited: the record
@@ -693,7 +693,7 @@ class Producer(anyio.AsyncContextManagerMixin):
             )
         return errors.ProducerClosedError(f"the producer is {self._state}; nothing was enqueued")
 
-    async def _admit_tenant(self, record: PendingRecord, tenant: str) -> Reservation:
+    async def _admit_tenant(self, record: Record, tenant: str) -> Reservation:
         """Take the record's tokens from its tenant's quota, waiting for them if need be."""
         reservation = await self._tenants.admit(tenant, record.size, self._clock())
         if reservation.wait > 0.0 and self._state != "open":
@@ -722,14 +722,14 @@ class Producer(anyio.AsyncContextManagerMixin):
             )
         now = anyio.current_time() if self._task_group is not None else 0.0
         attempt = AttemptRecord(now, now, False, code, message)
-        by_stream: dict[str, list[PendingRecord]] = {}
+        by_stream: dict[str, list[Record]] = {}
         for record in self._intake.outstanding:
             by_stream.setdefault(record.stream, []).append(record)
         for pipeline in self._pipelines.values():
             pipeline.fail_all(by_stream.pop(pipeline.stream, ()), attempt)
         for failing in by_stream.values():  # no pipeline (cannot happen; the safety net)
             for record in failing:
-                record._add_attempt(attempt)
+                record.add_attempt(attempt)
             self._intake.finish(failing, False)
 
     # -- flushing -------------------------------------------------------------------------
@@ -777,7 +777,7 @@ class Producer(anyio.AsyncContextManagerMixin):
         try:
             with anyio.fail_after(timeout if timeout is not None else math.inf):
                 for record in snapshot:
-                    await record._wait_done()
+                    await record.wait_done()
         except TimeoutError:
             left = sum(1 for r in snapshot if not r.done())
             raise errors.FlushTimeout(

@@ -58,7 +58,7 @@ from .._core._spool_format import (
 from ..config import SpoolFsync
 
 if TYPE_CHECKING:
-    from .._core._records import PendingRecord
+    from .._core._records import Record
 
 __all__ = ("RecoveredSegment", "Segment", "Spool", "SpoolStatistics", "SpoolSyncer")
 
@@ -279,7 +279,7 @@ class Spool:
             used -= active.size  # an empty active segment makes way for the new one
         return used + grown <= self.max_bytes
 
-    def append(self, record: PendingRecord) -> None:
+    def append(self, record: Record) -> None:
         """Write ``record`` into the active segment (a new one if it is full).
 
         :raises ~anykpl.errors.SpoolError: a new segment could not be created (a full disk).
