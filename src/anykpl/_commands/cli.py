@@ -31,7 +31,7 @@ examples:
 """,
     ),
     "emulator-stats": (
-        "anykpl.emulator.stats_command",
+        "anykpl._commands.emulator_stats",
         "what a running emulator has seen, per shard (table or --json)",
         """\
 examples:

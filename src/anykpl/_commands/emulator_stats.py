@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from ._client import EmulatorClient, EmulatorControlError
+from ..emulator import EmulatorClient, EmulatorControlError
 
 __all__ = ("add_arguments", "run")
 
