@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from anykpl._core import _wire
 from anykpl._core._aggregator import SHARD_MAP_WAIT, Aggregator
-from anykpl._core._records import KinesisRecord, PendingRecord, Record, partition_key_hash
+from anykpl._core._records import KinesisRecord, Record, partition_key_hash
 from anykpl._core._shard_queue import FAIR_QUANTUM
 
 SHARD = "shardId-000000000000"
@@ -24,7 +24,7 @@ def make_record(
     explicit_hash_key: int | None = None,
     deadline: float = 1.0,
     expiration: float = 30.0,
-) -> PendingRecord:
+) -> Record:
     hash_key = partition_key_hash(partition_key) if explicit_hash_key is None else explicit_hash_key
     ehk = None if explicit_hash_key is None else str(explicit_hash_key)
     return Record("stream", partition_key, data, hash_key, ehk, 0.0, deadline, expiration)
@@ -508,7 +508,7 @@ def test_a_serialized_aggregate_or_a_raw_record_is_not_split() -> None:
     assert kr.split(1000) == [kr]
 
 
-def _arrived(key: str, hash_key: int, arrival: float, size: int = 1000) -> PendingRecord:
+def _arrived(key: str, hash_key: int, arrival: float, size: int = 1000) -> Record:
     return Record("stream", key, b"x" * size, hash_key, str(hash_key), arrival, arrival + 0.1, 30.0)
 
 

@@ -11,7 +11,7 @@ import pytest
 from anykpl._core import _limits
 from anykpl._core._aggregator import Aggregator
 from anykpl._core._intake import RESERVE, Intake, StreamIntake, offset_clock
-from anykpl._core._records import PendingRecord
+from anykpl._core._records import Record
 from anykpl._core._shard_map import ShardMap
 from anykpl._runtime._producer import _backend_clock
 
@@ -121,9 +121,7 @@ def _key_on(shard: int, start: int = 0) -> str:
     raise AssertionError("no key found")  # pragma: no cover
 
 
-def _offer(
-    intake: Intake, stream: StreamIntake, key: str, size: int = 1000
-) -> PendingRecord | None:
+def _offer(intake: Intake, stream: StreamIntake, key: str, size: int = 1000) -> Record | None:
     """Admit one record for ``key`` if it fits now; None if it would wait."""
     record = intake.make_record("s", b"x" * (size - len(key)), key, None)
     if not intake.has_room(record, stream):
@@ -169,7 +167,7 @@ def test_the_oldest_outstanding_record_is_the_first_admitted_of_those_left() -> 
     )
     stream = _stream(intake, shard_bytes=1_000_000)
     assert intake.oldest_arrival() is None
-    records: list[PendingRecord] = []
+    records: list[Record] = []
     for arrival, shard in ((10.0, 0), (11.0, 1), (12.0, 0)):
         now[0] = arrival
         record = _offer(intake, stream, _key_on(shard))

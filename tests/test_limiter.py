@@ -8,7 +8,7 @@ import pytest
 
 from anykpl._core import _limits
 from anykpl._core._limiter import MIN_REFILL_WAIT, SAMPLE_SIZE, Limiter
-from anykpl._core._records import KinesisRecord, PendingRecord, Record
+from anykpl._core._records import KinesisRecord, Record
 from anykpl._core._token_bucket import BURST_SECONDS
 
 SHARD = "shardId-000000000000"
@@ -536,7 +536,7 @@ def test_aggregates_leave_in_pieces_while_the_controller_weighs_the_evidence() -
 # -- pacing at capacity ----------------------------------------------------------------------
 
 
-def _user(arrival: float) -> PendingRecord:
+def _user(arrival: float) -> Record:
     return Record("stream", "k", b"x" * 9, 1, None, arrival, 5.0, 1000.0)
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from anykpl._core import _limits
 from anykpl._core._metrics import Metrics
-from anykpl._core._records import PendingRecord, Record
+from anykpl._core._records import Record
 from anykpl._core._token_bucket import TokenBucket
 from anykpl._runtime._pipeline import Pipeline
 from anykpl.config import ProducerConfig
@@ -31,11 +31,11 @@ class Finished:
     ``expected`` records are terminal."""
 
     def __init__(self, expected: int) -> None:
-        self.records: list[tuple[PendingRecord, bool]] = []
+        self.records: list[tuple[Record, bool]] = []
         self.expected = expected
         self.all_done = anyio.Event()
 
-    def __call__(self, records: Sequence[PendingRecord], success: bool) -> tuple[int, int]:
+    def __call__(self, records: Sequence[Record], success: bool) -> tuple[int, int]:
         self.records.extend((record, success) for record in records)
         if len(self.records) >= self.expected:
             self.all_done.set()
@@ -49,7 +49,7 @@ def pipeline_for(
     return Pipeline(STREAM, config, fake, Metrics(), finished)
 
 
-def record(pipeline: Pipeline, key: str, data: bytes) -> PendingRecord:
+def record(pipeline: Pipeline, key: str, data: bytes) -> Record:
     """A record as the producer admits it: stamped now, counted, then put."""
     now = anyio.current_time()
     config = pipeline.config

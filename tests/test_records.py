@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 import pytest
 
-from anykpl import errors
+from anykpl import PendingRecord, errors
 from anykpl._core import _records as records_module
 from anykpl._core._records import AttemptRecord, Record
 from anykpl._runtime import _awaiting
@@ -251,3 +251,12 @@ def test_a_batch_hook_runs_once_where_its_last_record_resolves(
     with caplog.at_level(logging.ERROR, logger="anykpl"):
         failing.record_done(True)  # logged, not raised: the stage resolving it goes on
     assert "completion hook of a batch failed" in caplog.text
+
+
+def test_the_producers_record_is_what_a_caller_reads_as_a_pending_record() -> None:
+    # PendingRecord is a protocol, checked at run time too (on the compiled build as well: it
+    # lives outside the compiled core, where mypyc would make it a plain class)
+    record = make_record()
+    assert isinstance(record, PendingRecord)
+    assert not isinstance(object(), PendingRecord)
+    assert (record.stream, record.partition_key, record.data) == ("stream", "key", b"data")

@@ -12,7 +12,7 @@ import pytest
 
 from anykpl import errors
 from anykpl._core._limits import MAX_HASH_KEY as MAX_HASH
-from anykpl._core._records import Attempt, KinesisRecord, PendingRecord, Record
+from anykpl._core._records import Attempt, KinesisRecord, Record
 from anykpl._core._retrier import Observe, Outcome, Retrier, StatisticSet
 from anykpl._core._shard_map import ShardMap
 
@@ -57,7 +57,7 @@ class Harness:
         self.shard_map.begin_update()
         self.shard_map.apply_page([_shard(SHARD_0, 0, HALF), _shard(SHARD_1, HALF + 1, MAX_HASH)])
         self.shard_map.finish_update(0.0)
-        self.finished: list[tuple[list[PendingRecord], bool]] = []
+        self.finished: list[tuple[list[Record], bool]] = []
         self.counts: list[tuple[str, int, str | None, str | None]] = []
         self.refreshes = 0
         self.retrier = Retrier(
@@ -74,7 +74,7 @@ class Harness:
             observe=observe,
         )
 
-    def _finish(self, records: Sequence[PendingRecord], success: bool) -> None:
+    def _finish(self, records: Sequence[Record], success: bool) -> None:
         for record in records:
             assert not record.done(), "a record was finished twice"
             record.resolve(success)
@@ -90,17 +90,13 @@ class Harness:
         return sum(v for n, v, _, c in self.counts if n == name and (code is None or c == code))
 
 
-def make_record(
-    hash_key: int = 1, *, arrival: float = 0.0, expiration: float = 30.0
-) -> PendingRecord:
+def make_record(hash_key: int = 1, *, arrival: float = 0.0, expiration: float = 30.0) -> Record:
     return Record(
         "stream", f"pk{hash_key}", b"data", hash_key, None, arrival, arrival + 0.1, expiration
     )
 
 
-def make_kinesis_record(
-    records: list[PendingRecord], predicted: str | None = SHARD_0
-) -> KinesisRecord:
+def make_kinesis_record(records: list[Record], predicted: str | None = SHARD_0) -> KinesisRecord:
     for record in records:
         record.predicted_shard = predicted
     first = records[0]
@@ -129,14 +125,14 @@ def outcome(
     return Outcome("stream", krs, start, end, response, code, None if code is None else "boom")
 
 
-def attempts(record: PendingRecord) -> tuple[Attempt, ...]:
+def attempts(record: Record) -> tuple[Attempt, ...]:
     try:
         return record.result().attempts
     except errors.RecordFailedError as exc:
         return exc.result.attempts
 
 
-def codes(record: PendingRecord) -> list[str | None]:
+def codes(record: Record) -> list[str | None]:
     return [a.error_code for a in record.build_result().attempts]
 
 
@@ -486,7 +482,7 @@ def _refresh_with_child(h: Harness, start: int, end: int) -> None:
     h.shard_map.finish_update(2.0)
 
 
-def _held_aggregate(h: Harness, *keys: int) -> list[PendingRecord]:
+def _held_aggregate(h: Harness, *keys: int) -> list[Record]:
     records = [make_record(key) for key in keys]
     kr = make_kinesis_record(records, SHARD_0)
     h.retrier.handle(outcome([kr], [ok(shard=CHILD, sequence="77")], start=1.0), 1.5)

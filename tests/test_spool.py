@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 from anykpl import errors
-from anykpl._core._records import PendingRecord, Record
+from anykpl._core._records import Record
 from anykpl._core._spool_format import (
     ENTRY_HEADER_SIZE,
     FILE_HEADER_SIZE,
@@ -23,18 +23,18 @@ from anykpl._runtime._spool import Spool, SpoolSyncer
 MAX = 64 * 1024 * 1024
 
 
-def record(i: int, *, ehk: str | None = None, tenant: str | None = None) -> PendingRecord:
+def record(i: int, *, ehk: str | None = None, tenant: str | None = None) -> Record:
     data = f"{i:07d}|".encode().ljust(50 + i % 7, b".")
     r = Record("stream", f"kéy-{i}", data, 0, ehk, 0.0, 0.0, 0.0)
     r.tenant = tenant
     return r
 
 
-def entry_of(r: PendingRecord) -> RecoveredEntry:
+def entry_of(r: Record) -> RecoveredEntry:
     return RecoveredEntry(r.stream, r.partition_key, r.explicit_hash_key, r.tenant, r.data)
 
 
-def spool_with(directory: Path, records: list[PendingRecord]) -> Spool:
+def spool_with(directory: Path, records: list[Record]) -> Spool:
     spool = Spool(directory, MAX)
     assert spool.open() == []
     for r in records:
@@ -42,7 +42,7 @@ def spool_with(directory: Path, records: list[PendingRecord]) -> Spool:
     return spool
 
 
-def finish(spool: Spool, records: list[PendingRecord], success: bool) -> None:
+def finish(spool: Spool, records: list[Record], success: bool) -> None:
     """What ``Intake.finish`` does for spooled records."""
     for r in records:
         segment = r.spool_segment

@@ -12,8 +12,9 @@ The package in layers (docs/architecture.md draws them; tests/test_layout.py kee
 - ``_runtime/``: the producer around the core: :class:`Producer` (``_producer.py``: lifecycle,
   flush, close), admission's waits (``_admission.py``, tenants in ``_tenants.py``), each
   stream's tasks (``_pipeline.py``, the Sender in ``_sender.py``, ListShards in
-  ``_shard_refresh.py``), awaiting a handle (``_awaiting.py``, ``_batch.py``), the durable
-  spool (``_spool.py``) and the snapshots ``statistics()`` returns (``_statistics.py``).
+  ``_shard_refresh.py``), the handles (``_handle.py``: :class:`PendingRecord`; ``_batch.py``)
+  and awaiting them (``_awaiting.py``), the durable spool (``_spool.py``) and the snapshots
+  ``statistics()`` returns (``_statistics.py``).
 - ``_transport/``: :class:`Transport` (``_protocol.py``), and the producer's own on
   aiobotocore (``_botocore.py``: request bodies, botocore's errors as codes, the only place
   they are seen; ``_aws.py`` makes every AWS client).
@@ -32,13 +33,13 @@ Public modules: this package, :mod:`anykpl.errors` (imports nothing of the packa
 from . import errors as errors
 from ._core._metrics import MetricKey as MetricKey
 from ._core._metrics import MetricValue as MetricValue
-from ._core._records import PendingRecord as PendingRecord
 from ._core._results import Attempt as Attempt
 from ._core._results import RecordResult as RecordResult
 from ._core._tenant_quotas import TenantStatistics as TenantStatistics
 from ._fleet import FleetStatistics as FleetStatistics
 from ._runtime._batch import BatchResult as BatchResult
 from ._runtime._batch import PendingBatch as PendingBatch
+from ._runtime._handle import PendingRecord as PendingRecord
 from ._runtime._producer import Producer as Producer
 from ._runtime._spool import SpoolStatistics as SpoolStatistics
 from ._runtime._statistics import ProducerStatistics as ProducerStatistics

@@ -99,8 +99,9 @@ from . import errors
 from ._compat import running_trio
 from ._core._intake import CHECKPOINT_EVERY
 from ._core._metrics import MetricValue
-from ._core._records import PendingRecord, Record, RecordResult
+from ._core._records import Record, RecordResult
 from ._runtime._batch import BatchResult, PendingBatch, set_done_hook
+from ._runtime._handle import PendingRecord
 from ._runtime._producer import BatchRecord, Producer
 from ._runtime._statistics import ProducerStatistics
 from ._transport._protocol import Transport

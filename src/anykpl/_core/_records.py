@@ -21,7 +21,7 @@ import math
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from hashlib import md5
-from typing import Any, Final, Protocol, runtime_checkable
+from typing import Any, Final, Protocol
 
 from .. import errors
 from .._compat import mypyc_attr
@@ -33,7 +33,6 @@ __all__ = (
     "BatchCounter",
     "Event",
     "KinesisRecord",
-    "PendingRecord",
     "Record",
     "RecordResult",
     "ShardBacklog",
@@ -247,56 +246,6 @@ _SUCCEEDED: Final = 1
 _FAILED: Final = 2
 
 
-@runtime_checkable
-class PendingRecord(Protocol):
-    """A record that was admitted by :meth:`Producer.submit`, and its result handle.
-
-    ``await pending`` returns the :class:`RecordResult` once the record succeeded, or raises
-    :class:`~anykpl.errors.RecordFailedError` once it failed. Cancelling an ``await`` cancels
-    only the wait, never the record: it is delivered (or fails) all the same.
-
-    Read-only: what the record is (``stream``, ``partition_key``, ``explicit_hash_key``,
-    ``data``, ``tenant``) and how it ended. The producer's own record object is one; what the
-    pipeline keeps in it is not part of the handle.
-    """
-
-    @property
-    def stream(self) -> str:
-        """The stream it was put to (a name or an ARN)."""
-
-    @property
-    def partition_key(self) -> str:
-        """Its partition key."""
-
-    @property
-    def explicit_hash_key(self) -> str | None:
-        """Its explicit hash key (decimal), or ``None``."""
-
-    @property
-    def data(self) -> bytes:
-        """Its data."""
-
-    @property
-    def tenant(self) -> str | None:
-        """The tenant it was put for, or ``None``."""
-
-    def done(self) -> bool:
-        """Whether the record is terminal (succeeded or failed)."""
-
-    def result(self) -> RecordResult:
-        """The record's result.
-
-        :raises RuntimeError: if the record is not done yet.
-        :raises ~anykpl.errors.RecordFailedError: if it failed.
-        """
-
-    def wait(self) -> Coroutine[Any, Any, RecordResult]:
-        """Wait until the record is terminal; same as ``await pending``: ``await
-        pending.wait()``, a coroutine."""
-
-    def __await__(self) -> Generator[Any, None, RecordResult]: ...
-
-
 # Acyclic in the compiled build: a Record is not a container the cyclic garbage collector
 # tracks (mypyc leaves out its GC header and traverse function). One record each lives from
 # submit to its PutRecords response, so tracked records filled the collector's older
@@ -309,9 +258,10 @@ class PendingRecord(Protocol):
 # package keeps the record tracked: ``mypyc_attr`` does nothing at run time.
 @mypyc_attr(acyclic=True)
 class Record:
-    """A user record in the producer: what it is, where the pipeline has it, its attempts, and
-    the one-shot handle its caller awaits. Users see it as a :class:`PendingRecord`, which
-    reads; the stages change it through its methods and fields below."""
+    """A user record in the producer: what it is, where the pipeline has it, its attempts, and the
+    one-shot handle its caller awaits. Users see it as a :class:`~anykpl.PendingRecord`
+    (``_runtime/_handle.py``), which reads; the stages change it through its methods and fields
+    below."""
 
     __slots__ = (
         "_earlier_attempts",

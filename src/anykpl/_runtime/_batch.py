@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any, NamedTuple, overload
 
-from .._core._records import BatchCounter, PendingRecord, Record, RecordResult
+from .._core._records import BatchCounter, Record, RecordResult
+from ._handle import PendingRecord
 
 __all__ = ("BatchResult", "PendingBatch", "set_done_hook")
 

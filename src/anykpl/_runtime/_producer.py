@@ -33,7 +33,7 @@ from .._compat import running_trio
 from .._core._intake import CHECKPOINT_EVERY, Intake, offset_clock
 from .._core._limits import MAX_TENANT_LENGTH
 from .._core._metrics import Metrics, MetricValue
-from .._core._records import AttemptRecord, BatchCounter, PendingRecord, Record, RecordResult
+from .._core._records import AttemptRecord, BatchCounter, Record, RecordResult
 from .._core._tenant_quotas import Reservation
 from .._core._token_bucket import BURST_SECONDS, TokenBucket
 from .._fleet import FleetDemand, FleetWorker
@@ -44,6 +44,7 @@ from ..metrics import FINAL_REPORT_WHEN_CANCELLED, MetricsSink
 from ..metrics._uploader import Uploader
 from ._admission import Admission
 from ._batch import PendingBatch
+from ._handle import PendingRecord
 from ._pipeline import Pipeline
 from ._spool import RecoveredSegment, Spool, SpoolSyncer
 from ._statistics import ProducerStatistics

@@ -28,7 +28,8 @@ import anyio
 
 from ..._core import _limits
 from ..._core._metrics import MetricKey
-from ..._core._records import PendingRecord, partition_key_hash
+from ..._core._records import partition_key_hash
+from ..._runtime._handle import PendingRecord
 from ..._runtime._producer import Producer
 from ..._runtime._statistics import ProducerStatistics
 from ...config import ProducerConfig
