@@ -1,7 +1,8 @@
 """Records and their results: the per-record objects of the hot path.
 
-A user record *is* its :class:`PendingRecord`: one small slotted object carries the record's data,
-hash key, deadlines and attempt history, and is the one-shot handle the caller awaits. No task,
+A user record *is* its :class:`Record`: one small slotted object carries the record's data,
+hash key, deadlines and attempt history, and is the one-shot handle the caller awaits (typed
+for the caller as the read-only :class:`~anykpl.PendingRecord`). No task,
 no future and no event exist per record unless somebody awaits a record that is not yet done
 (the event is created lazily). A Kinesis record (:class:`KinesisRecord`) owns the handles of the
 user records it carries; the Retrier resolves them when the PutRecords outcome arrives.
