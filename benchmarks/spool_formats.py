@@ -24,16 +24,16 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from anykpl._core._records import PendingRecord, Record
+from anykpl._core._records import Record
 from anykpl._runtime._spool import Spool
 
 
-def records(n: int, size: int) -> list[PendingRecord]:
+def records(n: int, size: int) -> list[Record]:
     data = b"x" * size
     return [Record("stream", f"device-{i % 2000}", data, 0, None, 0, 0, 0) for i in range(n)]
 
 
-def spool_way(directory: str, batch: list[PendingRecord]) -> tuple[float, float]:
+def spool_way(directory: str, batch: list[Record]) -> tuple[float, float]:
     spool = Spool(directory, 1 << 34)
     spool.open()
     t0 = time.perf_counter()
@@ -50,7 +50,7 @@ def spool_way(directory: str, batch: list[PendingRecord]) -> tuple[float, float]
     return t1 - t0, t2 - t1
 
 
-def write_way(directory: str, batch: list[PendingRecord]) -> tuple[float, float]:
+def write_way(directory: str, batch: list[Record]) -> tuple[float, float]:
     path = os.path.join(directory, "log")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     t0 = time.perf_counter()
@@ -62,8 +62,8 @@ def write_way(directory: str, batch: list[PendingRecord]) -> tuple[float, float]
     return t1 - t0, time.perf_counter() - t1
 
 
-def sqlite_way(every: int) -> Callable[[str, list[PendingRecord]], tuple[float, float]]:
-    def run(directory: str, batch: list[PendingRecord]) -> tuple[float, float]:
+def sqlite_way(every: int) -> Callable[[str, list[Record]], tuple[float, float]]:
+    def run(directory: str, batch: list[Record]) -> tuple[float, float]:
         db = sqlite3.connect(os.path.join(directory, "spool.db"), isolation_level=None)
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=OFF")

@@ -90,7 +90,7 @@ class AttemptRecord:
     """One try of one Kinesis record, shared by all the user records it carried.
 
     Acyclic (compiled build): it holds numbers and strings only, so it stays out of the garbage
-    collector, as :class:`PendingRecord` does.
+    collector, as :class:`Record` does.
     """
 
     __slots__ = ("code", "end", "message", "start", "success")
@@ -109,7 +109,7 @@ class BatchCounter:
     """How many records of one :meth:`Producer.submit_many` batch are still pending, and how
     many failed: what :class:`~anykpl.PendingBatch` reports without looking at each record.
 
-    Every record of the batch points to it (``PendingRecord._batch``) and counts itself out
+    Every record of the batch points to it (``Record.batch``) and counts itself out
     when it becomes terminal, once. It refers to no record, so no cycle runs through it.
     ``on_done``, if set, is called once, where the last record is resolved (SyncProducer's
     batch future; it is cleared before the call).
@@ -211,7 +211,7 @@ class ShardBacklog:
     admitted before their shard was known), and the most it may hold: what admission per
     shard compares (``Intake.has_room``).
 
-    Every admitted record points to the backlog it was counted in (``PendingRecord.backlog``)
+    Every admitted record points to the backlog it was counted in (``Record.backlog``)
     and counts itself out when it becomes terminal (``Intake.finish``), once, wherever it went
     meanwhile (a retry after a reshard may send it to another shard). Like
     :class:`BatchCounter`, it refers to no record.

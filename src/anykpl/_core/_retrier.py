@@ -334,7 +334,7 @@ class Retrier:
                 self._fail(kr.records, attempt, kr.predicted_shard)
             return
         # Per shard, one statistic set per metric for the whole response (see
-        # anykpl/_metrics.py): Kinesis records at their predicted shard, and the sizes of the
+        # anykpl/_core/_metrics.py): Kinesis records at their predicted shard, and the sizes of the
         # user records delivered at their actual shard.
         kinesis: dict[str | None, _ShardResponse] = {}
         users: dict[str, StatisticSet] = {}
@@ -401,7 +401,7 @@ class Retrier:
 
     def _observe_request(self, outcome: Outcome) -> None:
         """The per-request metrics: one statistic set each, per predicted shard for the
-        per-Kinesis-record ones (see anykpl/_metrics.py)."""
+        per-Kinesis-record ones (see anykpl/_core/_metrics.py)."""
         observe = self.observe
         records: Sequence[KinesisRecord] = outcome.records
         start = outcome.start

@@ -891,7 +891,7 @@ class Producer(anyio.AsyncContextManagerMixin):
     def _count_received(self) -> None:
         """``Metrics.collect``: the admissions since the last call, into the current bucket.
         Called when a one-second bucket closes and before a read, never once per put (the hot
-        path): see anykpl/_metrics.py for how close to their second this dates them."""
+        path): see anykpl/_core/_metrics.py for how close to their second this dates them."""
         for name, p in self._pipelines.items():
             received = p.take_received()
             if received:

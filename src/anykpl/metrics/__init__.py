@@ -32,7 +32,7 @@ Layout (one job per module; import the public names from here):
 Each sink is a feature beyond the pipeline with a dependency of its own, and meets the upload
 task only through the protocol, so a sink changes in its own file. The counters themselves
 (the KPL's ``metrics_manager``: statistic sets in one-second buckets, local queries) are not
-here but in ``anykpl/_metrics.py``: the pipeline records into them whether or not anything is
+here but in ``anykpl/_core/_metrics.py``: the pipeline records into them whether or not anything is
 uploaded, and the core does not depend on the sinks.
 """
 

@@ -2,8 +2,8 @@
 KPL uploads its metrics (``aws/metrics/metrics_manager.cc``), and the batching that keeps each
 call within the KPL's limits (:func:`cloudwatch_batches`).
 
-The aiobotocore client comes from the producer's factory (``anykpl/_aws.py``), imported when
-the sink opens, so ``import anykpl`` never loads the SDK for it.
+The aiobotocore client comes from the producer's factory (``anykpl/_transport/_aws.py``),
+imported when the sink opens, so ``import anykpl`` never loads the SDK for it.
 """
 
 from __future__ import annotations

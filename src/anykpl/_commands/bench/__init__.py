@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     warmup: float = (
         args.warmup if args.warmup is not None else (QUICK_WARMUP if args.quick else 3.0)
     )
-    missing = [m for m in ("moto", "boto3") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("moto", "boto3", "h11") if importlib.util.find_spec(m) is None]
     if args.backend == "trio" and importlib.util.find_spec("trio") is None:
         missing.append("trio")
     if missing:

@@ -144,10 +144,11 @@ def started_target(args: argparse.Namespace, say: Printer) -> Iterator[Target]:
         raise SystemExit("anykpl demo: --no-verify applies to --endpoint only")
     if args.ca_bundle is not None:
         raise SystemExit("anykpl demo: --ca-bundle applies to --endpoint only")
-    if importlib.util.find_spec("moto") is None:
+    missing = [m for m in ("moto", "h11") if importlib.util.find_spec(m) is None]
+    if missing:
         raise SystemExit(
-            "anykpl demo starts the emulator, which needs moto: pip install 'anykpl[demo]' "
-            "(or give --endpoint)"
+            f"anykpl demo starts the emulator, which needs {' and '.join(missing)}: "
+            "pip install 'anykpl[demo]' (or give --endpoint)"
         )
     from anykpl.emulator import spawn
 
