@@ -142,3 +142,33 @@ def test_no_module_reaches_into_another_layers_private_module_by_path() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and not node.level and node.module:
                 assert not node.module.startswith("anykpl._"), (name, node.module)
+
+
+def test_the_library_uses_no_private_name_of_the_standard_library() -> None:
+    # ``threading._register_atexit`` and the like change without notice between Pythons
+    for name, path in sorted(_modules().items()):
+        tree = ast.parse(path.read_text())
+        stdlib = {
+            alias.asname or alias.name.partition(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import)
+            for alias in node.names
+            if alias.name.partition(".")[0] in sys.stdlib_module_names
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                module, attribute = node.value.id, node.attr
+            elif (  # getattr(threading, "_register_atexit", None)
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[0], ast.Name)
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+            ):
+                module, attribute = node.args[0].id, node.args[1].value
+            else:
+                continue
+            private = attribute.startswith("_") and not attribute.startswith("__")
+            assert not (module in stdlib and private), f"{name}:{node.lineno}: {module}.{attribute}"

@@ -651,6 +651,42 @@ def test_close_makes_a_tenant_quota_waiter_give_up_at_once_and_still_flushes(
     assert plain.result(timeout=0).success
 
 
+def test_close_makes_a_thread_waiting_for_room_give_up_at_once_as_the_async_producer_does(
+    backend: str, fake_kinesis: FakeKinesis
+) -> None:
+    # The SyncProducer admits through the Producer, so its close ends the waits for room as
+    # Producer.aclose does: the waiting record is refused (nothing enqueued), the admitted one
+    # is flushed.
+    producer = SyncProducer(
+        transport=fake_kinesis,
+        backend=backend,
+        max_outstanding_records=1,
+        close_timeout=5.0,
+    )
+    fake_kinesis.delay = 0.5  # the first record is in flight while the second waits
+    first = producer.submit(STREAM, b"first", partition_key="k")
+    outcome: list[str] = []
+
+    def blocked() -> None:
+        try:
+            producer.submit(STREAM, b"second", partition_key="k")
+            outcome.append("admitted")
+        except errors.AnyKplError as exc:
+            outcome.append(type(exc).__name__)
+
+    thread = threading.Thread(target=blocked)
+    thread.start()
+    time.sleep(0.1)
+    assert outcome == []  # it waits for room at the call
+    started = time.monotonic()
+    producer.close()
+    thread.join()
+    assert time.monotonic() - started < 2.0
+    assert outcome == ["ProducerClosedError"]
+    assert first.result(timeout=0).success
+    assert stored(fake_kinesis) == Counter({b"first": 1})
+
+
 @pytest.mark.parametrize("tenant", [None, "t1"])
 def test_a_thread_waiting_on_a_hot_shard_holds_up_no_other_thread(
     backend: str, fake_kinesis: FakeKinesis, tenant: str | None

@@ -9,62 +9,57 @@ it. The caller's threads never run async code; they hand records over and wait o
 Running our own loop (rather than borrowing a running one) is what makes it work unchanged in
 Jupyter, whose kernel already runs an asyncio loop in the main thread.
 
-What blocks where. Two long-lived tasks run in the loop thread: ``_run`` (holds the Producer
-open, then closes it) and the *admitter*.
+Admission is the Producer's own. ``submit`` hands its record to the loop and blocks the calling
+thread on a plain lock until the record is admitted or refused. Handing over is one dict entry
+under a lock (``_admitting``, the records handed over and not yet taken, in order) and, when no
+callback that takes them is already scheduled, one thread-safe callback (asyncio's
+``call_soon_threadsafe``, trio's ``run_sync_soon``): no task and no portal round trip per record,
+and one wake-up of the loop for a burst from many threads (a wake-up per record halved trio's
+throughput from eight threads: its scheduling lock and socket write are taken per call). In the
+loop, the callback takes the records in order and tries ``Producer.submit_nowait`` for each, the
+non-blocking try; a record that cannot be admitted at once — no room on its shard yet, a spool
+that commits, a ``tenant=`` (it may wait for its quota), a ``submit_many`` batch — waits in a
+task of its own, in ``Producer.submit`` (or ``submit_many``): the same waits, bounds and errors
+as on the async producer, and a hot partition key's callers wait while the other threads'
+records go on. A calling thread has one record in admission at a time, so each thread's records
+keep their order. Whoever removes a record from ``_admitting`` owns its answer: the loop
+(admitting it), its caller (withdrawing it when its ``timeout`` runs out first), or a close
+(refusing it, when the loop will never take it).
 
-- ``submit`` appends the record to a thread-safe admission queue, wakes the admitter if it is
-  idle (one thread-safe callback, no task), and blocks the calling thread until the record is
-  admitted (or refused). So input errors, ``ProducerClosedError`` and backpressure reach the
-  caller exactly as they do on the async producer. One admitter serves every thread: a burst
-  from many threads is admitted in one pass, in arrival order, without a task or a loop round
-  trip per record (``BlockingPortal.call`` costs both; see docs/sync.md for the numbers),
-  through ``Producer.submit_nowait``. A record that cannot be admitted at once — no room on
-  its shard yet, or put with ``tenant=`` (it may wait for its quota) — is handed to a task of
-  its own that waits in ``Producer.submit``, so that it holds up nobody else's records: a hot
-  partition key's callers wait, the other threads' records go on (admission per shard, as on
-  the async producer). A calling thread has one record in admission at a time, so each
-  thread's records keep their order.
-- The record's :class:`concurrent.futures.Future` is completed where the record is resolved:
-  on admission the admitter sets the :class:`PendingRecord`'s completion hook
-  (``Record.on_done``, one slot), and the stage that resolves the record calls it. No
-  task, no polling: a record that finishes while an older one is still retrying completes its
-  future at once, and every future of a flushed record is done when ``Producer.flush`` returns.
-- ``put_record`` is ``submit`` followed by ``future.result(timeout)``.
-- ``submit_many`` queues the whole batch as one admission: the admitter hands it to a task of
-  its own (a task per batch, not per record) that calls ``Producer.submit_many``, and its future
-  is completed by the batch's completion hook (``BatchCounter.on_done``), where its last record
-  is resolved. Order, close and abandonment treat it as one record of the queue.
-- ``flush``, ``statistics`` and ``metrics`` go through ``BlockingPortal.call``: rare calls, a
-  task each.
+Results. The record's :class:`concurrent.futures.Future` is completed where the record is
+resolved: on admission the record's completion hook (``Record.on_done``, one slot) is set, and
+the stage that resolves the record calls it. No task, no polling: a record that finishes while
+an older one is still retrying completes its future at once, and every future of a flushed
+record is done when ``Producer.flush`` returns. A ``submit_many`` batch's future is completed
+by the batch's hook (``set_done_hook``), where its last record is resolved. ``put_record`` is
+``submit`` followed by ``future.result(timeout)``. ``flush``, ``statistics`` and ``metrics`` go
+through ``BlockingPortal.call``: rare calls, a task each.
 
 Futures are completed in the loop thread, so a future's done callbacks run there: they must be
 quick and must not call the SyncProducer (that raises ``RuntimeError`` instead of deadlocking).
 
-Shutdown order (``close``, leaving a ``with`` block, or the exit hook). (1) The state
-becomes ``closing`` under the lock, so new calls raise ``ProducerClosedError``; records already
-in the admission queue were accepted and are still admitted. (2) In the loop, bounded by the
-close timeout (``config.close_timeout`` unless ``close(timeout=...)`` says otherwise): the
-admitter drains the queue and stops, then ``Producer.flush()``. (3) The Producer's block is
-left — normally if the flush finished, with what is left of the bound as the Producer's own
-``close_timeout`` (its closing steps, such as the last metrics report, are bounded by it), by
-cancellation if the bound ran out, which fails what is left with ``ProducerClosed`` at once
-instead of flushing for another ``close_timeout``.
-(4) Every future still held is completed (every record is terminal once the Producer is
-closed); queued admissions that never ran fail with ``ProducerClosedError``. (5) The portal is
-stopped and its thread joined. The closing thread waits at most the bound plus
-``_CLOSE_GRACE`` for steps 2-4; if the loop is wedged (a future callback that blocks, say) it
-abandons the daemon thread rather than hang the interpreter: it logs how many records are
-lost (a warning only if none is), fails the admissions still queued, and every later call
-raises ``ProducerClosedError`` at once instead of waiting on the wedged loop.
+Shutdown (``close``, leaving a ``with`` block, or at interpreter exit). (1) Under the lock the
+SyncProducer stops taking calls (``ProducerClosedError``), and the close request is scheduled
+behind every record already handed to the loop, which are admitted first. (2) In the loop,
+``Producer.aclose(timeout=bound)``, the bound being ``config.close_timeout`` unless
+``close(timeout=...)`` says otherwise: as on the async producer, records still waiting for room
+or for their tenant's quota give up with ``ProducerClosedError``, the rest is flushed within the
+bound and what is left after it fails with ``ProducerClosed``. (3) Every future still held is
+completed (every record is terminal once the Producer is closed). (4) The portal is stopped and
+its thread joined. The closing thread waits at most the bound plus ``_CLOSE_GRACE`` for steps
+2-3; if the loop is wedged (a future callback that blocks, say) it abandons the daemon thread
+rather than hang the interpreter: it logs how many records are lost (a warning only if none is),
+refuses the records the loop has not taken, and every later call raises
+``ProducerClosedError`` at once instead of waiting on the wedged loop.
 
-The exit hook. A SyncProducer still open when the interpreter exits is closed by a hook that
-``threading._register_atexit`` runs when the main thread ends, before Python waits for the
-other non-daemon threads — not by ``atexit``, whose hooks run after
-``concurrent.futures`` has shut its thread pools down: by then asyncio's default executor
-refuses work, so a new connection's DNS lookup (``loop.getaddrinfo``) fails and every record
-still waiting for one would fail with ``ProducerClosed``. ``concurrent.futures.thread`` is
-imported before our hook is registered, so that its own hook (registered at its import) runs
-after ours: the hooks run last registered, first.
+At interpreter exit. A SyncProducer still open when the main thread ends is closed by the exit
+watcher: a non-daemon thread that waits for the main thread to end (``main_thread().join()``)
+and then closes every open SyncProducer, while Python waits for its non-daemon threads — before
+``atexit`` hooks, which run once those threads have ended. By then ``concurrent.futures`` has
+shut its thread pools down, asyncio's default executor among them, and a new connection's DNS
+lookup (``loop.getaddrinfo``) runs in that executor: so the asyncio loop gets a default executor
+of its own (``_OwnThreads``), on daemon threads of its own. (trio
+resolves names in its own threads.)
 
 If a pipeline stage crashes, the Producer fails every record and its block raises; the
 SyncProducer then behaves as closed and its next ``close`` re-raises that error.
@@ -72,32 +67,28 @@ SyncProducer then behaves as closed and its next ``close`` re-raises that error.
 
 from __future__ import annotations
 
-import atexit
-import concurrent.futures.thread  # noqa: F401 (registers its exit hook before ours: see above)
 import logging
 import math
 import os
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import CancelledError as FutureCancelledError
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from contextlib import AbstractContextManager, suppress
 from functools import partial
+from queue import SimpleQueue
 from types import TracebackType
 from typing import Any, cast
 
 import anyio
-import anyio.lowlevel
-from anyio.abc import TaskStatus
+from anyio.abc import TaskGroup, TaskStatus
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from . import errors
 from ._compat import running_trio
-from ._core._intake import CHECKPOINT_EVERY
 from ._core._metrics import MetricValue
 from ._core._records import Record, RecordResult
 from ._runtime._batch import BatchResult, PendingBatch, set_done_hook
@@ -119,14 +110,12 @@ logger = logging.getLogger("anykpl.sync")
 
 _CLOSE_GRACE = 5.0  # seconds a closing thread waits beyond the close bound before giving up
 
-# admission states, changed only under SyncProducer._lock
-_QUEUED, _TAKEN, _CANCELLED = 0, 1, 2
-
 
 class _Admission:
-    """One record on its way from a caller's thread into ``Producer.submit``."""
+    """One record (or one ``submit_many`` batch) on its way from a caller's thread into the
+    Producer, and the answer it gets there."""
 
-    __slots__ = ("args", "deadline", "error", "future", "items", "signal", "state", "tenant")
+    __slots__ = ("args", "deadline", "error", "future", "items", "signal", "tenant")
 
     def __init__(
         self,
@@ -139,21 +128,88 @@ class _Admission:
         self.items = items  # a submit_many batch (args then holds only its stream)
         self.tenant = tenant
         self.deadline = deadline  # time.monotonic() value, or None
-        self.state = _QUEUED
         self.error: BaseException | None = None
         # Running at once, so that Future.cancel() is refused: like cancelling an ``await``
         # of a PendingRecord, it could not withdraw a record that was admitted.
         self.future: Future[Any] = Future()  # of a RecordResult, or a batch's BatchResult
         self.future.set_running_or_notify_cancel()
-        # held until the admitter is done with the record: the caller blocks on it
+        # held until the record is admitted or refused: the caller blocks on it
         self.signal = threading.Lock()
         self.signal.acquire()
 
+    def answer(self, error: BaseException | None = None) -> None:
+        """Release the caller: admitted (its future is set up), or refused with ``error``."""
+        self.error = error
+        self.signal.release()
+
+
+class _OwnThreads(ThreadPoolExecutor):
+    """The default executor of a SyncProducer's asyncio loop (``loop.getaddrinfo``,
+    ``asyncio.to_thread``), on daemon threads of its own. Unlike ``concurrent.futures``' pools,
+    which Python shuts down before the exit watcher closes the producer, it still works then
+    (module docstring). One thread is started with the loop, because Python 3.12.0-3.12.1
+    refuse to start threads once the main thread has ended; more start while every thread is
+    busy, up to ``_MAX_WORKERS`` (where Python refuses, the running ones take the call). The
+    calls are rare: a host name lookup per new connection, an SSL context per client."""
+
+    _MAX_WORKERS = 4
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1)  # the base's bookkeeping only: it starts no thread
+        self._calls: SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = SimpleQueue()
+        self._guard = threading.Lock()
+        self._workers = 0
+        self._idle = 0
+        self._start_worker()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        with self._guard:
+            self._calls.put((future, partial(fn, *args, **kwargs)))
+            grow = self._idle == 0 and self._workers < self._MAX_WORKERS
+        if grow:
+            with suppress(RuntimeError):  # a new thread refused: the running ones take it
+                self._start_worker()
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._guard:
+            for _ in range(self._workers):
+                self._calls.put(None)
+
+    def _start_worker(self) -> None:
+        thread = threading.Thread(target=self._work, name="anykpl-sync-executor", daemon=True)
+        thread.start()
+        with self._guard:
+            self._workers += 1
+
+    def _work(self) -> None:
+        while True:
+            with self._guard:
+                self._idle += 1
+            call = self._calls.get()
+            with self._guard:
+                self._idle -= 1
+            if call is None:
+                return
+            future, fn = call
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn()
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+            del future, fn, call  # no reference held while idle
+
 
 # Every open SyncProducer, in creation order (a dict as an ordered set): closed by the exit
-# hook, and made unusable at once in a forked child (gunicorn --preload, multiprocessing with
+# watcher, and made unusable at once in a forked child (gunicorn --preload, multiprocessing with
 # fork) instead of waiting on a loop thread the child lacks.
 _live: dict[SyncProducer, None] = {}
+_live_lock = threading.Lock()
+_exit_watcher: threading.Thread | None = None
 
 # The portals of loop threads that close() abandoned, never collected: collecting one would stop
 # its portal and join its thread from whichever thread collects it (hanging there, or failing
@@ -161,29 +217,45 @@ _live: dict[SyncProducer, None] = {}
 _abandoned_portals: list[AbstractContextManager[BlockingPortal]] = []
 
 
+def _watch_for_exit() -> None:
+    """The exit watcher: once the main thread has ended, close every open SyncProducer."""
+    threading.main_thread().join()
+    _close_all_at_exit()
+
+
 def _close_all_at_exit() -> None:
-    for producer in reversed(list(_live)):
+    with _live_lock:
+        producers = list(_live)
+    for producer in reversed(producers):
         producer._close_at_exit()
 
 
+def _register(producer: SyncProducer) -> None:
+    """Track ``producer`` until it closes, and start the exit watcher if none runs."""
+    global _exit_watcher
+    with _live_lock:
+        _live[producer] = None
+        if _exit_watcher is None or not _exit_watcher.is_alive():
+            # non-daemon, so that Python waits for it as the interpreter exits
+            _exit_watcher = threading.Thread(
+                target=_watch_for_exit, name="anykpl-sync-exit-watcher", daemon=False
+            )
+            _exit_watcher.start()
+
+
+def _unregister(producer: SyncProducer) -> None:
+    with _live_lock:
+        _live.pop(producer, None)
+
+
 def _after_fork_in_child() -> None:
+    global _exit_watcher, _live_lock
+    _live_lock = threading.Lock()  # it may have been held by a thread that is gone
+    _exit_watcher = None  # the parent's watcher does not exist here
     for producer in list(_live):
         producer._forked()
 
 
-def _register_exit_hook(hook: Callable[[], None]) -> None:
-    """Run ``hook`` when the main thread ends, while thread pools still work (module doc)."""
-    register = getattr(threading, "_register_atexit", None)
-    if register is not None:
-        try:
-            register(hook)
-            return
-        except RuntimeError:  # pragma: no cover - imported while the interpreter shuts down
-            pass
-    atexit.register(hook)  # pragma: no cover - CPython has threading._register_atexit
-
-
-_register_exit_hook(_close_all_at_exit)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
@@ -226,10 +298,17 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         self.config = self._producer.config
         self.backend = backend
         self._lock = threading.Lock()
-        self._state = "open"  # open → closing → closed
-        self._queue: deque[_Admission] = deque()
-        self._admitter_idle = False
-        self._admitter_wakeup: anyio.Event | None = None
+        # Taking calls: False once close() began, the producer failed, or after a fork.
+        self._open = True
+        # The loop's run is over (or out of reach): every record is terminal.
+        self._ended = False
+        # records handed to the loop and not yet taken by it, in order (a dict as an ordered
+        # set), and whether a callback that takes them is scheduled (module docstring); under
+        # _lock
+        self._admitting: dict[_Admission, None] = {}
+        self._take_scheduled = False
+        # the loop's tasks for records that wait (for room, for their tenant's quota)
+        self._waiting: TaskGroup | None = None
         # admitted records whose future is not done yet; only the loop thread changes it
         self._futures: dict[Record, Future[RecordResult]] = {}
         # likewise for submit_many's batches
@@ -253,13 +332,17 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         try:
             self._run_future, _ = self._portal.start_task(self._run)
         except BaseException:
-            self._state = "closed"
+            self._open = False
+            self._ended = True
             self._portal_cm.__exit__(*sys.exc_info())
             raise
-        _live[self] = None
+        _register(self)
 
     def __repr__(self) -> str:
-        return f"<SyncProducer {self._state} backend={self.backend} {self._producer!r}>"
+        return f"<SyncProducer {self._lifecycle()} backend={self.backend} {self._producer!r}>"
+
+    def _lifecycle(self) -> str:
+        return "open" if self._open else "closed" if self._ended else "closing"
 
     def __enter__(self) -> Self:
         return self
@@ -359,29 +442,29 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         deadline: float | None,
         items: list[BatchRecord] | None = None,
     ) -> Future[Any]:
-        """Queue one record (or ``items``, a batch) for the admitter; block until admitted."""
+        """Hand one record (or ``items``, a batch) to the loop; block until it is admitted."""
         self._check_thread()
         item = _Admission(args, tenant, deadline, items)
         with self._lock:
-            if self._state != "open":
+            if not self._open:
                 raise self._closed_error()
-            self._queue.append(item)
-            wake = self._admitter_idle
-            self._admitter_idle = False
-        if wake:
-            self._call_soon(self._wake_admitter)
+            self._admitting[item] = None
+            schedule = not self._take_scheduled
+            self._take_scheduled = True
+        if schedule and not self._call_soon(self._admit_handed_over):  # pragma: no cover
+            with self._lock:  # the loop is gone
+                self._admitting.pop(item, None)
+            raise self._closed_error()
         if deadline is None:
             item.signal.acquire()
         elif not item.signal.acquire(timeout=max(0.0, deadline - time.monotonic())):
             with self._lock:
-                withdrawn = item.state == _QUEUED
-                if withdrawn:
-                    item.state = _CANCELLED
+                withdrawn = self._admitting.pop(item, 0) is None
             if withdrawn:
                 raise errors.BackpressureTimeout(
                     "the record was not admitted within the timeout; nothing was enqueued"
                 )
-            # the admitter has it, and bounds its wait for room by the same deadline
+            # the loop has it, and bounds its wait for room by the same deadline
             item.signal.acquire()
         if item.error is not None:
             try:
@@ -430,12 +513,12 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         self._check_thread()
         if self._abandoned:
             raise self._closed_error("its records are lost")
-        if self._state == "closed":
+        if self._ended:
             return
         try:
             self._portal.call(partial(self._producer.flush, timeout, stream=stream))
         except RuntimeError:
-            if self._state == "closed":
+            if self._lifecycle() == "closed":
                 return  # the portal stopped meanwhile: everything is terminal
             raise
 
@@ -451,8 +534,7 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
             closer = self._closer is None
             if closer:
                 self._closer = threading.current_thread()
-                if self._state == "open":
-                    self._state = "closing"
+                self._open = False
                 if timeout is not None:
                     self._close_bound = timeout
         if not closer:
@@ -470,7 +552,7 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         """A frozen snapshot of the producer's state and counters (see
         :meth:`Producer.statistics <anykpl.Producer.statistics>`)."""
         self._check_thread()
-        if self._state != "closed":
+        if not self._ended:
             with suppress(RuntimeError):  # the portal stopped meanwhile
                 return self._portal.call(self._producer.statistics)
         if self._final_statistics is not None:
@@ -509,7 +591,7 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         self._check_thread()
         if window is not None and not (isinstance(window, (int, float)) and 0 < window <= 60):
             raise ValueError(f"window must be None or in (0, 60] seconds, got {window!r}")
-        if self._state != "closed":
+        if not self._ended:
             with suppress(RuntimeError):  # the portal stopped meanwhile
                 return self._portal.call(self._producer.metrics, name, window)
         final = self._final_metrics
@@ -524,10 +606,10 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` has started (or the producer failed)."""
-        return self._state != "open"
+        return not self._open
 
     def _shut_down(self) -> None:
-        _live.pop(self, None)
+        _unregister(self)
         bound = self._close_bound
         self._call_soon(self._request_close)
         try:
@@ -544,12 +626,13 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         _abandoned_portals.append(self._portal_cm)
         with self._lock:
             self._abandoned = True
-            self._state = "closed"
+            self._open = False
+            self._ended = True
             self._closed_reason = (
                 f" (its event loop did not stop within {waited:.1f} s and was abandoned)"
             )
-            # taken from the queue, so that a loop that recovers does not admit them after all
-            queued = self._take_queued()
+            # taken, so that a loop that recovers does not admit them after all
+            queued = self._take_admitting()
         self._refuse(queued)
         # read from this thread while the loop thread may still change it: a count for the log
         outstanding = len(self._futures) + sum(batch.pending for batch in list(self._batch_futures))
@@ -576,7 +659,8 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
 
     def _forked(self) -> None:
         """In a forked child: the loop thread does not exist here, so nothing may wait on it."""
-        self._state = "closed"
+        self._open = False
+        self._ended = True
         self._closed_reason = (
             " (it was created in the parent process, before a fork: create one in each process)"
         )
@@ -598,52 +682,43 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         self, consequence: str = "nothing was enqueued"
     ) -> errors.ProducerClosedError:
         return errors.ProducerClosedError(
-            f"the SyncProducer is {self._state}{self._closed_reason}; {consequence}"
+            f"the SyncProducer is {self._lifecycle()}{self._closed_reason}; {consequence}"
         )
 
-    def _call_soon(self, callback: Callable[[], object]) -> None:
-        """Run ``callback`` in the loop thread soon, without waiting (no-op once it is gone)."""
+    def _call_soon(self, callback: Callable[[], object]) -> bool:
+        """Run ``callback`` in the loop thread soon, without waiting; False once the loop is
+        gone."""
         schedule = self._schedule
-        if schedule is not None:
-            with suppress(RuntimeError):  # the loop has finished (trio's RunFinishedError too)
-                schedule(callback)
+        if schedule is None:  # pragma: no cover - set before the constructor returns
+            return False
+        try:
+            schedule(callback)
+        except RuntimeError:  # the loop has finished (trio's RunFinishedError too)
+            return False
+        return True
 
     # -- in the event-loop thread ---------------------------------------------------------
 
     async def _run(self, *, task_status: TaskStatus[None]) -> None:
         self._loop_thread = threading.get_ident()
         self._schedule = _thread_safe_scheduler()
+        if not running_trio():
+            import asyncio
+
+            asyncio.get_running_loop().set_default_executor(_OwnThreads())
         self._close_requested = anyio.Event()
-        admitted_all = anyio.Event()
-        flushed = False
         try:
-            with anyio.CancelScope() as without_flush:
-                async with self._producer as producer:
-                    async with anyio.create_task_group() as tg:
-                        tg.start_soon(self._admit_forever, producer, admitted_all)
+            async with self._producer as producer:
+                try:
+                    async with anyio.create_task_group() as waiting:
+                        self._waiting = waiting
                         task_status.started()
                         await self._close_requested.wait()
-                        # records waiting for their tenant's quota give up now, as they do
-                        # when a Producer closes, instead of holding the close (and the flush
-                        # of everything else) until its timeout
-                        producer._stop_tenant_waits()
-                        deadline = anyio.current_time() + self._close_bound
-                        with anyio.move_on_after(self._close_bound):
-                            await admitted_all.wait()
-                            await producer.flush()
-                            flushed = True
-                        tg.cancel_scope.cancel()
-                    if flushed:
-                        # The Producer bounds each of its closing steps (its own flush, the
-                        # last metrics report) by its close timeout: hand it what is left of
-                        # our bound, so that close(timeout=0.2) is not held for the default
-                        # 30 s by a slow metrics sink.
-                        await producer.aclose(timeout=deadline - anyio.current_time())
-                    else:
-                        # Leave the Producer's block by cancellation: it then fails what is
-                        # left at once, instead of flushing for another close_timeout.
-                        without_flush.cancel()
-                        await anyio.lowlevel.checkpoint()
+                        # the records waiting for room or for their tenant's quota give up,
+                        # the rest is flushed within the bound, what is left fails
+                        await producer.aclose(timeout=self._close_bound)
+                finally:
+                    self._waiting = None
         except Exception as exc:
             self._run_error = exc
             self._closed_reason = f" (the producer failed: {type(exc).__name__}: {exc})"
@@ -654,68 +729,46 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
     def _request_close(self) -> None:
         assert self._close_requested is not None
         self._close_requested.set()
-        self._wake_admitter()
 
-    def _wake_admitter(self) -> None:
-        event = self._admitter_wakeup
-        if event is not None:
-            self._admitter_wakeup = None
-            event.set()
+    def _admit_handed_over(self) -> None:
+        """In the loop: take the records handed over, in order, and admit each (a callback, so
+        one for every burst from the calling threads, and it never raises)."""
+        with self._lock:
+            taken = self._admitting
+            self._admitting = {}
+            self._take_scheduled = False
+        for item in taken:
+            self._admit_one(item)
 
-    async def _admit_forever(self, producer: Producer, admitted_all: anyio.Event) -> None:
-        """Admit queued records in arrival order: each one that fits now at once
-        (``Producer.submit_nowait``), each one that must wait — for room on its shard, or for
-        its tenant's quota — in a task of its own (``Producer.submit``), so that it holds up
-        nobody else's records (module docstring)."""
-        lock = self._lock
-        queue = self._queue
-        since_checkpoint = 0
-        async with anyio.create_task_group() as waiting:
-            while True:
-                with lock:
-                    item = queue.popleft() if queue else None
-                    if item is None:
-                        if self._state != "open":
-                            break
-                        self._admitter_idle = True
-                        wakeup = self._admitter_wakeup = anyio.Event()
-                    elif item.state == _CANCELLED:
-                        continue
-                    else:
-                        item.state = _TAKEN
-                if item is None:
-                    since_checkpoint = 0
-                    await wakeup.wait()
-                elif (
-                    item.tenant is not None
-                    or item.items is not None
-                    or not self._admit_now(producer, item)
-                ):
-                    waiting.start_soon(self._admit_one, producer, item)
-                else:
-                    since_checkpoint += 1
-                    if since_checkpoint >= CHECKPOINT_EVERY:
-                        # a steady stream of callers: the stages run, and cancellation gets in
-                        since_checkpoint = 0
-                        await anyio.lowlevel.checkpoint()
-        admitted_all.set()  # after the waiting records' tasks, too, have admitted them
-
-    def _admit_now(self, producer: Producer, item: _Admission) -> bool:
-        """Admit ``item`` if it fits now and release its caller; False if it must wait."""
+    def _admit_one(self, item: _Admission) -> None:
+        """Admit ``item`` now if it fits (``Producer.submit_nowait``), or start a task that
+        waits for it; answer its caller."""
         try:
-            pending = producer.submit_nowait(*item.args)
-        except anyio.WouldBlock:
-            return False
+            if item.tenant is None and item.items is None:
+                try:
+                    pending = self._producer.submit_nowait(*item.args)
+                except anyio.WouldBlock:
+                    pass
+                else:
+                    self._hand_over(pending, item)
+                    item.answer()
+                    return
+            waiting = self._waiting
+            if waiting is None:
+                raise errors.ProducerClosedError(
+                    "the producer closed before the record was admitted; nothing was enqueued"
+                )
+            waiting.start_soon(self._admit_waiting, item)
         except Exception as exc:
-            item.error = exc
-        else:
-            self._hand_over(pending, item)
-        item.signal.release()
-        return True
+            item.answer(exc)
+        except BaseException as exc:  # pragma: no cover - never from these calls
+            item.answer(exc)
 
-    async def _admit_one(self, producer: Producer, item: _Admission) -> None:
+    async def _admit_waiting(self, item: _Admission) -> None:
         """``Producer.submit`` one record, within its caller's deadline, or
-        ``Producer.submit_many`` a batch; release its caller."""
+        ``Producer.submit_many`` a batch: the producer's own waits; answer its caller."""
+        producer = self._producer
+        error: BaseException | None = None
         try:
             if item.items is not None:
                 batch = await producer.submit_many(item.args[0], item.items, tenant=item.tenant)
@@ -726,24 +779,26 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
             else:
                 with anyio.fail_after(max(0.0, item.deadline - time.monotonic())):
                     pending = await producer.submit(*item.args, tenant=item.tenant)
-        except errors.AnyKplError as exc:
-            item.error = exc
-        except TimeoutError:
-            item.error = errors.BackpressureTimeout(
-                "the record was not admitted within the timeout (no room, or its tenant "
-                "over its quota); nothing was enqueued"
+        except TimeoutError as exc:
+            error = (
+                exc
+                if isinstance(exc, errors.AnyKplError)
+                else errors.BackpressureTimeout(
+                    "the record was not admitted within the timeout (no room, or its tenant "
+                    "over its quota); nothing was enqueued"
+                )
             )
         except Exception as exc:
-            item.error = exc
+            error = exc
         except BaseException:
-            item.error = errors.ProducerClosedError(
+            error = errors.ProducerClosedError(
                 "the producer closed before the record was admitted; nothing was enqueued"
             )
             raise
         else:
             self._hand_over(pending, item)
         finally:
-            item.signal.release()
+            item.answer(error)
 
     def _hand_over(self, handle: PendingRecord, item: _Admission) -> None:
         """The admitted record completes its caller's future when it is terminal."""
@@ -770,29 +825,28 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         """The completion hook of every admitted record (runs where the record is resolved)."""
         _complete(pending, self._futures.pop(pending))
 
-    def _take_queued(self) -> list[_Admission]:
-        """Empty the admission queue (under the lock); returns the records never admitted."""
-        queued = [item for item in self._queue if item.state == _QUEUED]
-        for item in queued:
-            item.state = _TAKEN
-        self._queue.clear()
-        return queued
+    def _take_admitting(self) -> list[_Admission]:
+        """Take every record the loop has not taken (under the lock)."""
+        taken = list(self._admitting)
+        self._admitting.clear()
+        return taken
 
     @staticmethod
-    def _refuse(queued: list[_Admission]) -> None:
-        for item in queued:
-            item.error = errors.ProducerClosedError(
-                "the producer closed before the record was admitted; nothing was enqueued"
+    def _refuse(taken: list[_Admission]) -> None:
+        for item in taken:
+            item.answer(
+                errors.ProducerClosedError(
+                    "the producer closed before the record was admitted; nothing was enqueued"
+                )
             )
-            item.signal.release()
 
     def _finish_run(self) -> None:
         """The Producer is closed, so every record is terminal: complete every future, and
-        fail the admissions that never ran."""
+        refuse the records the loop never took."""
         with self._lock:
-            self._state = "closed"
-            queued = self._take_queued()
-        self._refuse(queued)
+            self._open = False
+            taken = self._take_admitting()
+        self._refuse(taken)
         try:
             # taken here, in the loop: the Producer's snapshots may need the loop's clock
             self._final_statistics = self._producer.statistics()
@@ -821,6 +875,7 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
                 future.set_exception(
                     errors.ProducerClosedError("the producer closed without resolving the record")
                 )
+        self._ended = True
         # thread idents are reused once a thread ends: forget ours before it does (and after
         # the last future callback, which runs here)
         self._loop_thread = None
@@ -836,11 +891,22 @@ def _complete(pending: Record, future: Future[RecordResult]) -> None:
 
 
 def _thread_safe_scheduler() -> Callable[[Callable[[], object]], object]:
-    """The running loop's "call this soon, from any thread" (no task, no waiting)."""
+    """The running loop's "call this soon, from any thread" (no task, no waiting).
+
+    On asyncio the callbacks run in a context of the loop's in which sniffio (when installed)
+    names asyncio: anyio finds its backend by the current task, and a callback has none."""
     if running_trio():
         import trio
 
         return trio.lowlevel.current_trio_token().run_sync_soon
     import asyncio
+    import contextvars
 
-    return asyncio.get_running_loop().call_soon_threadsafe
+    context = contextvars.copy_context()
+    try:
+        import sniffio
+    except ImportError:  # pragma: no cover - anyio then asks asyncio for the running loop
+        pass
+    else:
+        context.run(sniffio.current_async_library_cvar.set, "asyncio")
+    return partial(asyncio.get_running_loop().call_soon_threadsafe, context=context)
