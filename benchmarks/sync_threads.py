@@ -29,6 +29,7 @@ the run (exit status 1). ::
 from __future__ import annotations
 
 import argparse
+import ast
 import base64
 import json
 import os
@@ -43,7 +44,6 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from endpoints import ENDPOINT_HELP, check_endpoint, start_endpoint
-from service_latency import overrides
 
 REGION = "us-east-1"
 CREDENTIALS: dict[str, Any] = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench"}
@@ -53,6 +53,18 @@ CASE_TIMEOUT = 600.0
 READ_THROTTLED = frozenset(
     {"ProvisionedThroughputExceededException", "ThrottlingException", "LimitExceededException"}
 )
+
+
+def overrides(pairs: list[str]) -> dict[str, Any]:
+    """``field=value`` pairs as ProducerConfig keyword arguments (values as Python literals)."""
+    result: dict[str, Any] = {}
+    for pair in pairs:
+        name, _, text = pair.partition("=")
+        try:
+            result[name] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            result[name] = text
+    return result
 
 
 def shares(count: int, threads: int) -> list[int]:
@@ -229,7 +241,7 @@ def check(client: Any, case: dict[str, Any], result: dict[str, Any]) -> list[str
     return [f"{stream}: {problem}" for problem in problems]
 
 
-def measure(args: argparse.Namespace, endpoint: str, case: dict[str, Any]) -> dict[str, Any]:
+def measure(case: dict[str, Any]) -> dict[str, Any]:
     """Run ``case`` in a child process; its figures."""
     command = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(case)]
     try:
@@ -324,7 +336,7 @@ def main() -> None:
                         "size": args.size,
                         "set": args.set,
                     }
-                    result = measure(args, endpoint, case)
+                    result = measure(case)
                     wrong = check(client, case, result)
                     problems.extend(wrong)
                     results.append(

@@ -1171,7 +1171,12 @@ class Member(abc.ABC):
         if self._stop_event is not None:
             self._stop_event.set()
         if self._cycle_scope is not None:
-            self._cycle_scope.cancel()
+            # A write the cycle has already sent (a lease renewal) could land after the
+            # clean-up's deletes and put the lease back: the cycle gets half the bound to
+            # finish, and is cancelled only then.
+            self._cycle_scope.deadline = min(
+                self._cycle_scope.deadline, anyio.current_time() + bound / 2
+            )
         if self._done is None:
             return
         with anyio.move_on_after(bound, shield=True):
