@@ -52,14 +52,14 @@ rather than hang the interpreter: it logs how many records are lost (a warning o
 refuses the records the loop has not taken, and every later call raises
 ``ProducerClosedError`` at once instead of waiting on the wedged loop.
 
-At interpreter exit. A SyncProducer still open when the main thread ends is closed by the exit
-watcher: a non-daemon thread that waits for the main thread to end (``main_thread().join()``)
-and then closes every open SyncProducer, while Python waits for its non-daemon threads — before
-``atexit`` hooks, which run once those threads have ended. By then ``concurrent.futures`` has
-shut its thread pools down, asyncio's default executor among them, and a new connection's DNS
-lookup (``loop.getaddrinfo``) runs in that executor: so the asyncio loop gets a default executor
-of its own (``_OwnThreads``), on daemon threads of its own. (trio
-resolves names in its own threads.)
+At interpreter exit. A SyncProducer still open when the interpreter exits is closed by an
+``atexit`` hook, registered when the first SyncProducer is created (so it runs before the
+program's own hooks registered earlier). By then Python has joined its non-daemon threads and
+``concurrent.futures`` has shut its thread pools down, asyncio's default executor among them,
+and a new connection's DNS lookup (``loop.getaddrinfo``) runs in that executor: so the asyncio
+loop gets a default executor of its own (``_OwnThreads``), whose first thread is started with
+the loop (Python 3.12.0-3.12.1 refuse new threads at exit). trio resolves names in its own
+threads.
 
 If a pipeline stage crashes, the Producer fails every record and its block raises; the
 SyncProducer then behaves as closed and its next ``close`` re-raises that error.
@@ -67,6 +67,7 @@ SyncProducer then behaves as closed and its next ``close`` re-raises that error.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
@@ -146,7 +147,7 @@ class _Admission:
 class _OwnThreads(ThreadPoolExecutor):
     """The default executor of a SyncProducer's asyncio loop (``loop.getaddrinfo``,
     ``asyncio.to_thread``), on daemon threads of its own. Unlike ``concurrent.futures``' pools,
-    which Python shuts down before the exit watcher closes the producer, it still works then
+    which Python shuts down before the exit hook closes the producer, it still works then
     (module docstring). One thread is started with the loop, because Python 3.12.0-3.12.1
     refuse to start threads once the main thread has ended; more start while every thread is
     busy, up to ``_MAX_WORKERS`` (where Python refuses, the running ones take the call). The
@@ -205,22 +206,16 @@ class _OwnThreads(ThreadPoolExecutor):
 
 
 # Every open SyncProducer, in creation order (a dict as an ordered set): closed by the exit
-# watcher, and made unusable at once in a forked child (gunicorn --preload, multiprocessing with
+# hook, and made unusable at once in a forked child (gunicorn --preload, multiprocessing with
 # fork) instead of waiting on a loop thread the child lacks.
 _live: dict[SyncProducer, None] = {}
 _live_lock = threading.Lock()
-_exit_watcher: threading.Thread | None = None
+_exit_hook_registered = False
 
 # The portals of loop threads that close() abandoned, never collected: collecting one would stop
 # its portal and join its thread from whichever thread collects it (hanging there, or failing
 # with "cannot join current thread" in the loop thread itself).
 _abandoned_portals: list[AbstractContextManager[BlockingPortal]] = []
-
-
-def _watch_for_exit() -> None:
-    """The exit watcher: once the main thread has ended, close every open SyncProducer."""
-    threading.main_thread().join()
-    _close_all_at_exit()
 
 
 def _close_all_at_exit() -> None:
@@ -231,16 +226,15 @@ def _close_all_at_exit() -> None:
 
 
 def _register(producer: SyncProducer) -> None:
-    """Track ``producer`` until it closes, and start the exit watcher if none runs."""
-    global _exit_watcher
+    """Track ``producer`` until it closes; the first one registers the exit hook (after
+    whatever ``atexit`` hooks the program registered before it, so that those run after ours:
+    ``atexit`` runs the last registered first)."""
+    global _exit_hook_registered
     with _live_lock:
         _live[producer] = None
-        if _exit_watcher is None or not _exit_watcher.is_alive():
-            # non-daemon, so that Python waits for it as the interpreter exits
-            _exit_watcher = threading.Thread(
-                target=_watch_for_exit, name="anykpl-sync-exit-watcher", daemon=False
-            )
-            _exit_watcher.start()
+        if not _exit_hook_registered:
+            _exit_hook_registered = True
+            atexit.register(_close_all_at_exit)
 
 
 def _unregister(producer: SyncProducer) -> None:
@@ -249,9 +243,8 @@ def _unregister(producer: SyncProducer) -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _exit_watcher, _live_lock
+    global _live_lock
     _live_lock = threading.Lock()  # it may have been held by a thread that is gone
-    _exit_watcher = None  # the parent's watcher does not exist here
     for producer in list(_live):
         producer._forked()
 
@@ -266,7 +259,7 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
     ``SyncProducer(config)`` or ``SyncProducer(**overrides)`` (``ProducerConfig`` field names),
     or both, as for :class:`~anykpl.Producer`. It starts at once — an event loop in a daemon
     thread, running a Producer — and must be closed: ``with SyncProducer(...) as producer:``,
-    or :meth:`close`; one that is still open when the main thread ends is closed by an exit
+    or :meth:`close`; one that is still open when the interpreter exits is closed by an exit
     hook (flushing, bounded by ``config.close_timeout``)::
 
         with SyncProducer(region="us-east-1") as producer:
@@ -449,12 +442,13 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
             if not self._open:
                 raise self._closed_error()
             self._admitting[item] = None
-            schedule = not self._take_scheduled
-            self._take_scheduled = True
-        if schedule and not self._call_soon(self._admit_handed_over):  # pragma: no cover
-            with self._lock:  # the loop is gone
-                self._admitting.pop(item, None)
-            raise self._closed_error()
+            # scheduled under the lock: nothing can come between the flag and the callback
+            # (an interrupt would leave the flag set and no callback), and a close() comes after
+            if not self._take_scheduled:
+                if not self._call_soon(self._admit_handed_over):  # pragma: no cover - loop gone
+                    del self._admitting[item]
+                    raise self._closed_error()
+                self._take_scheduled = True
         if deadline is None:
             item.signal.acquire()
         elif not item.signal.acquire(timeout=max(0.0, deadline - time.monotonic())):
