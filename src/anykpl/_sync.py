@@ -112,6 +112,12 @@ logger = logging.getLogger("anykpl.sync")
 _CLOSE_GRACE = 5.0  # seconds a closing thread waits beyond the close bound before giving up
 
 
+def _not_admitted() -> errors.ProducerClosedError:
+    return errors.ProducerClosedError(
+        "the producer closed before the record was admitted; nothing was enqueued"
+    )
+
+
 class _Admission:
     """One record (or one ``submit_many`` batch) on its way from a caller's thread into the
     Producer, and the answer it gets there."""
@@ -146,62 +152,39 @@ class _Admission:
 
 class _OwnThreads(ThreadPoolExecutor):
     """The default executor of a SyncProducer's asyncio loop (``loop.getaddrinfo``,
-    ``asyncio.to_thread``), on daemon threads of its own. Unlike ``concurrent.futures``' pools,
-    which Python shuts down before the exit hook closes the producer, it still works then
-    (module docstring). One thread is started with the loop, because Python 3.12.0-3.12.1
-    refuse to start threads once the main thread has ended; more start while every thread is
-    busy, up to ``_MAX_WORKERS`` (where Python refuses, the running ones take the call). The
-    calls are rare: a host name lookup per new connection, an SSL context per client."""
+    ``asyncio.to_thread``), on ``_WORKERS`` daemon threads of its own, all started with the
+    loop. Unlike ``concurrent.futures``' pools, which Python shuts down before the exit hook
+    closes the producer, it still works then (module docstring), and it needs no new thread
+    then (Python 3.12.0-3.12.1 refuse to start one). The calls are rare: a host name lookup
+    per new connection, an SSL context per client."""
 
-    _MAX_WORKERS = 4
+    _WORKERS = 2
 
     def __init__(self) -> None:
         super().__init__(max_workers=1)  # the base's bookkeeping only: it starts no thread
         self._calls: SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = SimpleQueue()
-        self._guard = threading.Lock()
-        self._workers = 0
-        self._idle = 0
-        self._start_worker()
+        for _ in range(self._WORKERS):
+            threading.Thread(target=self._work, name="anykpl-sync-executor", daemon=True).start()
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         future: Future[Any] = Future()
-        with self._guard:
-            self._calls.put((future, partial(fn, *args, **kwargs)))
-            grow = self._idle == 0 and self._workers < self._MAX_WORKERS
-        if grow:
-            with suppress(RuntimeError):  # a new thread refused: the running ones take it
-                self._start_worker()
+        self._calls.put((future, partial(fn, *args, **kwargs)))
         return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        with self._guard:
-            for _ in range(self._workers):
-                self._calls.put(None)
-
-    def _start_worker(self) -> None:
-        thread = threading.Thread(target=self._work, name="anykpl-sync-executor", daemon=True)
-        thread.start()
-        with self._guard:
-            self._workers += 1
+        for _ in range(self._WORKERS):
+            self._calls.put(None)
 
     def _work(self) -> None:
-        while True:
-            with self._guard:
-                self._idle += 1
-            call = self._calls.get()
-            with self._guard:
-                self._idle -= 1
-            if call is None:
-                return
+        while (call := self._calls.get()) is not None:
             future, fn = call
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn()
-            except BaseException as exc:
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = fn()
+                except BaseException as exc:
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
             del future, fn, call  # no reference held while idle
 
 
@@ -453,7 +436,9 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
             item.signal.acquire()
         elif not item.signal.acquire(timeout=max(0.0, deadline - time.monotonic())):
             with self._lock:
-                withdrawn = self._admitting.pop(item, 0) is None
+                withdrawn = item in self._admitting
+                if withdrawn:
+                    del self._admitting[item]
             if withdrawn:
                 raise errors.BackpressureTimeout(
                     "the record was not admitted within the timeout; nothing was enqueued"
@@ -749,13 +734,9 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
                     return
             waiting = self._waiting
             if waiting is None:
-                raise errors.ProducerClosedError(
-                    "the producer closed before the record was admitted; nothing was enqueued"
-                )
+                raise _not_admitted()
             waiting.start_soon(self._admit_waiting, item)
-        except Exception as exc:
-            item.answer(exc)
-        except BaseException as exc:  # pragma: no cover - never from these calls
+        except BaseException as exc:  # a callback: the caller gets every error
             item.answer(exc)
 
     async def _admit_waiting(self, item: _Admission) -> None:
@@ -785,9 +766,7 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
         except Exception as exc:
             error = exc
         except BaseException:
-            error = errors.ProducerClosedError(
-                "the producer closed before the record was admitted; nothing was enqueued"
-            )
+            error = _not_admitted()
             raise
         else:
             self._hand_over(pending, item)
@@ -828,11 +807,7 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
     @staticmethod
     def _refuse(taken: list[_Admission]) -> None:
         for item in taken:
-            item.answer(
-                errors.ProducerClosedError(
-                    "the producer closed before the record was admitted; nothing was enqueued"
-                )
-            )
+            item.answer(_not_admitted())
 
     def _finish_run(self) -> None:
         """The Producer is closed, so every record is terminal: complete every future, and
