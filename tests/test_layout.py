@@ -144,31 +144,57 @@ def test_no_module_reaches_into_another_layers_private_module_by_path() -> None:
                 assert not node.module.startswith("anykpl._"), (name, node.module)
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _in_stdlib(module: str) -> bool:
+    return module.partition(".")[0] in sys.stdlib_module_names
+
+
 def test_the_library_uses_no_private_name_of_the_standard_library() -> None:
-    # ``threading._register_atexit`` and the like change without notice between Pythons
+    # ``threading._register_atexit`` and the like change without notice between Pythons: as
+    # ``module._name``, ``a.b._name``, ``from module import _name``, ``import a._b`` or
+    # ``getattr(module, "_name")``, on a module or on a name imported from one
     for name, path in sorted(_modules().items()):
         tree = ast.parse(path.read_text())
-        stdlib = {
-            alias.asname or alias.name.partition(".")[0]
-            for node in ast.walk(tree)
-            if isinstance(node, ast.Import)
-            for alias in node.names
-            if alias.name.partition(".")[0] in sys.stdlib_module_names
-        }
+        stdlib: set[str] = set()  # the names bound to standard-library modules or their names
         for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-                module, attribute = node.value.id, node.attr
+            where = f"{name}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if _in_stdlib(alias.name):
+                        assert not any(map(_private, alias.name.split("."))), (where, alias.name)
+                        stdlib.add(alias.asname or alias.name.partition(".")[0])
+            elif (
+                isinstance(node, ast.ImportFrom)
+                and not node.level
+                and _in_stdlib(node.module or "")
+            ):
+                for alias in node.names:
+                    dotted = f"{node.module}.{alias.name}"
+                    assert not any(map(_private, dotted.split("."))), (where, dotted)
+                    stdlib.add(alias.asname or alias.name)
+        for node in ast.walk(tree):
+            where = f"{name}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Attribute):
+                chain = [node.attr]
+                value = node.value
+                while isinstance(value, ast.Attribute):  # a.b.c._d
+                    chain.append(value.attr)
+                    value = value.value
+                if isinstance(value, ast.Name) and value.id in stdlib:
+                    dotted = ".".join([value.id, *reversed(chain)])
+                    assert not any(map(_private, chain)), f"{where}: {dotted}"
             elif (  # getattr(threading, "_register_atexit", None)
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Name)
-                and node.func.id in ("getattr", "hasattr")
+                and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
                 and len(node.args) >= 2
                 and isinstance(node.args[0], ast.Name)
+                and node.args[0].id in stdlib
                 and isinstance(node.args[1], ast.Constant)
                 and isinstance(node.args[1].value, str)
             ):
-                module, attribute = node.args[0].id, node.args[1].value
-            else:
-                continue
-            private = attribute.startswith("_") and not attribute.startswith("__")
-            assert not (module in stdlib and private), f"{name}:{node.lineno}: {module}.{attribute}"
+                attribute = node.args[1].value
+                assert not _private(attribute), f"{where}: {node.args[0].id}.{attribute}"

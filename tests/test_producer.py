@@ -1321,6 +1321,32 @@ async def test_submit_many_waits_for_room_and_reports_what_it_admitted() -> None
     assert stored(fake) == Counter(b"%d" % i for i in range(10))
 
 
+async def test_submit_many_reports_what_it_admitted_when_the_producer_begins_closing() -> None:
+    fake = GatedKinesis(SPREAD_SHARDS)
+    caught: list[errors.ProducerClosedError] = []
+    async with Producer(transport=fake, max_outstanding_records=4, **FAST) as producer:
+        await ready(producer)
+        fake.close_gate()
+
+        async def batch() -> None:
+            with pytest.raises(errors.ProducerClosedError) as error:
+                await producer.submit_many(STREAM, [(b"%d" % i, "k", spread(i)) for i in range(6)])
+            caught.append(error.value)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(batch)
+            await wait_until(lambda: producer.outstanding_records == 4)  # the 5th waits
+            group.start_soon(producer.aclose)  # it ends the wait, then flushes
+            await wait_until(lambda: bool(caught))
+            assert fake.gate is not None
+            fake.gate.set()
+    (error,) = caught
+    assert "4 of the batch's 6 records were admitted" in str(error), error
+    assert [h.data for h in error.admitted] == [b"0", b"1", b"2", b"3"]
+    assert all(h.result().success for h in error.admitted)
+    assert stored(fake) == Counter(b"%d" % i for i in range(4))
+
+
 async def test_submit_many_reports_what_it_admitted_when_the_spool_refuses_a_record(
     fake_kinesis: FakeKinesis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -445,6 +445,80 @@ def test_an_abandoned_close_with_nothing_outstanding_only_warns(
         _clean_up_abandoned(producer, release)
 
 
+@pytest.mark.parametrize("timeout", [None, 30.0])
+def test_an_abandoned_close_frees_a_thread_whose_record_the_loop_held(
+    backend: str, fake_kinesis: FakeKinesis, monkeypatch: pytest.MonkeyPatch, timeout: float | None
+) -> None:
+    # The loop took the second record (it waits there for room), then wedged: the thread
+    # waiting for its answer is told once close() abandons the loop, not when the loop recovers.
+    monkeypatch.setattr(_sync, "_CLOSE_GRACE", 0.2)
+    monkeypatch.setattr(_sync, "_ABANDON_CHECK", 0.05)
+    producer = SyncProducer(
+        transport=fake_kinesis,
+        backend=backend,
+        adaptive_batching=False,
+        max_outstanding_records=1,
+        **FAST,
+    )
+    fake_kinesis.delay = 0.3
+    release = threading.Event()
+    wedged = threading.Event()
+
+    def block(future: Future[RecordResult]) -> None:
+        wedged.set()
+        release.wait(10)
+
+    try:
+        producer.submit(STREAM, b"wedge", partition_key="k").add_done_callback(block)
+        outcome: list[BaseException] = []
+
+        def second() -> None:
+            try:
+                producer.submit(STREAM, b"second", partition_key="k", timeout=timeout)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=second)
+        thread.start()
+        assert wedged.wait(5)
+        started = time.monotonic()
+        producer.close(timeout=0.1)
+        thread.join(2)
+        assert not thread.is_alive()
+        assert time.monotonic() - started < 1.5
+        (error,) = outcome
+        assert isinstance(error, errors.ProducerClosedError), error
+        assert "abandoned" in str(error)
+    finally:
+        _clean_up_abandoned(producer, release)
+
+
+def test_timeout_zero_admits_a_record_that_fits_now_and_refuses_one_that_does_not(
+    backend: str, fake_kinesis: FakeKinesis
+) -> None:
+    with SyncProducer(
+        transport=fake_kinesis, backend=backend, max_outstanding_records=1, **FAST
+    ) as producer:
+        fake_kinesis.delay = 0.5
+        first = producer.submit(STREAM, b"first", partition_key="k", timeout=0)
+        started = time.monotonic()
+        with pytest.raises(errors.BackpressureTimeout, match="nothing was enqueued"):
+            producer.submit(STREAM, b"second", partition_key="k", timeout=0)
+        assert time.monotonic() - started < 0.3
+        assert first.result(timeout=5).success
+    assert stored(fake_kinesis) == Counter({b"first": 1})
+
+
+def test_the_loops_own_executor_refuses_work_after_shutdown_and_joins_its_threads() -> None:
+    executor = _sync._OwnThreads()
+    assert executor.submit(pow, 2, 10).result(timeout=5) == 1024
+    executor.shutdown(wait=True)
+    assert not any(worker.is_alive() for worker in executor._workers)
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        executor.submit(pow, 2, 10)
+    executor.shutdown()  # again: nothing happens
+
+
 def test_close_from_several_threads(backend: str, fake_kinesis: FakeKinesis) -> None:
     producer = SyncProducer(transport=fake_kinesis, backend=backend, **FAST)
     futures = [producer.submit(STREAM, b"%d" % i, partition_key=f"{i}") for i in range(50)]
@@ -685,6 +759,35 @@ def test_close_makes_a_thread_waiting_for_room_give_up_at_once_as_the_async_prod
     assert outcome == ["ProducerClosedError"]
     assert first.result(timeout=0).success
     assert stored(fake_kinesis) == Counter({b"first": 1})
+
+
+def test_a_batch_cut_short_by_close_hands_back_what_it_admitted(
+    backend: str, fake_kinesis: FakeKinesis
+) -> None:
+    # close() begins while submit_many waits for room for its second record: the first is
+    # admitted (and flushed by the close), and the error says so, with its handle
+    producer = SyncProducer(
+        transport=fake_kinesis, backend=backend, max_outstanding_records=1, close_timeout=5.0
+    )
+    fake_kinesis.delay = 0.5
+    caught: list[errors.ProducerClosedError] = []
+
+    def batch() -> None:
+        with pytest.raises(errors.ProducerClosedError) as error:
+            producer.submit_many(STREAM, [(b"a", "k"), (b"b", "k"), (b"c", "k")])
+        caught.append(error.value)
+
+    thread = threading.Thread(target=batch)
+    thread.start()
+    time.sleep(0.1)
+    assert caught == []  # it waits for room for b"b"
+    producer.close()
+    thread.join()
+    (error,) = caught
+    assert "1 of the batch's 3 records were admitted" in str(error), error
+    assert [handle.data for handle in error.admitted] == [b"a"]
+    assert error.admitted[0].result().success
+    assert stored(fake_kinesis) == Counter({b"a": 1})
 
 
 @pytest.mark.parametrize("tenant", [None, "t1"])

@@ -80,7 +80,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from contextlib import AbstractContextManager, suppress
 from functools import partial
-from queue import SimpleQueue
+from queue import Empty, SimpleQueue
 from types import TracebackType
 from typing import Any, cast
 
@@ -110,6 +110,11 @@ __all__ = ("SyncProducer",)
 logger = logging.getLogger("anykpl.sync")
 
 _CLOSE_GRACE = 5.0  # seconds a closing thread waits beyond the close bound before giving up
+# A timed call's record can be withdrawn until the loop takes it, which it does within a few
+# milliseconds: a timeout shorter than this (``timeout=0``: "only if there is room now") waits
+# this long for the loop to take it, then the loop bounds the wait for room by the timeout.
+_TAKE_GRACE = 0.05
+_ABANDON_CHECK = 0.25  # seconds between a waiting caller's checks that close abandoned the loop
 
 
 def _not_admitted() -> errors.ProducerClosedError:
@@ -163,17 +168,42 @@ class _OwnThreads(ThreadPoolExecutor):
     def __init__(self) -> None:
         super().__init__(max_workers=1)  # the base's bookkeeping only: it starts no thread
         self._calls: SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = SimpleQueue()
-        for _ in range(self._WORKERS):
-            threading.Thread(target=self._work, name="anykpl-sync-executor", daemon=True).start()
+        self._stopping = threading.Lock()
+        self._stopped = False
+        self._workers = [
+            threading.Thread(target=self._work, name="anykpl-sync-executor", daemon=True)
+            for _ in range(self._WORKERS)
+        ]
+        for worker in self._workers:
+            worker.start()
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         future: Future[Any] = Future()
-        self._calls.put((future, partial(fn, *args, **kwargs)))
+        with self._stopping:
+            if self._stopped:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self._calls.put((future, partial(fn, *args, **kwargs)))
         return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        for _ in range(self._WORKERS):
-            self._calls.put(None)
+        """As :meth:`ThreadPoolExecutor.shutdown`: refuse new calls, let the workers finish
+        the calls queued (or cancel them), and with ``wait`` join the workers."""
+        with self._stopping:
+            if not self._stopped:
+                self._stopped = True
+                if cancel_futures:
+                    cancelled: list[Future[Any]] = []
+                    with suppress(Empty):
+                        while (call := self._calls.get_nowait()) is not None:
+                            cancelled.append(call[0])
+                    for future in cancelled:
+                        future.cancel()
+                for _ in self._workers:
+                    self._calls.put(None)  # after the calls queued: they are still run
+        if wait:
+            for worker in self._workers:
+                if worker is not threading.current_thread():
+                    worker.join()
 
     def _work(self) -> None:
         while (call := self._calls.get()) is not None:
@@ -432,9 +462,8 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
                     del self._admitting[item]
                     raise self._closed_error()
                 self._take_scheduled = True
-        if deadline is None:
-            item.signal.acquire()
-        elif not item.signal.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        until = None if deadline is None else max(deadline, time.monotonic() + _TAKE_GRACE)
+        if not self._wait_for_answer(item, until):
             with self._lock:
                 withdrawn = item in self._admitting
                 if withdrawn:
@@ -444,13 +473,33 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
                     "the record was not admitted within the timeout; nothing was enqueued"
                 )
             # the loop has it, and bounds its wait for room by the same deadline
-            item.signal.acquire()
+            self._wait_for_answer(item, None)
         if item.error is not None:
             try:
                 raise item.error
             finally:
                 item.error = None  # no reference cycle through the traceback
         return item.future
+
+    def _wait_for_answer(self, item: _Admission, until: float | None) -> bool:
+        """Block until ``item`` is answered (True) or ``until`` (a ``time.monotonic()`` value)
+        passes (False); raise if a close abandons the loop meanwhile (it will never answer)."""
+        while True:
+            wait = _ABANDON_CHECK
+            if until is not None:
+                wait = max(0.0, min(wait, until - time.monotonic()))
+            if item.signal.acquire(timeout=wait):
+                return True
+            if self._abandoned:
+                with self._lock:  # _abandon answered the records the loop had not taken
+                    pass
+                if item.signal.acquire(blocking=False):
+                    return True
+                raise self._closed_error(
+                    "the record was in its hands, and its outcome will never be known"
+                )
+            if until is not None and time.monotonic() >= until:
+                return False
 
     def submit_many(
         self, stream: str, records: Iterable[BatchRecord], *, tenant: str | None = None
@@ -610,9 +659,9 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
             self._closed_reason = (
                 f" (its event loop did not stop within {waited:.1f} s and was abandoned)"
             )
-            # taken, so that a loop that recovers does not admit them after all
-            queued = self._take_admitting()
-        self._refuse(queued)
+            # taken, so that a loop that recovers does not admit them after all, and refused
+            # under the lock (a caller that sees _abandoned takes it and finds its answer)
+            self._refuse(self._take_admitting())
         # read from this thread while the loop thread may still change it: a count for the log
         outstanding = len(self._futures) + sum(batch.pending for batch in list(self._batch_futures))
         if outstanding:
@@ -687,16 +736,17 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
             asyncio.get_running_loop().set_default_executor(_OwnThreads())
         self._close_requested = anyio.Event()
         try:
-            async with self._producer as producer:
+            async with self._producer as producer, anyio.create_task_group() as waiting:
+                self._waiting = waiting
                 try:
-                    async with anyio.create_task_group() as waiting:
-                        self._waiting = waiting
-                        task_status.started()
-                        await self._close_requested.wait()
-                        # the records waiting for room or for their tenant's quota give up,
-                        # the rest is flushed within the bound, what is left fails
-                        await producer.aclose(timeout=self._close_bound)
+                    task_status.started()
+                    await self._close_requested.wait()
+                    # the records waiting for room or for their tenant's quota give up,
+                    # the rest is flushed within the bound, what is left fails
+                    await producer.aclose(timeout=self._close_bound)
                 finally:
+                    # before the group closes to new tasks (a record taken from now on is
+                    # refused: the producer is closed, or failed)
                     self._waiting = None
         except Exception as exc:
             self._run_error = exc
@@ -735,7 +785,10 @@ class SyncProducer(AbstractContextManager["SyncProducer"]):
             waiting = self._waiting
             if waiting is None:
                 raise _not_admitted()
-            waiting.start_soon(self._admit_waiting, item)
+            try:
+                waiting.start_soon(self._admit_waiting, item)
+            except RuntimeError:  # pragma: no cover - the group is closing: _waiting is None then
+                raise _not_admitted() from None
         except BaseException as exc:  # a callback: the caller gets every error
             item.answer(exc)
 

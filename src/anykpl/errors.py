@@ -84,7 +84,12 @@ class RecordTypeError(AnyKplError, TypeError):
 
 
 class ProducerClosedError(AnyKplError):
-    """The producer is closed or closing, or was never started; nothing was enqueued."""
+    """The producer is closed or closing, or was never started. Nothing was enqueued by the
+    call that raised it, except, from ``submit_many``, the records admitted before the producer
+    began closing: their handles are in ``admitted`` (they go on, and the close flushes them)."""
+
+    #: handles of the records ``submit_many`` admitted before the producer began closing
+    admitted: tuple[Any, ...] = ()
 
 
 class BackpressureTimeout(AnyKplError, TimeoutError):
@@ -129,7 +134,8 @@ class _Quota(Protocol):
 class TenantQuotaExceeded(AnyKplError):
     """A record put with ``tenant=`` found its tenant over its quota, and
     ``tenant_overflow="reject"`` said to refuse it rather than wait. Nothing was enqueued and
-    nothing was taken from the quota.
+    nothing was taken from the quota, except, from ``submit_many``, the records before the one
+    refused: their handles are in ``admitted`` (they go on).
 
     ``tenant`` and ``quota`` (its :class:`~anykpl.TenantQuota`) say whose quota it was;
     ``retry_after`` is how many seconds until the tenant's tokens would cover this record.
@@ -139,6 +145,8 @@ class TenantQuotaExceeded(AnyKplError):
     """
 
     retriable = True
+    #: handles of the records ``submit_many`` admitted before the one refused
+    admitted: tuple[Any, ...] = ()
 
     def __init__(self, tenant: str, quota: _Quota, retry_after: float) -> None:
         self.tenant = tenant

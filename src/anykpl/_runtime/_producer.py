@@ -662,24 +662,43 @@ class Producer(anyio.AsyncContextManagerMixin):
                     break
                 record = made[position]
                 reservation = None
-                if checked_tenant is not None:
-                    reservation = await self._admit_tenant(record, checked_tenant)
                 try:
+                    if checked_tenant is not None:
+                        reservation = await self._admit_tenant(record, checked_tenant)
                     if self._state != "open":
                         raise self._not_open()
                     if not intake.has_room(record, pipeline.intake):
                         waited = 0.0 if reservation is None else reservation.wait
                         await self._admission.wait(record, pipeline.intake, waited=waited)
                     self._enqueue(stream, pipeline, record)
-                except BaseException as exc:
+                except BaseException:
                     if reservation is not None:
                         self._tenants.release(reservation, self._clock())
-                    if isinstance(exc, (errors.BackpressureTimeout, errors.SpoolError)):
-                        exc.admitted = tuple(made[:position])
                     raise
                 position += 1
                 if pipeline.stopped:  # it went idle while this call waited: _enqueue reopened it
                     pipeline = self._pipelines[stream]
+        except (
+            errors.BackpressureTimeout,
+            errors.ProducerClosedError,
+            errors.SpoolError,
+            errors.TenantQuotaExceeded,
+        ) as exc:
+            # the records before this one are admitted and go on: their handles go with it
+            # (Intake.admit_ready names them itself, as ``position`` is its caller's)
+            admitted = exc.admitted or tuple(made[:position])
+            position = len(admitted)
+            if position and isinstance(exc, errors.ProducerClosedError):
+                exc = errors.ProducerClosedError(
+                    f"the producer is {self._state}: {position} of the batch's {len(made)} "
+                    f"records were admitted before it began closing (their handles are in "
+                    f"exc.admitted; they go on), the other {len(made) - position} were not "
+                    "enqueued"
+                )
+                exc.admitted = admitted
+                raise exc from None
+            exc.admitted = admitted
+            raise
         finally:
             if self._commit is not None:
                 await self._commit.wait()  # one sync for the batch (what it admitted of it)
