@@ -514,6 +514,22 @@ class TestOnMockClock:
         assert (stats.admitted_records, stats.rejected_records, stats.waits) == (11, 1, 0)
 
     @pytest.mark.timeout(15)
+    async def test_a_batch_refused_part_way_hands_back_what_it_admitted(self) -> None:
+        async with Producer(
+            transport=FakeKinesis(),
+            tenant_quotas={"t": TenantQuota(records_per_second=10)},
+            tenant_overflow="reject",
+            **FAST,
+        ) as producer:
+            await ready(producer)
+            with pytest.raises(errors.TenantQuotaExceeded) as info:
+                await producer.submit_many(STREAM, [b"%d" % i for i in range(15)], tenant="t")
+            admitted = info.value.admitted
+            assert [h.data for h in admitted] == [b"%d" % i for i in range(10)]
+            await producer.flush()
+            assert all(h.result().success for h in admitted)
+
+    @pytest.mark.timeout(15)
     async def test_admission_timeout_refuses_up_front(self) -> None:
         async with Producer(
             transport=FakeKinesis(),
