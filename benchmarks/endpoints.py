@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import inspect
 import socket
@@ -21,8 +22,16 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
+
+REGION = "us-east-1"
+CREDENTIALS: dict[str, Any] = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench"}
+#: GetRecords' answers when a shard's reads are used up: the read waits and tries again
+READ_THROTTLED = frozenset(
+    {"ProvisionedThroughputExceededException", "ThrottlingException", "LimitExceededException"}
+)
 
 ENDPOINT_HELP = (
     "where the streams live: 'emulator' (anykpl's, limits off; the default), 'moto' (moto's "
@@ -96,3 +105,45 @@ def start_endpoint(which: str) -> Iterator[str]:
             yield endpoint
     else:
         yield which
+
+
+def client_for(endpoint: str) -> Any:
+    """A botocore Kinesis client of ``endpoint``."""
+    import botocore.session
+
+    return botocore.session.get_session().create_client(
+        "kinesis", region_name=REGION, endpoint_url=endpoint, **CREDENTIALS
+    )
+
+
+def read_back(client: Any, stream: str) -> Counter[tuple[str, bytes]]:
+    """How many times each (partition key, data) user record is in ``stream``: every shard
+    read from TRIM_HORIZON to its tip, every Kinesis record deaggregated by AWS's
+    ``aws_kinesis_agg``."""
+    from aws_kinesis_agg.deaggregator import iter_deaggregate_records
+
+    from anykpl.readback import list_shard_ids
+
+    found: Counter[tuple[str, bytes]] = Counter()
+    for shard_id in list_shard_ids(client, stream):
+        iterator = client.get_shard_iterator(
+            StreamName=stream, ShardId=shard_id, ShardIteratorType="TRIM_HORIZON"
+        )["ShardIterator"]
+        while iterator:
+            try:
+                page = client.get_records(ShardIterator=iterator, Limit=10_000)
+            except Exception as exc:  # botocore's ClientError
+                if getattr(exc, "response", {}).get("Error", {}).get("Code") in READ_THROTTLED:
+                    time.sleep(0.2)
+                    continue
+                raise
+            for user in iter_deaggregate_records(page["Records"], data_format="Boto3"):
+                kinesis = user["kinesis"]
+                # an aggregate's user records come base64-encoded, a plain record as it was read
+                data = kinesis["data"]
+                data = base64.b64decode(data) if kinesis.get("aggregated") else bytes(data)
+                found[(kinesis["partitionKey"], data)] += 1
+            if not page["Records"] and page.get("MillisBehindLatest", 0) == 0:
+                break  # caught up with the tip of an open shard
+            iterator = page.get("NextShardIterator")
+    return found

@@ -30,29 +30,29 @@ from __future__ import annotations
 
 import argparse
 import ast
-import base64
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
-from collections import Counter
 from concurrent.futures import Future
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from endpoints import ENDPOINT_HELP, check_endpoint, start_endpoint
+from endpoints import (
+    CREDENTIALS,
+    ENDPOINT_HELP,
+    REGION,
+    check_endpoint,
+    client_for,
+    read_back,
+    start_endpoint,
+)
 
-REGION = "us-east-1"
-CREDENTIALS: dict[str, Any] = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench"}
 #: a case's child process is given up on after this many seconds
 CASE_TIMEOUT = 600.0
-#: GetRecords' answers when a shard's reads are used up: the read waits and tries again
-READ_THROTTLED = frozenset(
-    {"ProvisionedThroughputExceededException", "ThrottlingException", "LimitExceededException"}
-)
 
 
 def overrides(pairs: list[str]) -> dict[str, Any]:
@@ -76,15 +76,6 @@ def record(thread: int, index: int, size: int) -> tuple[str, bytes]:
     """(partition key, data) of thread ``thread``'s record ``index``: unique, ``size`` bytes
     (or the id alone, if that is longer)."""
     return f"t{thread}-{index}", f"{thread}:{index}:".encode().ljust(size, b".")
-
-
-def client_for(endpoint: str) -> Any:
-    """A botocore Kinesis client of ``endpoint``."""
-    import botocore.session
-
-    return botocore.session.get_session().create_client(
-        "kinesis", region_name=REGION, endpoint_url=endpoint, **CREDENTIALS
-    )
 
 
 # --- the child: one case, measured --------------------------------------------------------------
@@ -167,39 +158,6 @@ def run_child(case: dict[str, Any]) -> None:
 
 
 # --- the parent: streams, children, read-back ---------------------------------------------------
-
-
-def read_back(client: Any, stream: str) -> Counter[tuple[str, bytes]]:
-    """How many times each (partition key, data) user record is in ``stream``: every shard
-    read from TRIM_HORIZON to its tip, every Kinesis record deaggregated by AWS's
-    ``aws_kinesis_agg``."""
-    from aws_kinesis_agg.deaggregator import iter_deaggregate_records
-
-    from anykpl.readback import list_shard_ids
-
-    found: Counter[tuple[str, bytes]] = Counter()
-    for shard_id in list_shard_ids(client, stream):
-        iterator = client.get_shard_iterator(
-            StreamName=stream, ShardId=shard_id, ShardIteratorType="TRIM_HORIZON"
-        )["ShardIterator"]
-        while iterator:
-            try:
-                page = client.get_records(ShardIterator=iterator, Limit=10_000)
-            except Exception as exc:  # botocore's ClientError
-                if getattr(exc, "response", {}).get("Error", {}).get("Code") in READ_THROTTLED:
-                    time.sleep(0.2)
-                    continue
-                raise
-            for user in iter_deaggregate_records(page["Records"], data_format="Boto3"):
-                kinesis = user["kinesis"]
-                # an aggregate's user records come base64-encoded, a plain record as it was read
-                data = kinesis["data"]
-                data = base64.b64decode(data) if kinesis.get("aggregated") else bytes(data)
-                found[(kinesis["partitionKey"], data)] += 1
-            if not page["Records"] and page.get("MillisBehindLatest", 0) == 0:
-                break  # caught up with the tip of an open shard
-            iterator = page.get("NextShardIterator")
-    return found
 
 
 def check(client: Any, case: dict[str, Any], result: dict[str, Any]) -> list[str]:

@@ -1321,6 +1321,30 @@ async def test_submit_many_waits_for_room_and_reports_what_it_admitted() -> None
     assert stored(fake) == Counter(b"%d" % i for i in range(10))
 
 
+@pytest.mark.autojump
+async def test_requests_go_full_while_every_connection_is_busy(fake_kinesis: FakeKinesis) -> None:
+    # One connection, 20 records a request, 40 ms per request (500 records/s) behind a shard
+    # that releases 1,000 records/s: the records waiting for the connection are past their
+    # deadline, and were cut into part-full requests at each release; now a due request is
+    # held while another waits for the Sender.
+    async with Producer(
+        transport=fake_kinesis,
+        max_connections=1,
+        collection_max_count=20,
+        aggregation_enabled=False,
+        **FAST,
+    ) as producer:
+        await ready(producer)
+        fake_kinesis.requests.clear()
+        fake_kinesis.delay = 0.04
+        handles = [await producer.submit(STREAM, b"%d" % i, "k", spread(0)) for i in range(2000)]
+        for handle in handles:
+            await handle
+    sizes = [len(request) for request in fake_kinesis.requests]
+    assert sum(sizes) == 2000
+    assert sum(size == 20 for size in sizes) >= len(sizes) - 2, sizes
+
+
 async def test_submit_many_reports_what_it_admitted_when_the_producer_begins_closing() -> None:
     fake = GatedKinesis(SPREAD_SHARDS)
     caught: list[errors.ProducerClosedError] = []

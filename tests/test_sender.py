@@ -169,6 +169,53 @@ async def test_cancellation_is_not_an_outcome() -> None:
         assert [o async for o in receive_outcomes] == []
 
 
+@pytest.mark.anyio
+async def test_after_a_timeout_requests_are_split_to_the_window_and_wait_for_room() -> None:
+    from anykpl._core._network import MIN_WINDOW, NetworkWindow
+
+    class Slow(_Transport):
+        async def put_records(self, stream: str, records: list[dict[str, Any]]) -> Any:
+            self.sizes.append(sum(len(r["Data"]) + len(r["PartitionKey"]) for r in records))
+            if len(self.sizes) == 1:
+                await anyio.sleep(10)  # the first times out
+            return await super().put_records(stream, records)
+
+    transport = Slow(hold=0.01)
+    transport.sizes = []  # type: ignore[attr-defined]
+    window = NetworkWindow(request_timeout=0.2)
+    splits: list[int] = []
+    user = Record("s", "k", b"x" * 20_000, 1, None, 0.0, 1.0, 30.0)
+    send_requests, receive_requests = anyio.create_memory_object_stream[Any](math.inf)
+    send_outcomes, receive_outcomes = anyio.create_memory_object_stream[Outcome](math.inf)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(
+            lambda: run_sender(
+                "s",
+                transport,
+                receive_requests,
+                send_outcomes,
+                max_connections=8,
+                request_timeout=0.2,
+                window=window,
+                on_split=splits.append,
+            )
+        )
+        async with send_requests:
+            send_requests.send_nowait([KinesisRecord.single(user) for _ in range(10)])
+            await anyio.sleep(0.5)  # it timed out
+            assert window.limited
+            send_requests.send_nowait([KinesisRecord.single(user) for _ in range(10)])
+    async with receive_outcomes:
+        outcomes = [o async for o in receive_outcomes]
+    assert [o.error_code for o in outcomes[:1]] == [errors.TIMEOUT]
+    assert len(outcomes) == 1 + 1 + sum(splits)  # one outcome per request sent
+    sizes = transport.sizes  # type: ignore[attr-defined]
+    assert sizes[0] == 10 * 20_001
+    assert all(size <= MIN_WINDOW for size in sizes[1:])
+    assert sum(sizes[1:]) == 10 * 20_001
+    assert transport.peak <= 2  # the timed-out one, then a window's worth at a time
+
+
 # -- the PutRecords body --------------------------------------------------------------------
 
 

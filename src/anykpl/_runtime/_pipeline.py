@@ -40,6 +40,7 @@ from .._core._collector import Collector
 from .._core._intake import StreamIntake
 from .._core._limiter import AdaptiveSettings, Limiter
 from .._core._metrics import Metrics
+from .._core._network import NetworkWindow
 from .._core._records import AttemptRecord, KinesisRecord, Record, ShardBacklog
 from .._core._retrier import Outcome, Retrier, RetryBudget, StatisticSet
 from .._core._shard_map import ShardMap
@@ -246,6 +247,10 @@ class Pipeline:
         )
         self._received_counted = 0
         self.in_flight = 0
+        # the Collector holds records past their deadline while a request waits for the Sender
+        self._collector_held = False
+        # the bytes in flight the network path carries (the Sender keeps to it)
+        self.network = NetworkWindow(self.request_timeout)
         # adaptive batching (Nagle's rule): while no request is in flight, records go at once;
         # while one is, they gather until it returns (or a size limit, or their deadline)
         self.adaptive_batching = config.adaptive_batching
@@ -478,6 +483,13 @@ class Pipeline:
                 records_scale = shared[0] / records_rate
             if bytes_rate > shared[1]:
                 bytes_scale = shared[1] / bytes_rate
+        # While the network path is slower than the shards (requests timed out), the shards
+        # together deliver what the path does: both limits scale down with it.
+        delivered = self.network.delivery_rate(now)
+        if delivered is not None and bytes_rate > delivered:
+            path_scale = delivered / bytes_rate
+            records_scale = min(records_scale, path_scale)
+            bytes_scale = min(bytes_scale, path_scale)
         for shard, backlog in intake.backlogs.items():
             shard_records, shard_bytes = rates[shard]
             records, nbytes = limits(
@@ -671,9 +683,14 @@ class Pipeline:
 
     async def _run_collector(self) -> None:
         collector = self.collector
+        queued = self.sender_send.statistics
         async with self.collector_in, self.sender_send:
             while True:
-                messages = await _receive_batch(self.collector_in, collector.deadline)
+                # records past their deadline are held while a request already waits for the
+                # Sender (it takes it when a connection frees, and wakes this task): they go
+                # in the next request, full, rather than in one cut early (docs/stages/collector.md)
+                wait_until = math.inf if self._collector_held else collector.deadline
+                messages = await _receive_batch(self.collector_in, wait_until)
                 if messages and messages[0] is END:
                     return
                 now = anyio.current_time()
@@ -686,7 +703,12 @@ class Pipeline:
                         send_now = True
                     elif isinstance(message, list):
                         collector.put(message, now, out)
-                collector.flush_due(now, out)
+                self._collector_held = False
+                if collector.deadline <= now:
+                    if queued().current_buffer_used:
+                        self._collector_held = True
+                    else:
+                        collector.flush_due(now, out)
                 if self.adaptive_batching and not self.in_flight and not out:
                     # nothing in flight could carry these records: they go now
                     collector.flush(out)
@@ -702,6 +724,22 @@ class Pipeline:
                 if messages and messages[-1] is END:
                     return
 
+    @property
+    def request_timeout(self) -> float:
+        """Seconds a PutRecords call may take, its connection's opening included."""
+        return self.config.connect_timeout + self.config.request_timeout
+
+    def _sender_took(self) -> None:
+        """The Sender took a request (a connection is free or about to be): records the
+        Collector holds past their deadline go now."""
+        if self._collector_held:
+            self._collector_held = False
+            self.collector_send.send_nowait(WAKE)
+
+    def _count_split(self, more: int) -> None:
+        """The Sender split a request into ``more`` more: each has its own outcome."""
+        self.in_flight += more
+
     async def _run_sender(self) -> None:
         await run_sender(
             self.stream,
@@ -709,7 +747,10 @@ class Pipeline:
             self.sender_in,
             self.retrier_send,
             max_connections=self.config.max_connections,
-            request_timeout=self.config.connect_timeout + self.config.request_timeout,
+            request_timeout=self.request_timeout,
+            window=self.network,
+            on_split=self._count_split,
+            on_take=self._sender_took,
         )
 
     async def _run_retrier(self) -> None:

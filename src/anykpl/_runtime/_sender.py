@@ -5,19 +5,26 @@ One task per stream. It keeps at most ``max_connections`` requests in flight, en
 :class:`~anykpl._core._retrier.Outcome` (errors as codes, through the transport's
 :func:`~anykpl._transport._botocore.error_code`). Cancellation is never turned into an
 outcome: it propagates.
+
+It also keeps the bytes in flight within the path's window (``_core/_network.py``): unlimited
+until a request times out; after that a request waits for room in the window, and one bigger
+than the window allows is split into requests of its own (``on_split`` counts the extra ones),
+each with its own outcome.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from .._core._network import NetworkWindow
 from .._core._retrier import Outcome
 from .._transport._botocore import error_code
 from .._transport._protocol import Transport
+from ..errors import TIMEOUT
 
 __all__ = ("run_sender",)
 
@@ -30,11 +37,18 @@ async def run_sender(
     *,
     max_connections: int,
     request_timeout: float,
+    window: NetworkWindow | None = None,
+    on_split: Callable[[int], None] | None = None,
+    on_take: Callable[[], None] | None = None,
 ) -> None:
-    """Send each request with at most ``max_connections`` in flight; pass every outcome on."""
+    """Send each request with at most ``max_connections`` in flight, and its bytes within
+    ``window`` (if given); pass every outcome on. ``on_split(n)``: a request was split into
+    ``n`` more; ``on_take()``: a request was taken from ``requests``."""
     slots = anyio.Semaphore(max_connections)
+    answered = anyio.Event()  # set when a request ends: a wait for room in the window looks again
 
-    async def send(batch: list[Any]) -> None:
+    async def send(batch: list[Any], size: int = 0, sent_at: float = 0.0, flight: int = 0) -> None:
+        nonlocal answered
         try:
             entries = [
                 {
@@ -54,6 +68,16 @@ async def run_sender(
                 raise
             except Exception as exc:
                 code, message = error_code(exc)
+            if window is not None:
+                now = anyio.current_time()
+                if response is not None:
+                    window.answered(size, now)
+                elif code == TIMEOUT:
+                    window.timed_out(size, sent_at, flight, now)
+                else:
+                    window.failed(size)
+                answered.set()
+                answered = anyio.Event()
             del entries
             for kr in batch:
                 kr.release()  # an aggregate's bytes: the user records keep their own
@@ -66,7 +90,30 @@ async def run_sender(
         finally:
             slots.release()
 
+    async def room(size: int) -> None:
+        assert window is not None
+        while not window.room(size, anyio.current_time()):
+            with anyio.move_on_after(max(0.0, window.next_probe() - anyio.current_time())):
+                await answered.wait()
+
     async with requests, outcomes, anyio.create_task_group() as tg:
         async for batch in requests:
-            await slots.acquire()
-            tg.start_soon(send, batch)
+            if on_take is not None:
+                on_take()
+            if window is None:
+                await slots.acquire()
+                tg.start_soon(send, batch)
+                continue
+            sizes = [kr.size for kr in batch]
+            ends = window.split(sizes) if window.limited else [len(batch)]
+            if len(ends) > 1 and on_split is not None:
+                on_split(len(ends) - 1)
+            start = 0
+            for end in ends:
+                part = batch if end - start == len(batch) else batch[start:end]
+                size = sum(sizes[start:end])
+                start = end
+                await slots.acquire()
+                await room(size)
+                now = anyio.current_time()
+                tg.start_soon(send, part, size, now, window.sent(size, now))

@@ -1,0 +1,123 @@
+"""Network faults injected by the kernel (``tc``, ``iptables``, in a private network namespace)
+and by a relay (latency, idle closes), on both backends, against the emulator and moto's
+server: ``benchmarks/network_faults.py`` runs each scenario and reads every record back with
+AWS's deaggregator; these tests run it small and hold it to its judgement.
+
+Where network namespaces are not permitted (not root, no ``unshare``/``tc``/``iptables``), the
+tests skip and say why; with ``ANYKPL_NETWORK_FAULTS=required`` (CI sets it) they fail instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "network_faults.py"
+CANNOT_RUN = 77
+
+#: per scenario: the script's arguments for a small run (a few seconds per backend)
+SMALL: dict[str, list[str]] = {
+    "resets": ["--records", "6000", "--reset-probability", "0.05"],
+    # a black hole of request_timeout + 2 s
+    "blackhole": [
+        "--records",
+        "4000",
+        "--set",
+        "request_timeout=1.5",
+        "--set",
+        "connect_timeout=1.5",
+    ],
+    "idle": ["--idle-records", "1500", "--idle-close", "0.08"],
+    "latency": ["--records", "4000", "--bound-seconds", "3"],
+}
+
+
+def run_faults(tmp_path: Path, *arguments: str) -> list[dict[str, Any]]:
+    out = tmp_path / "faults.json"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *arguments, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=240,
+    )
+    if done.returncode == CANNOT_RUN:
+        reason = done.stderr.strip()
+        if os.environ.get("ANYKPL_NETWORK_FAULTS") == "required":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    assert done.returncode in (0, 1), done.stderr[-4000:]  # 1: a case had problems
+    results: list[dict[str, Any]] = json.loads(out.read_text())
+    return results
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("endpoint", ["emulator", "moto"])
+@pytest.mark.parametrize("scenario", list(SMALL))
+def test_every_acknowledged_record_is_delivered_through_a_network_fault(
+    tmp_path: Path, scenario: str, endpoint: str
+) -> None:
+    results = run_faults(tmp_path, "--scenario", scenario, "--endpoint", endpoint, *SMALL[scenario])
+    assert {r["backend"] for r in results} == {"asyncio", "trio"}
+    for result in results:
+        where = f"{scenario} {result['backend']} {endpoint} {result['label']}"
+        # the script's judgement: nothing failed, every acknowledged record read back, no copy
+        # beyond the record's failed attempts, and the scenario's own bar
+        assert result["problems"] == [], where
+        assert not result["failed"], where
+        assert result["read_back"] >= result["records"], where
+        # and the fault really happened
+        if scenario in ("resets", "blackhole"):
+            assert result["fault_on"] is not None, where
+            assert result["fault_off"] is not None, where
+            assert result["attempt_errors"], where  # attempts failed, and were retried
+        if scenario == "blackhole":
+            assert result["resumed_after"] is not None, where
+        if scenario == "idle":
+            assert result["idle_closes"] > 0, where
+    if scenario == "latency":
+        bound = [r for r in results if r.get("bound_rate")]
+        assert len(bound) == 2  # one per backend, held to 0.8 × the bound by the script
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(
+    strict=True,
+    reason="not met yet (issue 34): a path that slows is found only when a request times out, "
+    "so what was admitted before (up to request_timeout × the offered rate) can expire",
+)
+def test_a_bandwidth_cap_offered_five_times_over_expires_at_most_one_percent(
+    tmp_path: Path,
+) -> None:
+    # 1 Mbit/s carries about 700 of these records a second; 3,500/s are offered for as long as
+    # the callers are let in. Time is scaled down: record_ttl 4 s, each request at most 2 s.
+    results = run_faults(
+        tmp_path,
+        "--scenario",
+        "bandwidth",
+        "--endpoint",
+        "emulator",
+        "--backend",
+        "asyncio",
+        "--records",
+        "6000",
+        "--bandwidth",
+        "1m",
+        "--pace",
+        "3500",
+        "--set",
+        "record_ttl=4.0",
+        "--set",
+        "request_timeout=1.0",
+        "--set",
+        "connect_timeout=1.0",
+    )
+    (result,) = results
+    assert result["submit_waits"] > 0  # backpressure reached the callers
+    assert len(result["failed"]) <= 0.01 * result["records"], result["failure_codes"]
