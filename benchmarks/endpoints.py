@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import base64
 import contextlib
 import inspect
@@ -147,3 +148,15 @@ def read_back(client: Any, stream: str) -> Counter[tuple[str, bytes]]:
                 break  # caught up with the tip of an open shard
             iterator = page.get("NextShardIterator")
     return found
+
+
+def overrides(pairs: list[str]) -> dict[str, Any]:
+    """``field=value`` pairs as ProducerConfig keyword arguments (values as Python literals)."""
+    result: dict[str, Any] = {}
+    for pair in pairs:
+        name, _, text = pair.partition("=")
+        try:
+            result[name] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            result[name] = text
+    return result

@@ -53,7 +53,7 @@ from urllib.parse import urlsplit
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from endpoints import CREDENTIALS, REGION, client_for, read_back, start_endpoint
+from endpoints import CREDENTIALS, REGION, client_for, overrides, read_back, start_endpoint
 
 SCENARIOS = ("bandwidth", "resets", "blackhole", "idle", "latency")
 #: the exit status that says "cannot run here" (as automake's skip)
@@ -499,20 +499,6 @@ def cases_for(args: argparse.Namespace, endpoint: str, backend: str) -> list[dic
                 }
             )
     return cases
-
-
-def overrides(pairs: list[str]) -> dict[str, Any]:
-    """``field=value`` pairs as ProducerConfig keyword arguments (values as Python literals)."""
-    import ast
-
-    result: dict[str, Any] = {}
-    for pair in pairs:
-        name, _, text = pair.partition("=")
-        try:
-            result[name] = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            result[name] = text
-    return result
 
 
 def run_cases(args: argparse.Namespace) -> list[dict[str, Any]]:

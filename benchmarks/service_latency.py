@@ -24,7 +24,6 @@ fails the run. ::
 from __future__ import annotations
 
 import argparse
-import ast
 import base64
 import json
 import os
@@ -37,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from endpoints import check_endpoint, start_moto_server
+from endpoints import check_endpoint, overrides, start_moto_server
 
 REGION = "us-east-1"
 CREDENTIALS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
@@ -45,18 +44,6 @@ CREDENTIALS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing
 
 def quantile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
-
-
-def overrides(pairs: list[str]) -> dict[str, Any]:
-    """``field=value`` pairs as ProducerConfig keyword arguments (values as Python literals)."""
-    result: dict[str, Any] = {}
-    for pair in pairs:
-        name, _, text = pair.partition("=")
-        try:
-            result[name] = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            result[name] = text
-    return result
 
 
 def round_trip(endpoint: str, stream: str, size: int) -> float:

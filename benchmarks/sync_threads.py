@@ -29,7 +29,6 @@ the run (exit status 1). ::
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import subprocess
@@ -47,24 +46,13 @@ from endpoints import (
     REGION,
     check_endpoint,
     client_for,
+    overrides,
     read_back,
     start_endpoint,
 )
 
 #: a case's child process is given up on after this many seconds
 CASE_TIMEOUT = 600.0
-
-
-def overrides(pairs: list[str]) -> dict[str, Any]:
-    """``field=value`` pairs as ProducerConfig keyword arguments (values as Python literals)."""
-    result: dict[str, Any] = {}
-    for pair in pairs:
-        name, _, text = pair.partition("=")
-        try:
-            result[name] = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            result[name] = text
-    return result
 
 
 def shares(count: int, threads: int) -> list[int]:
