@@ -91,7 +91,7 @@ class NetworkWindow:
         if self.in_flight == 0 or self.in_flight + size <= self.window:
             return True
         # a probe, while what is in flight has gone unanswered for a while
-        return now - max(self._last_send, self._last_answer) >= PROBE_INTERVAL
+        return now >= self.next_probe()  # the same sum as the wait: no float mismatch
 
     def next_probe(self) -> float:
         """When :meth:`room` says yes to any request (if nothing is answered before)."""

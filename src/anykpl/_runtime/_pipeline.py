@@ -734,7 +734,9 @@ class Pipeline:
         Collector holds past their deadline go now."""
         if self._collector_held:
             self._collector_held = False
-            self.collector_send.send_nowait(WAKE)
+            # the Collector may be gone (a crashed stage: everything fails anyway)
+            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                self.collector_send.send_nowait(WAKE)
 
     def _count_split(self, more: int) -> None:
         """The Sender split a request into ``more`` more: each has its own outcome."""
