@@ -25,7 +25,7 @@ CANNOT_RUN = 77
 SMALL: dict[str, list[str]] = {
     # packets go through the kernel in pieces of up to 64 KiB, so few per request: a high
     # share of them is reset, so that every run meets resets
-    "resets": ["--records", "6000", "--reset-probability", "0.3"],
+    "resets": ["--records", "6000", "--reset-probability", "0.1"],
     # a black hole of request_timeout + 2 s
     "blackhole": [
         "--records",
