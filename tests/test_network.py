@@ -9,6 +9,7 @@ from anykpl._core._network import (
     MIN_WINDOW,
     PROBE_INTERVAL,
     RATE_SPAN,
+    RELEASE_AFTER,
     UNLIMITED_WINDOW,
     NetworkWindow,
 )
@@ -89,9 +90,60 @@ def test_the_delivery_rate_is_what_was_answered_lately_and_never_nothing() -> No
     assert window.delivery_rate(10.0) == MIN_WINDOW / 10.0  # nothing answered yet: the floor
     for second in range(5):
         window.sent(MB, 11.0 + second)
+        assert not window.room(8 * MB, 11.0 + second)  # the window keeps the next one waiting
         window.answered(MB, 11.0 + second)
     assert window.delivery_rate(15.0) == 5 * MB / RATE_SPAN
-    assert window.delivery_rate(15.0 + RATE_SPAN + 0.5) == MIN_WINDOW / 10.0
+    window.sent(MB, 16.0)
+    assert not window.room(8 * MB, 17.0)
+    assert window.delivery_rate(17.0 + RATE_SPAN) == MIN_WINDOW / 10.0  # kept one waiting lately
+    assert window.delivery_rate(17.0 + RATE_SPAN + 0.1) is None  # not lately: no cap
+
+
+def test_admission_follows_the_delivered_rate_only_while_the_window_binds() -> None:
+    window = NetworkWindow(request_timeout=10.0)
+    window.timed_out(0, 0.0, 4 * MB, 10.0)
+    assert window.delivery_rate(10.0 + RATE_SPAN) is not None  # a cut binds for a while
+    # a light load: every request fits, none waits, so the path is not what limits it
+    window.sent(1000, 16.0)
+    assert window.room(1000, 16.0)
+    assert window.limited
+    assert window.delivery_rate(16.0) is None
+
+
+def test_a_window_that_keeps_nothing_waiting_is_lifted_after_a_while() -> None:
+    # one timeout on a healthy path, then a light load: 1 KB answered per second grows the
+    # window by a few bytes per answer, so the rules alone would keep it for hours
+    window = NetworkWindow(request_timeout=6.0)
+    window.timed_out(0, 0.0, 8 * MB, 6.0)
+    window.threshold = float(MIN_WINDOW)  # above the threshold: the slow growth
+    now = 7.0
+    while now < 6.0 + RELEASE_AFTER - 1:
+        assert window.room(1000, now)
+        window.sent(1000, now)
+        window.answered(1000, now + 0.1)
+        assert window.limited
+        now += 1.0
+    window.sent(1000, now)
+    window.answered(1000, 6.0 + RELEASE_AFTER)
+    assert not window.limited
+    assert window.split([MB] * 10) == [10]
+    assert window.delivery_rate(6.0 + RELEASE_AFTER) is None
+
+
+def test_a_window_that_keeps_requests_waiting_is_not_lifted() -> None:
+    window = NetworkWindow(request_timeout=6.0)
+    window.timed_out(0, 0.0, 8 * MB, 6.0)
+    window.threshold = float(MIN_WINDOW)
+    for second in range(7, 60):
+        # a slow path: the window fills, and a request waits for an answer
+        sent = []
+        while window.room(MIN_WINDOW, float(second)):
+            window.sent(MIN_WINDOW, float(second))
+            sent.append(MIN_WINDOW)
+        for size in sent:
+            window.answered(size, second + 0.9)
+    assert window.limited
+    assert window.delivery_rate(59.9) is not None
 
 
 def test_a_failure_that_is_not_a_timeout_changes_nothing_but_the_flight() -> None:

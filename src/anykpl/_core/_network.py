@@ -25,6 +25,13 @@ for segments and ``request_timeout`` for the retransmission timer:
   unlimited again.
 - While nothing is answered, one request every :data:`PROBE_INTERVAL` seconds goes anyway (a
   black hole that lifts is found by the next probe, not by the requests stuck in it).
+- A window that has kept no request waiting and seen no timeout for :data:`RELEASE_AFTER`
+  seconds says nothing about the path: it is unlimited again. (A lightly loaded producer
+  answers too few bytes to grow it by the rules above; without this one timeout on a healthy
+  path would split its requests and cap its admission for hours.)
+
+Admission follows the delivered rate only while the window binds: from a cut until
+:data:`RATE_SPAN` seconds after the last request it kept waiting.
 """
 
 from __future__ import annotations
@@ -40,8 +47,11 @@ MIN_WINDOW = 64 * 1024
 UNLIMITED_WINDOW = 256 * 1024 * 1024
 #: with requests in flight and none answered for this long, one more goes (seconds)
 PROBE_INTERVAL = 2.0
-#: the span the delivery rate is measured over (seconds)
+#: the span the delivery rate is measured over, and how long after the window last kept a
+#: request waiting (or was cut) admission follows it (seconds)
 RATE_SPAN = 5.0
+#: no timeout and no request kept waiting for this long: the window is unlimited again (seconds)
+RELEASE_AFTER = 10.0
 
 
 class NetworkWindow:
@@ -51,6 +61,7 @@ class NetworkWindow:
         "_answered",
         "_last_answer",
         "_last_cut",
+        "_last_refused",
         "_last_send",
         "floor_rate",
         "in_flight",
@@ -69,6 +80,7 @@ class NetworkWindow:
         self.floor_rate = MIN_WINDOW / request_timeout
         self._answered: deque[tuple[float, int]] = deque()  # (when, bytes) of answers
         self._last_cut = -math.inf
+        self._last_refused = -math.inf  # when the window last kept a request waiting
         self._last_send = -math.inf
         self._last_answer = -math.inf
 
@@ -90,6 +102,7 @@ class NetworkWindow:
         """Whether a request of ``size`` bytes may go now."""
         if self.in_flight == 0 or self.in_flight + size <= self.window:
             return True
+        self._last_refused = now
         # a probe, while what is in flight has gone unanswered for a while
         return now >= self.next_probe()  # the same sum as the wait: no float mismatch
 
@@ -119,7 +132,13 @@ class NetworkWindow:
             window += size
         else:
             window += max(size * size / window, 1.0)
-        self.window = math.inf if window >= UNLIMITED_WINDOW else window
+        if window >= UNLIMITED_WINDOW or now - self._binding_since() >= RELEASE_AFTER:
+            window = math.inf
+        self.window = window
+
+    def _binding_since(self) -> float:
+        """When the window last limited anything: a cut, or a request kept waiting."""
+        return max(self._last_cut, self._last_refused)
 
     def timed_out(self, size: int, sent_at: float, flight: int, now: float) -> None:
         """A request of ``size`` bytes, sent at ``sent_at`` with ``flight`` bytes in flight,
@@ -139,8 +158,9 @@ class NetworkWindow:
 
     def delivery_rate(self, now: float) -> float | None:
         """Bytes/s the path delivered over the last :data:`RATE_SPAN` seconds (at least
-        :attr:`floor_rate`) while the window limits; ``None`` while it does not."""
-        if self.window == math.inf:
+        :attr:`floor_rate`) while the window binds (a cut or a request kept waiting within
+        :data:`RATE_SPAN` seconds); ``None`` while it does not."""
+        if self.window == math.inf or now - self._binding_since() > RATE_SPAN:
             return None
         answered = self._answered
         while answered and answered[0][0] < now - RATE_SPAN:
