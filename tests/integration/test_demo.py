@@ -410,6 +410,8 @@ def test_help_lists_every_option() -> None:
         "--quiet",
         "--progress",
         "--no-aggregation",
+        "--chaos",
+        "--plot",
     ):
         assert option in text
     assert "10% of the devices" in " ".join(text.split())

@@ -29,7 +29,9 @@ same way)::
     _workload.py     what the devices send (Workload, DeviceGroup)
     _putting.py      the only async part: readings into the Producer, results into the Tally
     _bookkeeping.py  counts, latencies, per-shard rates (Tally, LatencyHistogram, ShardRate)
+    _chaos.py        --chaos: a storm, a hot device, a split and resets, on schedule
     _views.py        the progress while it runs: a rich live table, plain lines, or nothing
+    _timeline.py     the run second by second, for --json and the --plot picture
     _report.py       the summary after it: the producer's figures, each shard, the verdict
 
 The workload and the bookkeeping are synchronous and take the time as an argument, so they are
@@ -53,6 +55,7 @@ from ... import readback
 from ._bookkeeping import RATE_WINDOW as RATE_WINDOW
 from ._bookkeeping import LatencyHistogram, ShardRate, Tally, shard_rates_from_emulator
 from ._bookkeeping import percentile as percentile
+from ._chaos import CHAOS_DURATION, Chaos
 from ._putting import ACKNOWLEDGE_BATCH as ACKNOWLEDGE_BATCH
 from ._putting import GROUP_SIZE as GROUP_SIZE
 from ._putting import TICK as TICK
@@ -62,6 +65,7 @@ from ._report import Printer, report_run, report_verdict
 from ._target import DEMO_CREDENTIALS as DEMO_CREDENTIALS
 from ._target import Target as Target
 from ._target import botocore_client, started_target, unverified_quietly
+from ._timeline import Timeline, matplotlib_missing, plot
 from ._views import MIB as MIB
 from ._views import PLAIN_EVERY as PLAIN_EVERY
 from ._views import REFRESH_EVERY as REFRESH_EVERY
@@ -134,6 +138,10 @@ runs the devices through the producer with live progress (readings/s, per-shard 
 the limit, throttled, retried, p50/p99 put latency), then reads every shard back,
 deaggregates, and prints the verdict. Exit status 0 when every acknowledged record is in the
 stream, 1 when any is missing (or something nobody put is there).
+
+--chaos runs the same fleet for 60 s while things go wrong: a throttle storm on one shard, a
+hot device, a shard split and a burst of connection resets, each announced as it happens; the
+verdict is the same. --plot draws the run second by second.
 """
 
 EPILOG = """\
@@ -142,6 +150,8 @@ examples:
   anykpl demo --backend trio --short       # 5 s on trio
   anykpl demo --devices 20000 --rate 0.5 --shards 8
   anykpl demo --no-aggregation             # the 1000 records/s per shard limit binds
+  anykpl demo --chaos                      # 60 s of trouble: storm, hot key, split, resets
+  anykpl demo --chaos --plot chaos.png     # and a picture of it
   anykpl demo --endpoint http://127.0.0.1:4567 --stream other
 """
 
@@ -193,6 +203,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--short",
         action="store_true",
         help="a quick run for CI: --duration 5 --burst-every 2 unless given",
+    )
+    workload.add_argument(
+        "--chaos",
+        action="store_true",
+        help="while the devices send, a throttle storm on one shard, a hot device, a shard "
+        "split and a burst of connection resets, each announced as it happens (the emulator "
+        "only; default duration 60 s)",
     )
     workload.add_argument(
         "--no-aggregation",
@@ -271,6 +288,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seed for the workload's random choices",
     )
     running.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE",
+        help="draw the run second by second into FILE (.png, .svg or .pdf): each shard's rate "
+        "against its ceiling, the backlog, throttles, retries and the chaos events (needs "
+        "matplotlib: pip install 'anykpl[bench]')",
+    )
+    running.add_argument(
         "--json",
         action="store_true",
         help="print the results as one JSON document on stdout; the report and plain "
@@ -280,7 +305,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def workload_from(args: argparse.Namespace) -> Workload:
     """The :class:`Workload` the parsed options ask for (``--short`` fills the unset ones)."""
-    duration = args.duration if args.duration is not None else (5.0 if args.short else 30.0)
+    if args.duration is not None:
+        duration = args.duration
+    else:
+        duration = 5.0 if args.short else CHAOS_DURATION if args.chaos else 30.0
     burst_every = (
         args.burst_every if args.burst_every is not None else (2.0 if args.short else 10.0)
     )
@@ -353,6 +381,10 @@ def _run(args: argparse.Namespace, console: Any, say: Printer) -> int:
 
     workload = workload_from(args)
     rng = random.Random(args.seed)
+    if args.chaos and args.endpoint is not None:
+        raise SystemExit("anykpl demo: --chaos needs the emulator the demo starts (no --endpoint)")
+    if args.plot is not None and (why := matplotlib_missing()) is not None:
+        raise SystemExit(f"anykpl demo: {why}")
     with unverified_quietly(args.verify), started_target(args, say) as target:
         where = "the emulator" if target.emulator else (target.endpoint_url or "AWS")
         title = (
@@ -363,14 +395,38 @@ def _run(args: argparse.Namespace, console: Any, say: Printer) -> int:
         emulator_stats = (
             EmulatorStats(target.endpoint_url) if target.emulator and target.endpoint_url else None
         )
+        chaos = (
+            Chaos(target.stream, args.shards, workload.devices, workload.duration)
+            if args.chaos
+            else None
+        )
+        if chaos is not None:
+            say(chaos.describe())
+        timeline = Timeline(target.stream)
         out = sys.stderr if args.json else None
         with _progress_view(args.progress, console, title, out) as view:
             report = anyio.run(
-                lambda: produce(target, workload, view, rng=rng, emulator_stats=emulator_stats),
+                lambda: produce(
+                    target,
+                    workload,
+                    view,
+                    rng=rng,
+                    emulator_stats=emulator_stats,
+                    chaos=chaos,
+                    timeline=timeline,
+                ),
                 backend=args.backend,
             )
         final_stats = emulator_stats.fetch() if emulator_stats is not None else None
+        if final_stats is not None:
+            timeline.finish(final_stats, report.elapsed)
         report_run(say, report, final_stats, target.stream)
+        if chaos is not None:
+            timeline.events = list(chaos.happened)
+            say()
+            say("chaos, as it happened:")
+            for at, text in chaos.happened:
+                say(f"  {at:5.1f} s  {text}")
 
         say()
         say(f"reading stream {target.stream} back from TRIM_HORIZON and deaggregating")
@@ -387,12 +443,19 @@ def _run(args: argparse.Namespace, console: Any, say: Printer) -> int:
             client.close()
     verdict = readback.judge(report.tally.acknowledged_records, found, report.tally.failed_records)
     report_verdict(say, verdict, sum(found.values()), left_out)
-    if args.json:
-        json.dump(
-            _document(args, workload, target.stream, report, verdict, sum(found.values())),
-            sys.stdout,
-            indent=2,
+    if args.plot is not None:
+        picture = "chaos" if args.chaos else "calm"
+        plot(
+            timeline.to_json(),
+            args.plot,
+            f"anykpl demo --{picture} · {args.backend} · {workload.devices:,} devices · "
+            f"{'PASS' if verdict.ok else 'FAIL'}",
         )
+        say(f"the timeline is drawn in {args.plot}")
+    if args.json:
+        document = _document(args, workload, target.stream, report, verdict, sum(found.values()))
+        document["timeline"] = timeline.to_json()
+        json.dump(document, sys.stdout, indent=2)
         print()
     return verdict.exit_code
 
@@ -412,6 +475,7 @@ def _document(
         "command": "anykpl demo",
         "backend": args.backend,
         "stream": stream,
+        "chaos": bool(args.chaos),
         "workload": {
             "devices": workload.devices,
             "rate": workload.rate,

@@ -25,7 +25,9 @@ from ._workload import DeviceGroup, Workload
 if TYPE_CHECKING:
     from anykpl import PendingRecord, Producer
 
+    from ._chaos import Chaos
     from ._target import Target
+    from ._timeline import Timeline
 
 __all__ = ("ACKNOWLEDGE_BATCH", "GROUP_SIZE", "TICK", "EmulatorStats", "RunReport", "produce")
 
@@ -58,6 +60,8 @@ class EmulatorStats:
 
         self._client = EmulatorClient(url)
         self.latest: Mapping[str, Any] | None = None
+        #: the loop's time when :attr:`latest` came
+        self.fetched_at = 0.0
 
     def fetch(self) -> Mapping[str, Any]:
         stats: Mapping[str, Any] = self._client.stats()
@@ -71,6 +75,7 @@ class EmulatorStats:
         while True:
             try:
                 self.latest = await anyio.to_thread.run_sync(self.fetch)
+                self.fetched_at = anyio.current_time()
             except Exception:
                 self.latest = None
             await anyio.sleep(period)
@@ -110,6 +115,8 @@ async def produce(
     *,
     rng: random.Random | None = None,
     emulator_stats: EmulatorStats | None = None,
+    chaos: Chaos | None = None,
+    timeline: Timeline | None = None,
 ) -> RunReport:
     """Run ``workload`` through a :class:`~anykpl.Producer` into ``target``; return the tally.
 
@@ -118,6 +125,10 @@ async def produce(
     order. A record's put latency is measured from the call to ``submit`` to the end of its
     last attempt: the admission wait plus the sum of its attempts' ``delay`` and ``duration``,
     which add up to the time from admission to the end of the final PutRecords call.
+
+    With ``chaos`` (the emulator's ``target`` only), its events are told to the emulator on
+    schedule and its hot device sends from a task of its own; ``timeline`` is noted on every
+    refresh.
     """
     import anyio
     import anyio.lowlevel
@@ -153,13 +164,19 @@ async def produce(
         start = clock()
         perf_start = perf_counter()
 
-        async def emit(group: DeviceGroup, handles: MemoryObjectSendStream[_InFlight]) -> None:
+        async def emit(
+            group: DeviceGroup,
+            handles: MemoryObjectSendStream[_InFlight],
+            begin: float = 0.0,
+            length: float = workload.duration,
+        ) -> None:
+            # the group's readings from ``begin`` seconds after the start, for ``length`` s
             async with handles:
                 while True:
-                    wake = min(group.next_due(), workload.duration)
-                    await anyio.sleep_until(start + wake)
-                    elapsed = clock() - start
-                    if elapsed >= workload.duration:
+                    wake = min(group.next_due(), length)
+                    await anyio.sleep_until(start + begin + wake)
+                    elapsed = clock() - start - begin
+                    if elapsed >= length:
                         return
                     readings = group.take_due(elapsed, time.time())
                     tally.offered(len(readings))
@@ -170,7 +187,7 @@ async def produce(
                         handles.send_nowait((called, admitted, key, data, pending))
                         called = admitted  # the next call starts as this one returns
                     # at most one wake-up per tick, however the readings fall
-                    await anyio.sleep_until(start + elapsed + TICK)
+                    await anyio.sleep_until(start + begin + elapsed + TICK)
 
         async def acknowledge(handles: MemoryObjectReceiveStream[_InFlight]) -> None:
             # Takes what is queued without waiting and reads done records without awaiting
@@ -203,26 +220,60 @@ async def produce(
                     if taken % ACKNOWLEDGE_BATCH == 0:
                         await anyio.lowlevel.checkpoint()
 
+        events = chaos.happened if chaos is not None else []
+
+        def refresh(*, finished: bool = False) -> None:
+            elapsed = clock() - start
+            progress = _progress(
+                producer, tally, elapsed, workload, emulator_stats, stream, events, finished
+            )
+            view.update(progress)
+            if timeline is not None:
+                latest = emulator_stats.latest if emulator_stats is not None else None
+                timeline.note(
+                    elapsed,
+                    outstanding=progress.outstanding,
+                    throttled=progress.throttled,
+                    retried=progress.retried,
+                    offered_rate=progress.offered_rate,
+                    acknowledged_rate=progress.acknowledged_rate,
+                    stats=latest,
+                    stats_elapsed=(
+                        None if emulator_stats is None else emulator_stats.fetched_at - start
+                    ),
+                )
+
         async def show() -> None:
             while True:
-                elapsed = clock() - start
-                view.update(_progress(producer, tally, elapsed, workload, emulator_stats, stream))
+                refresh()
                 await anyio.sleep(REFRESH_EVERY)
 
         async with anyio.create_task_group() as around:
             if emulator_stats is not None:
                 around.start_soon(emulator_stats.poll, REFRESH_EVERY)
             around.start_soon(show)
+            if chaos is not None:
+                assert target.endpoint_url is not None
+                around.start_soon(chaos.run, target.endpoint_url, start)
             async with anyio.create_task_group() as devices:
                 for group in groups:
                     send, receive = anyio.create_memory_object_stream[_InFlight](math.inf)
                     devices.start_soon(emit, group, send)
                     devices.start_soon(acknowledge, receive)
+                if chaos is not None:
+                    hot = chaos.hot
+                    group = DeviceGroup(
+                        [hot.device],
+                        replace(workload, rate=hot.rate, burst_every=0.0),
+                        random.Random(rng.random()),
+                        pad=hot.pad,
+                    )
+                    send, receive = anyio.create_memory_object_stream[_InFlight](math.inf)
+                    devices.start_soon(emit, group, send, hot.start, hot.duration)
+                    devices.start_soon(acknowledge, receive)
             around.cancel_scope.cancel()
         elapsed = clock() - start
-        view.update(
-            _progress(producer, tally, elapsed, workload, emulator_stats, stream, finished=True)
-        )
+        refresh(finished=True)
         statistics = producer.statistics()
     throttled, retried = _throttled_and_retried(statistics)
     return RunReport(
@@ -242,7 +293,7 @@ def _progress(
     workload: Workload,
     emulator_stats: EmulatorStats | None,
     stream: str,
-    *,
+    events: list[tuple[float, str]],
     finished: bool = False,
 ) -> Progress:
     statistics = producer.statistics()
@@ -275,4 +326,5 @@ def _progress(
         shards=shards,
         measured_by=measured_by,
         finished=finished,
+        events=list(events),
     )

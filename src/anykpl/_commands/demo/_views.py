@@ -32,6 +32,8 @@ __all__ = (
 REFRESH_EVERY = 0.5
 #: How often the plain (non-terminal) progress prints a line.
 PLAIN_EVERY = 2.0
+#: The live view lists this many of the latest events.
+EVENTS_SHOWN = 8
 MIB = 1024 * 1024
 
 
@@ -54,6 +56,7 @@ class Progress:
         shards: each shard's rate lately.
         measured_by: ``emulator`` or ``producer``, who measured :attr:`shards`.
         finished: whether this is the last refresh.
+        events: what ``--chaos`` did so far: (seconds since the start, announcement).
     """
 
     elapsed: float
@@ -70,6 +73,7 @@ class Progress:
     shards: list[ShardRate] = field(default_factory=list)
     measured_by: str = "producer"
     finished: bool = False
+    events: list[tuple[float, str]] = field(default_factory=list)
 
 
 class ProgressView(Protocol):
@@ -92,13 +96,18 @@ def _share(value: float, limit: float | None) -> str:
 
 
 class PlainView:
-    """A line every :data:`PLAIN_EVERY` seconds, for logs and CI."""
+    """A line every :data:`PLAIN_EVERY` seconds, for logs and CI, and a line for each event
+    as soon as it is seen."""
 
     def __init__(self, write: Callable[[str], None]) -> None:
         self._write = write
         self._next = PLAIN_EVERY
+        self._told = 0  # events printed
 
     def update(self, progress: Progress) -> None:
+        for at, text in progress.events[self._told :]:
+            self._write(f"[{at:5.1f} s] >> {text}")
+        self._told = max(self._told, len(progress.events))
         if progress.elapsed < self._next and not progress.finished:
             return
         self._next = progress.elapsed + PLAIN_EVERY - REFRESH_EVERY / 2
@@ -202,4 +211,10 @@ class LiveView:
                 records,
                 f"{rate.throttled:,}",
             )
-        return Group(header, Text(""), figures, Text(""), shards)
+        parts: list[Any] = [header, Text(""), figures, Text(""), shards]
+        if progress.events:
+            parts.append(Text(""))
+            parts.append(Text("chaos, as it happened", "bold"))
+            for at, text in progress.events[-EVENTS_SHOWN:]:
+                parts.append(Text.assemble((f"{at:5.1f} s  ", "dim"), (text, "magenta")))
+        return Group(*parts)

@@ -84,9 +84,17 @@ class DeviceGroup:
     """
 
     def __init__(
-        self, devices: Sequence[int], workload: Workload, rng: random.Random | None = None
+        self,
+        devices: Sequence[int],
+        workload: Workload,
+        rng: random.Random | None = None,
+        *,
+        pad: int = 0,
     ) -> None:
+        """``pad``: characters of filler in each reading (a ``"blob"`` field), for devices that
+        send more than a small reading."""
         self._workload = workload
+        self._blob = f',"blob":"{"x" * pad}"' if pad else ""
         self._rng = rng or random.Random()
         self._devices = list(devices)
         self._names = {index: device_name(index) for index in self._devices}
@@ -138,7 +146,7 @@ class DeviceGroup:
         humidity = base_humidity - 3.0 * swing
         data = (
             f'{self._prefix}{name}","seq":{seq},"ts":{wall_time:.3f},'
-            f'"temp":{temperature:.2f},"hum":{humidity:.1f},"kind":"{kind}"}}'
+            f'"temp":{temperature:.2f},"hum":{humidity:.1f},"kind":"{kind}"{self._blob}}}'
         )
         return name, data.encode()
 
