@@ -39,7 +39,11 @@ terminal, delivered / expired / failed records, Kinesis records throttled (the e
 and the injected ones apart), the producer's throttles and cuts, ``submit`` waits (max, p99),
 delivery latency (p50, p99: from admission, the return of ``submit``, to the result, as the
 record's attempts count it), peak RSS of the producer process. The tables (markdown) show both
-modes and their ratio; ``--json`` writes every figure. ::
+modes and their ratio; ``--json`` writes every figure, and each run's timeline (each shard's
+stored rate per second as the emulator counted it, its ceiling, the producer's backlog,
+throttles and retries every 0.1 s, the storm or the hot key's start and end); ``--plot`` draws
+each run's timeline into a picture next to the JSON (``<json>-<scenario>-<mode>.png``, or
+``delivery-<scenario>-<mode>.png`` without ``--json``; matplotlib). ::
 
     python benchmarks/delivery.py                                  # all four, asyncio
     python benchmarks/delivery.py --scenario storm --backend trio
@@ -47,6 +51,7 @@ modes and their ratio; ``--json`` writes every figure. ::
     python benchmarks/delivery.py --scenario overload --overload-duration 30 --json overload.json
     python benchmarks/delivery.py --scenario hotkey --adaptive-only --backend trio
     python benchmarks/delivery.py --scenario noise --static-only --records 5000
+    python benchmarks/delivery.py --scenario storm --adaptive-only --json storm.json --plot
 """
 
 from __future__ import annotations
@@ -261,6 +266,8 @@ async def produce(opts: argparse.Namespace) -> dict[str, Any]:
     # the shard whose rate is sampled: the storm's, or (None) the lowest of all
     watched = opts.storm_shard if scenario == "storm" else None
     samples: list[tuple[float, float]] = []  # (seconds since t0, rate share of ceiling)
+    # the producer's figures for the timeline: seconds since t0, outstanding, throttled, retried
+    backlog: dict[str, list[float]] = {"t": [], "outstanding": [], "throttled": [], "retried": []}
     peak = {"rss": rss_bytes(), "outstanding": 0}
     t0 = math.inf
 
@@ -270,6 +277,13 @@ async def produce(opts: argparse.Namespace) -> dict[str, Any]:
             statistics = producer.statistics()
             peak["outstanding"] = max(peak["outstanding"], statistics.outstanding_records)
             shards = statistics.streams[stream].shards if stream in statistics.streams else {}
+            if t0 < math.inf:
+                backlog["t"].append(round(time.perf_counter() - t0, 3))
+                backlog["outstanding"].append(statistics.outstanding_records)
+                backlog["throttled"].append(statistics.errors_by_code.get(errors.THROTTLED, 0))
+                backlog["retried"].append(
+                    statistics.metrics.get(anykpl.MetricKey("RetriesPerRecord"), 0)
+                )
             if shards and t0 < math.inf:
                 if watched in shards:
                     share = shards[watched].rate[1] / shards[watched].ceiling[1]
@@ -388,6 +402,7 @@ async def produce(opts: argparse.Namespace) -> dict[str, Any]:
         "maxrss_mib": round(usage.ru_maxrss / 1024, 1),
         "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 2),
         "rate_samples": [(round(t, 2), round(share, 4)) for t, share in samples],
+        "producer_timeline": backlog,
     }
     if scenario == "storm":
         # scheduled just before t0, to start storm_start later
@@ -550,6 +565,65 @@ def emulator_figures(
     }
 
 
+def timeline(
+    result: dict[str, Any], stats: dict[str, Any], stream: str, origin: float
+) -> dict[str, Any]:
+    """The run's timeline, in the shape ``anykpl demo --plot`` draws
+    (``anykpl._commands.demo._timeline``): each shard's stored records, bytes and throttles per
+    second since t0 (the emulator's counts), its byte ceiling as it changed, the producer's
+    figures, and the storm's or the load's start and end."""
+    from anykpl.emulator import Limits
+
+    limits = Limits()
+    scenario = result["scenario"]
+    end = result["wall_seconds"]
+    shards: dict[str, dict[str, list[float]]] = {}
+    ceilings: dict[str, list[list[Any]]] = {}
+    for shard in stats["shards"]:
+        if shard["stream"] != stream:
+            continue
+        series: dict[str, list[float]] = {"t": [], "records": [], "bytes": [], "throttled": []}
+        for second, records, nbytes, throttled, _tb in shard["per_second"]:
+            at = round(origin + second - result["t0_wall"], 3)
+            if -1.0 <= at <= end + 1.0:
+                series["t"].append(at)
+                series["records"].append(records)
+                series["bytes"].append(nbytes)
+                series["throttled"].append(throttled)
+        shards[shard["shard_id"]] = series
+        full = [limits.records_per_second, limits.bytes_per_second]
+        points = [[0.0, *full]]
+        if scenario == "storm" and shard["shard_id"] == result["storm_shard"]:
+            start = result["storm_start"]
+            cut = [value * result["storm_factor"] for value in full]
+            points += [[start, *cut], [start + result["storm_duration"], *full]]
+        ceilings[shard["shard_id"]] = [*points, [end, *points[-1][1:]]]
+    events: list[list[Any]] = []
+    if scenario == "storm":
+        start, duration = result["storm_start"], result["storm_duration"]
+        events = [
+            [start, f"storm: {result['storm_shard']} cut to {result['storm_factor']:.0%}"],
+            [start + duration, "storm over"],
+        ]
+    elif scenario in ("overload", "hotkey"):
+        duration = result["hotkey_duration"] if scenario == "hotkey" else None
+        duration = duration or result.get("submit_seconds") or end
+        what = "the hot key at 3× its shard" if scenario == "hotkey" else "5× the stream"
+        events = [[0.0, f"{scenario}: {what} offered"], [duration, f"{scenario}: offer stops"]]
+    return {
+        "shards": shards,
+        "limits": ceilings,
+        "producer": result.pop("producer_timeline"),
+        "events": events,
+    }
+
+
+def plot_path(args: argparse.Namespace, scenario: str, mode: str) -> str:
+    """Where ``--plot`` draws a run: next to the ``--json`` file, or here."""
+    stem = os.path.splitext(args.json)[0] if args.json else "delivery"
+    return f"{stem}-{scenario}-{mode}.png"
+
+
 def run_one(scenario: str, adaptive: bool, args: argparse.Namespace) -> dict[str, Any]:
     from anykpl.emulator import EmulatorClient, Faults, spawn
 
@@ -618,6 +692,7 @@ def run_one(scenario: str, adaptive: bool, args: argparse.Namespace) -> dict[str
     shares = [share for _, share in result["rate_samples"]]
     result["rate_lowest"] = min(shares, default=None)
     result["rate_mean"] = round(sum(shares) / len(shares), 4) if shares else None
+    result["timeline"] = timeline(result, stats, stream, origin)
     if scenario == "storm":
         result.update(storm_recovery(result))
     else:
@@ -819,6 +894,12 @@ def main() -> None:
     modes.add_argument("--static-only", action="store_true", help="only adaptive=False")
     parser.add_argument("--seed", type=int, default=1, help="seed of sizes, keys and payloads")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument(
+        "--plot",
+        action="store_true",
+        help="draw each run's timeline next to the --json file (or here): "
+        "<json>-<scenario>-<mode>.png (matplotlib)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
     parser.add_argument("--stream", help=argparse.SUPPRESS)
@@ -829,6 +910,11 @@ def main() -> None:
         parser.error("--storm-shards must be at least 1")
     if args.storm_start < 0 or args.storm_duration <= 0 or args.hotkey_duration <= 0:
         parser.error("--storm-start must be >= 0, --storm-duration and --hotkey-duration > 0")
+    if args.plot and not args.child:
+        from anykpl._commands.demo._timeline import matplotlib_missing
+
+        if (why := matplotlib_missing()) is not None:
+            parser.error(why)
     if args.child:
         args.adaptive = not args.static_only
         run_child(args)
@@ -858,6 +944,16 @@ def main() -> None:
             print(f"{scenario} {mode} ...", end=" ", flush=True)
             runs[mode] = run_one(scenario, mode == "adaptive", args)
             print(f"{time.perf_counter() - started:.0f} s", flush=True)
+            if args.plot and "timeline" in runs[mode]:
+                from anykpl._commands.demo._timeline import plot
+
+                path = plot_path(args, scenario, mode)
+                plot(
+                    runs[mode]["timeline"],
+                    path,
+                    f"benchmarks/delivery.py · {scenario} · {mode} · {args.backend}",
+                )
+                print(f"  drawn in {path}", flush=True)
         report["runs"][scenario] = runs
         print()
         print(table(scenario, runs, args.backend), flush=True)

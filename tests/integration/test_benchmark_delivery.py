@@ -67,6 +67,7 @@ def test_an_early_storm_on_one_of_two_shards(tmp_path: Path) -> None:
         "1",
         "--records",
         "3000",
+        "--plot",
     )
     run = report["runs"]["storm"]["adaptive"]
     assert "error" not in run
@@ -79,3 +80,16 @@ def test_an_early_storm_on_one_of_two_shards(tmp_path: Path) -> None:
     assert len(run["by_shard"]) == 2
     assert "recovery_seconds" in run
     assert "s after storm to ≥ 90 % of ceiling" in out
+    # the timeline in the JSON, drawn beside it
+    timeline = run["timeline"]
+    assert sorted(timeline["shards"]) == ["shardId-000000000000", "shardId-000000000001"]
+    stormy = [point[2] for point in timeline["limits"]["shardId-000000000000"]]
+    assert stormy[:3] == [1048576.0, 0.3 * 1048576.0, 1048576.0]
+    assert [point[2] for point in timeline["limits"]["shardId-000000000001"]][:2] == [1048576.0] * 2
+    assert [at for at, _ in timeline["events"]] == [0.5, 1.5]
+    stored = sum(sum(series["bytes"]) for series in timeline["shards"].values())
+    assert stored >= 3000 * 1024
+    assert len(timeline["producer"]["t"]) == len(timeline["producer"]["outstanding"]) > 5
+    picture = tmp_path / "delivery-storm-adaptive.png"
+    assert picture.read_bytes().startswith(b"\x89PNG")
+    assert f"drawn in {picture}" in out

@@ -183,7 +183,7 @@ def plot(timeline: Mapping[str, Any], path: str, title: str) -> None:
             again.set_ylim(bottom=0)
     backlog.set_ylabel("user records\noutstanding")
     trouble.set_ylabel("Kinesis records\nthrottled/s")
-    trouble.set_xlabel("seconds since the devices started")
+    trouble.set_xlabel("seconds since the start")
     for number, (at, _text) in enumerate(timeline.get("events", []), 1):
         for axes in (rates, backlog, trouble):
             axes.axvline(at, color="grey", linestyle="-", linewidth=0.8, alpha=0.6)
@@ -204,7 +204,7 @@ def plot(timeline: Mapping[str, Any], path: str, title: str) -> None:
     if caption:
         figure.text(0.01, 0.005, caption, fontsize="small", family="monospace", va="bottom")
         figure.subplots_adjust(bottom=0.08 + 0.022 * len(events), top=0.95, hspace=0.12)
-    figure.subplots_adjust(left=0.08, right=0.86)
+    figure.subplots_adjust(left=0.1, right=0.86)
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
