@@ -74,6 +74,17 @@ def test_chaos_needs_the_emulator_the_demo_starts() -> None:
         anykpl._commands.demo.run(parse("--chaos", "--endpoint", "http://127.0.0.1:9"))
 
 
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [("run.jpeg", "must end in .png, .svg or .pdf"), ("nowhere/run.png", "no directory")],
+)
+def test_a_plot_that_could_not_be_written_is_refused_before_the_run(
+    tmp_path: Path, name: str, message: str
+) -> None:
+    with pytest.raises(SystemExit, match=message):
+        anykpl._commands.demo.run(parse("--plot", str(tmp_path / name)))
+
+
 def test_chaos_runs_a_minute_unless_told() -> None:
     assert anykpl._commands.demo.workload_from(parse("--chaos")).duration == CHAOS_DURATION
     assert anykpl._commands.demo.workload_from(parse("--chaos", "--duration", "7")).duration == 7

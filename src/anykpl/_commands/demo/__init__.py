@@ -383,8 +383,8 @@ def _run(args: argparse.Namespace, console: Any, say: Printer) -> int:
     rng = random.Random(args.seed)
     if args.chaos and args.endpoint is not None:
         raise SystemExit("anykpl demo: --chaos needs the emulator the demo starts (no --endpoint)")
-    if args.plot is not None and (why := matplotlib_missing()) is not None:
-        raise SystemExit(f"anykpl demo: {why}")
+    if args.plot is not None:
+        _check_plot_path(args.plot)
     with unverified_quietly(args.verify), started_target(args, say) as target:
         where = "the emulator" if target.emulator else (target.endpoint_url or "AWS")
         title = (
@@ -445,19 +445,41 @@ def _run(args: argparse.Namespace, console: Any, say: Printer) -> int:
     report_verdict(say, verdict, sum(found.values()), left_out)
     if args.plot is not None:
         picture = "chaos" if args.chaos else "calm"
-        plot(
-            timeline.to_json(),
-            args.plot,
-            f"anykpl demo --{picture} · {args.backend} · {workload.devices:,} devices · "
-            f"{'PASS' if verdict.ok else 'FAIL'}",
-        )
-        say(f"the timeline is drawn in {args.plot}")
+        try:
+            plot(
+                timeline.to_json(),
+                args.plot,
+                f"anykpl demo --{picture} · {args.backend} · {workload.devices:,} devices · "
+                f"{'PASS' if verdict.ok else 'FAIL'}",
+            )
+        except OSError as exc:  # the verdict stands; the picture is what failed
+            say(f"could not draw the timeline in {args.plot}: {exc}", "red")
+        else:
+            say(f"the timeline is drawn in {args.plot}")
     if args.json:
         document = _document(args, workload, target.stream, report, verdict, sum(found.values()))
         document["timeline"] = timeline.to_json()
         json.dump(document, sys.stdout, indent=2)
         print()
     return verdict.exit_code
+
+
+#: what --plot can write
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def _check_plot_path(path: str) -> None:
+    """Refuse before the run a --plot that could not be written after it."""
+    if (why := matplotlib_missing()) is not None:
+        raise SystemExit(f"anykpl demo: {why}")
+    if os.path.splitext(path)[1].lower() not in PLOT_SUFFIXES:
+        raise SystemExit(
+            f"anykpl demo: --plot {path}: the file's name must end in "
+            f"{', '.join(PLOT_SUFFIXES[:-1])} or {PLOT_SUFFIXES[-1]}"
+        )
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise SystemExit(f"anykpl demo: --plot {path}: no directory {folder}")
 
 
 def _document(
