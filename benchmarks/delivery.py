@@ -944,16 +944,6 @@ def main() -> None:
             print(f"{scenario} {mode} ...", end=" ", flush=True)
             runs[mode] = run_one(scenario, mode == "adaptive", args)
             print(f"{time.perf_counter() - started:.0f} s", flush=True)
-            if args.plot and "timeline" in runs[mode]:
-                from anykpl._commands.demo._timeline import plot
-
-                path = plot_path(args, scenario, mode)
-                plot(
-                    runs[mode]["timeline"],
-                    path,
-                    f"benchmarks/delivery.py · {scenario} · {mode} · {args.backend}",
-                )
-                print(f"  drawn in {path}", flush=True)
         report["runs"][scenario] = runs
         print()
         print(table(scenario, runs, args.backend), flush=True)
@@ -961,6 +951,28 @@ def main() -> None:
         if args.json:  # after each scenario, so a later failure keeps the earlier results
             with open(args.json, "w") as handle:
                 json.dump(report, handle, indent=2)
+        if args.plot:
+            draw(args, scenario, runs)
+
+
+def draw(args: argparse.Namespace, scenario: str, runs: dict[str, dict[str, Any]]) -> None:
+    """``--plot``: each run's timeline, next to the JSON (which is written first)."""
+    from anykpl._commands.demo._timeline import plot
+
+    for mode, run in runs.items():
+        if "timeline" not in run:
+            continue
+        path = plot_path(args, scenario, mode)
+        try:
+            plot(
+                run["timeline"],
+                path,
+                f"benchmarks/delivery.py · {scenario} · {mode} · {args.backend}",
+            )
+        except OSError as exc:
+            print(f"  could not draw {path}: {exc}", flush=True)
+        else:
+            print(f"  drawn in {path}", flush=True)
 
 
 if __name__ == "__main__":

@@ -720,7 +720,7 @@ def test_plain_view_prints_a_line_every_two_seconds() -> None:
         "[  6.0 s",
         "[  6.1 s",
     ]
-    assert "per shard MiB/s: 0.50 0.05, records/s: 10 950" in lines[0]
+    assert "per shard MiB/s: 0:0.50 1:0.05, records/s: 0:10 1:950" in lines[0]
     assert "p50 81 ms  p99 190 ms" in lines[0]
 
 

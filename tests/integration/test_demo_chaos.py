@@ -53,9 +53,12 @@ def test_chaos_demo_announces_each_event_and_passes_the_read_back(
     # each told when it was due: at 10 %, 30 %, 33 %, 50 %, 55 %, 70 % and 80 % of the run
     due = [1.2, 3.6, 3.96, 5.96, 6.6, 8.4, 9.6]
     assert all(d <= at < d + 1.0 for (at, _), d in zip(events, due, strict=True)), events
+    assert not [text for text in texts if "refused" in text]
     # announced as they happened, in the progress lines
     for text in texts:
         assert f">> {text}" in captured.err
+    # the resets reached the producer (retried: nothing failed, nothing missing)
+    assert document["errors_by_code"].get("ConnectionError", 0) > 0
     assert "chaos, as it happened:" in captured.err
     # the emulator saw them: the storm's ceiling on the first shard, the split's two shards
     timeline = document["timeline"]
@@ -63,9 +66,19 @@ def test_chaos_demo_announces_each_event_and_passes_the_read_back(
     assert pytest.approx(0.1 * MIB) in storm_ceilings
     assert storm_ceilings[-1] == pytest.approx(MIB)
     assert sorted(timeline["shards"]) == [f"shardId-{i:012d}" for i in range(6)]
-    # the hot device's shard took more than any other
-    stored = {shard: sum(series["bytes"]) for shard, series in timeline["shards"].items()}
+    # the hot device's shard took more than any other, in its window and not before
+    shards = timeline["shards"]
+    stored = {shard: sum(series["bytes"]) for shard, series in shards.items()}
     assert max(stored, key=stored.__getitem__) == "shardId-000000000002"
+    hot = shards["shardId-000000000002"]
+    busiest = max(range(len(hot["t"])), key=hot["bytes"].__getitem__)
+    assert 3.0 <= hot["t"][busiest] <= 9.0, hot  # from 3.96 s for 2 s, then its backlog
+    before = [b for t, b in zip(hot["t"], hot["bytes"], strict=True) if t < 3.0]
+    assert max(before) < hot["bytes"][busiest] / 3
+    # the storm's ceiling, as the emulator said it, from 1.2 s to 3.6 s (polled twice a second)
+    cut, back = [at for at, _, ceiling in timeline["limits"]["shardId-000000000000"][1:3]]
+    assert 1.2 <= cut <= 2.5
+    assert 3.6 <= back <= 4.9
     assert picture.read_bytes().startswith(PNG)
 
 
@@ -76,11 +89,16 @@ def test_chaos_needs_the_emulator_the_demo_starts() -> None:
 
 @pytest.mark.parametrize(
     ("name", "message"),
-    [("run.jpeg", "must end in .png, .svg or .pdf"), ("nowhere/run.png", "no directory")],
+    [
+        ("run.jpeg", "must end in .png, .svg or .pdf"),
+        ("nowhere/run.png", "no directory"),
+        ("folder.png", "cannot write a file there"),
+    ],
 )
 def test_a_plot_that_could_not_be_written_is_refused_before_the_run(
     tmp_path: Path, name: str, message: str
 ) -> None:
+    (tmp_path / "folder.png").mkdir()
     with pytest.raises(SystemExit, match=message):
         anykpl._commands.demo.run(parse("--plot", str(tmp_path / name)))
 
@@ -122,7 +140,7 @@ def test_shard_of_routes_a_key_as_the_emulator_splits_a_new_stream() -> None:
 
 
 @pytest.mark.parametrize("shards", [1, 2, 4, 8])
-def test_the_plan_puts_each_trouble_on_its_own_shard_within_the_run(shards: int) -> None:
+def test_the_plan_puts_each_trouble_on_its_own_shard_where_there_are_three(shards: int) -> None:
     chaos = Chaos("demo", shards, devices=5000, duration=60.0)
     assert [event.at for event in chaos.plan] == sorted(event.at for event in chaos.plan)
     assert all(0 < event.at < 60.0 for event in chaos.plan)
@@ -239,3 +257,74 @@ def test_timeline_keeps_rates_ceilings_backlog_and_events_and_draws_them(tmp_pat
     assert picture.read_bytes().startswith(PNG)
     plot({}, str(tmp_path / "empty.svg"), "nothing")  # a run with nothing to draw still draws
     assert (tmp_path / "empty.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_timeline_fills_the_seconds_a_shard_stored_nothing_with_zeros() -> None:
+    timeline = Timeline("demo")
+    stats = {
+        "uptime": 10.5,
+        "shards": [
+            {"stream": "demo", "shard_id": "a", "open": True,
+             "per_second": [[2, 5, 500, 0, 0], [6, 7, 700, 1, 0]]},
+            {"stream": "demo", "shard_id": "b", "open": False, "per_second": [[3, 1, 100, 0, 0]]},
+        ],
+    }  # fmt: skip
+    timeline.finish(stats, elapsed=9.0)  # no sample before: the run began at the uptime 1.5
+    document = timeline.to_json()
+    a = document["shards"]["a"]
+    assert a["t"] == [0.5, 1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 7.5, 8.5]  # open: up to the end
+    assert a["bytes"] == [500, 0, 0, 0, 700, 0, 0, 0, 0]
+    assert document["shards"]["b"]["t"] == [1.5]  # closed: up to its last second
+    assert document["measured_by"] == "emulator"
+
+
+def test_without_the_emulator_the_timeline_holds_the_producers_rates(tmp_path: Path) -> None:
+    from anykpl._commands.demo import ShardRate
+
+    timeline = Timeline("demo")
+    for step, throttled in enumerate([0, 0, 4, 10]):
+        rates = [
+            ShardRate("shardId-000000000003", 20.0 * step, 1000.0 * step, throttled, None, None)
+        ]
+        timeline.note(
+            step * 0.5, outstanding=1, throttled=throttled, retried=0, offered_rate=1.0,
+            acknowledged_rate=1.0, shard_rates=rates,
+        )  # fmt: skip
+    document = timeline.to_json()
+    assert document["measured_by"] == "producer"
+    series = document["shards"]["shardId-000000000003"]
+    assert series["t"] == [0.0, 0.5, 1.0, 1.5]
+    assert series["bytes"] == [0.0, 1000.0, 2000.0, 3000.0]
+    assert series["throttled"] == [0.0, 0.0, 8.0, 12.0]  # per second, from the running count
+    assert document["limits"] == {}
+    plot(document, str(tmp_path / "producer.png"), "t")
+    assert (tmp_path / "producer.png").read_bytes().startswith(PNG)
+
+
+def test_a_shard_that_closes_keeps_its_ceiling_until_it_closes(tmp_path: Path) -> None:
+    timeline = Timeline("demo")
+    for step in range(6):
+        stats = _stats(3.0 + step, MIB)
+        stats["shards"][1]["open"] = step < 3
+        timeline.note(
+            float(step), outstanding=0, throttled=0, retried=0, offered_rate=0.0,
+            acknowledged_rate=0.0, stats=stats, stats_elapsed=float(step),
+        )  # fmt: skip
+    timeline.finish(_stats(9.0, MIB), 6.0)
+    closed = timeline.to_json()["limits"]["shardId-000000000001"]
+    assert closed[0] == [0.0, 1000.0, MIB]
+    assert closed[1] == [3.0, None, None]
+    import matplotlib.pyplot as plt
+
+    drawn: list[Any] = []
+    real = plt.Axes.plot
+
+    def spy(axes: Any, *args: Any, **kwargs: Any) -> Any:
+        drawn.append(args)
+        return real(axes, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plt.Axes, "plot", spy)
+        plot(timeline.to_json(), str(tmp_path / "closed.png"), "t")
+    ceilings = [args for args in drawn if list(args[0][:2]) == [0.0, 3.0]]
+    assert ceilings, drawn  # the closed shard's ceiling is drawn from 0 s to its close at 3 s

@@ -444,12 +444,12 @@ def _run(args: argparse.Namespace, console: Any, say: Printer) -> int:
     verdict = readback.judge(report.tally.acknowledged_records, found, report.tally.failed_records)
     report_verdict(say, verdict, sum(found.values()), left_out)
     if args.plot is not None:
-        picture = "chaos" if args.chaos else "calm"
+        command = "anykpl demo --chaos" if args.chaos else "anykpl demo"
         try:
             plot(
                 timeline.to_json(),
                 args.plot,
-                f"anykpl demo --{picture} · {args.backend} · {workload.devices:,} devices · "
+                f"{command} · {args.backend} · {workload.devices:,} devices · "
                 f"{'PASS' if verdict.ok else 'FAIL'}",
             )
         except OSError as exc:  # the verdict stands; the picture is what failed
@@ -480,6 +480,8 @@ def _check_plot_path(path: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise SystemExit(f"anykpl demo: --plot {path}: no directory {folder}")
+    if os.path.isdir(path) or not os.access(folder, os.W_OK):
+        raise SystemExit(f"anykpl demo: --plot {path}: cannot write a file there")
 
 
 def _document(
@@ -512,6 +514,7 @@ def _document(
         "acknowledged_bytes": tally.acknowledged_bytes,
         "failed": tally.failed_count,
         "failed_by_code": dict(tally.failures_by_code),
+        "errors_by_code": dict(report.errors_by_code),
         "throttled": report.throttled,
         "retried": report.retried,
         "put_latency_ms": {

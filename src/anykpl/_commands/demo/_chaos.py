@@ -5,14 +5,15 @@ the default 60):
 
 - **a throttle storm**: the first shard's limits cut to a tenth for a fifth of the run (the
   emulator's ``storm``);
-- **a hot device**: one more device, whose key falls on another shard, sends 1,500 readings/s
-  of about 1 KiB for a sixth of the run, half as much again as its shard takes;
+- **a hot device**: one more device, whose key falls on the third shard, sends 1,500
+  readings/s of about 1 KiB for a sixth of the run, half as much again as its shard takes;
 - **a shard split**: the second shard split at the middle of its hash range (``reshard``), so
   its keys move to two new shards while records are in flight;
 - **connection resets**: for a tenth of the run 30 % of write requests have their connection
   reset with no answer, half of them after their records were stored (``faults``).
 
-Each is announced as it happens (the views show the announcements), and kept, with the time it
+With fewer than three shards the storm, the split and the hot device share shards. Each is
+announced as it happens (the views show the announcements), and kept, with the time it
 happened, for the report, the JSON document and the timeline plot. The storm and the resets end
 by themselves; their ends are announced too. The hot device is the putting side's job
 (:func:`anykpl._commands.demo._putting.produce` runs it from :attr:`Chaos.hot`); this module

@@ -60,7 +60,7 @@ class EmulatorStats:
 
         self._client = EmulatorClient(url)
         self.latest: Mapping[str, Any] | None = None
-        #: the loop's time when :attr:`latest` came
+        #: the loop's time when :attr:`latest` was taken (the middle of the call)
         self.fetched_at = 0.0
 
     def fetch(self) -> Mapping[str, Any]:
@@ -74,8 +74,10 @@ class EmulatorStats:
 
         while True:
             try:
+                asked = anyio.current_time()
                 self.latest = await anyio.to_thread.run_sync(self.fetch)
-                self.fetched_at = anyio.current_time()
+                # the statistics were taken between the two: the midpoint is the best guess
+                self.fetched_at = (asked + anyio.current_time()) / 2
             except Exception:
                 self.latest = None
             await anyio.sleep(period)
@@ -241,6 +243,7 @@ async def produce(
                     stats_elapsed=(
                         None if emulator_stats is None else emulator_stats.fetched_at - start
                     ),
+                    shard_rates=progress.shards if progress.measured_by == "producer" else (),
                 )
 
         async def show() -> None:

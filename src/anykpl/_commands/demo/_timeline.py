@@ -16,8 +16,12 @@ less the seconds since the start at which they were fetched.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._bookkeeping import ShardRate
 
 __all__ = ("Timeline", "matplotlib_missing", "plot")
 
@@ -41,6 +45,9 @@ class Timeline:
         }
         self._limits: dict[str, list[tuple[float, float | None, float | None]]] = {}
         self._shards: dict[str, dict[str, list[float]]] = {}
+        #: who measured the shards' rates: the emulator, or (without it) the producer
+        self.measured_by = "producer"
+        self._throttled: dict[str, tuple[float, int]] = {}  # the producer's count, per shard
         self.events: list[tuple[float, str]] = []
 
     def note(
@@ -54,9 +61,11 @@ class Timeline:
         acknowledged_rate: float,
         stats: Mapping[str, Any] | None = None,
         stats_elapsed: float | None = None,
+        shard_rates: Sequence[ShardRate] = (),
     ) -> None:
         """The producer's figures at ``elapsed``, and the emulator's ``stats`` fetched at
-        ``stats_elapsed`` (each shard's limits then)."""
+        ``stats_elapsed`` (each shard's limits then). Without the emulator, ``shard_rates``
+        (each shard's rate as the producer measured it lately) are the shards' series."""
         producer = self._producer
         producer["t"].append(round(elapsed, 3))
         producer["outstanding"].append(outstanding)
@@ -65,7 +74,10 @@ class Timeline:
         producer["offered_rate"].append(round(offered_rate, 1))
         producer["acknowledged_rate"].append(round(acknowledged_rate, 1))
         if stats is None or stats_elapsed is None:
+            if self.measured_by == "producer":
+                self._note_producer_rates(elapsed, shard_rates)
             return
+        self.measured_by = "emulator"
         if self.offset is None:
             self.offset = float(stats["uptime"]) - stats_elapsed
         for shard in stats["shards"]:
@@ -78,24 +90,44 @@ class Timeline:
             if not limits or limits[-1][1:] != point[1:]:
                 limits.append(point)
 
+    def _note_producer_rates(self, elapsed: float, shard_rates: Sequence[ShardRate]) -> None:
+        for rate in shard_rates:
+            series = self._shards.setdefault(
+                rate.shard_id, {"t": [], "records": [], "bytes": [], "throttled": []}
+            )
+            then, count = self._throttled.get(rate.shard_id, (0.0, 0))
+            self._throttled[rate.shard_id] = (elapsed, rate.throttled)
+            series["t"].append(round(elapsed, 3))
+            series["records"].append(round(rate.records_per_second, 1))
+            series["bytes"].append(round(rate.bytes_per_second, 1))
+            span = elapsed - then
+            series["throttled"].append(round((rate.throttled - count) / span, 1) if span else 0.0)
+
     def finish(self, stats: Mapping[str, Any], elapsed: float) -> None:
         """Each shard's stored and throttled records per second from the emulator's final
         ``stats`` (the run lasted ``elapsed`` seconds)."""
         if self.offset is None:
             self.offset = float(stats["uptime"]) - elapsed
+        self.measured_by = "emulator"
         offset = self.offset
+        now = int(stats["uptime"])
         for shard in stats["shards"]:
             if shard["stream"] != self.stream:
                 continue
             series: dict[str, list[float]] = {"t": [], "records": [], "bytes": [], "throttled": []}
-            for second, records, stored, throttled, *_ in shard["per_second"]:
-                start = second - offset
-                if start < -1.0 or start > elapsed + 1.0:
-                    continue
-                series["t"].append(round(start, 3))
-                series["records"].append(records)
-                series["bytes"].append(stored)
-                series["throttled"].append(throttled)
+            rows = {row[0]: row[1:4] for row in shard["per_second"]}
+            if rows:
+                # a second with no row is a second the shard stored nothing: a zero, not a gap
+                last = max(rows) if shard.get("open") is False else max(max(rows), now)
+                for second in range(min(rows), last + 1):
+                    start = second - offset
+                    if start < -1.0 or start > elapsed + 1.0:
+                        continue
+                    records, stored, throttled = rows.get(second, (0, 0, 0))
+                    series["t"].append(round(start, 3))
+                    series["records"].append(records)
+                    series["bytes"].append(stored)
+                    series["throttled"].append(throttled)
             self._shards[shard["shard_id"]] = series
             limits = self._limits.get(shard["shard_id"])
             if limits:
@@ -104,6 +136,7 @@ class Timeline:
     def to_json(self) -> dict[str, Any]:
         """The document :func:`plot` draws."""
         return {
+            "measured_by": self.measured_by,
             "shards": self._shards,
             "limits": {
                 shard: [list(point) for point in points] for shard, points in self._limits.items()
@@ -157,18 +190,22 @@ def plot(timeline: Mapping[str, Any], path: str, title: str) -> None:
                 drawstyle="steps-post",
                 linewidth=1,
             )
-        points = [point for point in limits.get(shard_id, ()) if point[2] is not None]
-        if points:
+        points = limits.get(shard_id, ())
+        if any(point[2] is not None for point in points):
+            # no ceiling (a closed shard): a gap in the line, which ends where the shard did
             rates.plot(
                 [point[0] for point in points],
-                [point[2] / MIB for point in points],
+                [math.nan if point[2] is None else point[2] / MIB for point in points],
                 color=colour,
                 linestyle="--",
                 linewidth=1,
                 drawstyle="steps-post",
             )
-    rates.set_ylabel("stored MiB/s\n(dashed: ceiling)")
-    if shards:
+    if timeline.get("measured_by", "emulator") == "emulator":
+        rates.set_ylabel("stored MiB/s\n(dashed: ceiling)")
+    else:
+        rates.set_ylabel("acknowledged MiB/s\n(the producer's count)")
+    if rates.get_legend_handles_labels()[0]:
         rates.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     producer = timeline.get("producer", {})
     times = producer.get("t", [])
