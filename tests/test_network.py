@@ -1,15 +1,17 @@
-"""The network window (``_core/_network.py``): unlimited until a request times out, then TCP's
-rules with requests for segments."""
+"""The network window (``_core/_network.py``): unlimited until a request times out or the path
+stalls, then TCP's rules with requests for segments."""
 
 from __future__ import annotations
 
 import math
+import random
 
 from anykpl._core._network import (
     MIN_WINDOW,
     PROBE_INTERVAL,
     RATE_SPAN,
     RELEASE_AFTER,
+    STALL_FRACTION,
     UNLIMITED_WINDOW,
     NetworkWindow,
 )
@@ -27,7 +29,7 @@ def test_no_limit_and_no_split_until_a_timeout() -> None:
     assert window.split([MB] * 10) == [10]
     assert window.delivery_rate(1.0) is None
     for i in range(100):
-        window.answered(5 * MB, 10.0 + i)
+        window.answered(5 * MB, float(i), 10.0 + i)
     assert not window.limited
     assert window.in_flight == 0
 
@@ -71,16 +73,16 @@ def test_answers_open_the_window_fast_then_slowly_then_lift_it() -> None:
     while window.window < window.threshold:  # slow start: by each answer's bytes
         before = window.window
         window.sent(MIN_WINDOW, now)
-        window.answered(MIN_WINDOW, now)
+        window.answered(MIN_WINDOW, now, now)
         assert window.window == before + MIN_WINDOW
     before = window.window
     window.sent(MIN_WINDOW, now)
-    window.answered(MIN_WINDOW, now)
+    window.answered(MIN_WINDOW, now, now)
     assert window.window - before == MIN_WINDOW * MIN_WINDOW / before  # one request per window
     window.window = UNLIMITED_WINDOW - 1
     window.threshold = 0.0
     window.sent(MB, now)
-    window.answered(MB, now)
+    window.answered(MB, now, now)
     assert not window.limited
 
 
@@ -91,10 +93,11 @@ def test_the_delivery_rate_is_what_was_answered_lately_and_never_nothing() -> No
     for second in range(5):
         window.sent(MB, 11.0 + second)
         assert not window.room(8 * MB, 11.0 + second)  # the window keeps the next one waiting
-        window.answered(MB, 11.0 + second)
+        window.answered(MB, 11.0 + second, 11.0 + second)
     assert window.delivery_rate(15.0) == 5 * MB / RATE_SPAN
     window.sent(MB, 16.0)
     assert not window.room(8 * MB, 17.0)
+    window.failed(MB, 16.0)  # (left in flight unanswered, it would be a stall: a cut)
     assert window.delivery_rate(17.0 + RATE_SPAN) == MIN_WINDOW / 10.0  # kept one waiting lately
     assert window.delivery_rate(17.0 + RATE_SPAN + 0.1) is None  # not lately: no cap
 
@@ -120,11 +123,11 @@ def test_a_window_that_keeps_nothing_waiting_is_lifted_after_a_while() -> None:
     while now < 6.0 + RELEASE_AFTER - 1:
         assert window.room(1000, now)
         window.sent(1000, now)
-        window.answered(1000, now + 0.1)
+        window.answered(1000, now, now + 0.1)
         assert window.limited
         now += 1.0
     window.sent(1000, now)
-    window.answered(1000, 6.0 + RELEASE_AFTER)
+    window.answered(1000, now, 6.0 + RELEASE_AFTER)
     assert not window.limited
     assert window.split([MB] * 10) == [10]
     assert window.delivery_rate(6.0 + RELEASE_AFTER) is None
@@ -141,7 +144,7 @@ def test_a_window_that_keeps_requests_waiting_is_not_lifted() -> None:
             window.sent(MIN_WINDOW, float(second))
             sent.append(MIN_WINDOW)
         for size in sent:
-            window.answered(size, second + 0.9)
+            window.answered(size, float(second), second + 0.9)
     assert window.limited
     assert window.delivery_rate(59.9) is not None
 
@@ -149,5 +152,124 @@ def test_a_window_that_keeps_requests_waiting_is_not_lifted() -> None:
 def test_a_failure_that_is_not_a_timeout_changes_nothing_but_the_flight() -> None:
     window = NetworkWindow(request_timeout=12.0)
     window.sent(MB, 0.0)
-    window.failed(MB)
+    window.failed(MB, 0.0)
     assert (window.in_flight, window.limited) == (0, False)
+
+
+KB = 1024
+
+
+def test_a_stalled_path_is_cut_before_any_request_times_out() -> None:
+    # a slow link: a small request is answered, then the big ones sent after it are not
+    window = NetworkWindow(request_timeout=2.0, read_timeout=1.0)
+    window.sent(4 * KB, 0.0)
+    window.answered(4 * KB, 0.0, 0.05)
+    sends = [0.1, 0.2, 0.3, 0.4]
+    for sent_at in sends:
+        assert window.room(50 * KB, sent_at)
+        window.sent(50 * KB, sent_at)
+    window.sent(KB, 0.45)
+    window.answered(KB, 0.45, 0.55)  # a small one gets through: not enough
+    stall = 0.1 + STALL_FRACTION * 1.0
+    assert not window.check_stall(stall - 0.01)  # the oldest has not waited long enough yet
+    assert not window.limited
+    assert window.delivery_rate(stall - 0.01) is None
+    # admission follows the path from the stall on: nothing delivered yet, so the floor
+    assert window.delivery_rate(stall) == MIN_WINDOW / 2.0
+    assert (window.window, window.threshold) == (MIN_WINDOW, 100 * KB)  # half of the flight
+    assert (window.stalls, window.timeouts) == (1, 1)
+    assert not window.room(50 * KB, stall)  # the window is full
+    # the requests in flight at the cut are part of the same signal: no more cuts
+    assert not window.check_stall(stall + 0.5)
+    for sent_at in sends:
+        window.timed_out(50 * KB, sent_at, 200 * KB, sent_at + 2.0)
+    assert (window.timeouts, window.threshold, window.in_flight) == (1, 100 * KB, 0)
+    # a request sent after the cut that stalls in turn cuts again
+    window.sent(MIN_WINDOW, 3.0)
+    assert window.check_stall(3.0 + STALL_FRACTION)
+    assert (window.stalls, window.threshold) == (2, MIN_WINDOW)
+
+
+def test_latency_is_not_a_stall() -> None:
+    # 200 ms ± 50 ms to every answer, a request every 10 ms, 1 s read timeout: never a cut
+    rng = random.Random(5)
+    window = NetworkWindow(request_timeout=2.0, read_timeout=1.0)
+    pending: list[tuple[float, float, int]] = []  # (answer at, sent at, size)
+    now = 0.0
+    while now < 30.0:
+        for answer in [p for p in pending if p[0] <= now]:
+            pending.remove(answer)
+            window.answered(answer[2], answer[1], answer[0])
+        size = rng.choice([KB, 100 * KB, 5 * 1024 * KB])
+        assert window.room(size, now)
+        window.sent(size, now)
+        pending.append((now + rng.uniform(0.15, 0.25), now, size))
+        assert window.delivery_rate(now) is None
+        now += 0.01
+    assert (window.limited, window.timeouts) == (False, 0)
+
+
+def test_a_burst_answered_after_a_round_trip_is_not_a_stall() -> None:
+    window = NetworkWindow(request_timeout=2.0, read_timeout=1.0)
+    for _ in range(24):
+        window.sent(5 * 1024 * KB, 0.0)
+    assert not window.check_stall(0.45)
+    for _ in range(24):
+        window.answered(5 * 1024 * KB, 0.0, 0.45)
+    assert not window.check_stall(0.9)
+    assert not window.limited
+
+
+def test_a_service_that_answers_within_the_read_timeout_does_not_stall() -> None:
+    # each request takes 0.9 of the read timeout (longer than the stall span), one is sent
+    # every 50 ms: at the pace answers come, what is in flight is answered in time. (Until
+    # answers have come for a stall span, nothing answered then is a stall: checked after.)
+    for share, stalls in ((0.9, False), (1.2, True)):
+        window = NetworkWindow(request_timeout=12.0, read_timeout=6.0)
+        took = share * 6.0
+        stalled = False
+        for step in range(2000):
+            now = step * 0.05
+            if now >= took:
+                window.answered(MB, now - took, now)
+            if now >= took + STALL_FRACTION * 6.0:
+                stalled = stalled or window.check_stall(now)
+            window.sent(MB, now)
+        assert stalled is stalls, share
+
+
+def test_an_answer_as_slow_as_a_stall_opens_nothing() -> None:
+    window = NetworkWindow(request_timeout=2.0, read_timeout=1.0)
+    window.timed_out(0, 0.0, 4 * MB, 2.0)
+    window.sent(MIN_WINDOW, 3.0)
+    window.answered(MIN_WINDOW, 3.0, 3.0 + STALL_FRACTION)
+    assert window.window == MIN_WINDOW
+    window.sent(MIN_WINDOW, 4.0)
+    window.answered(MIN_WINDOW, 4.0, 4.1)
+    assert window.window == 2 * MIN_WINDOW  # slow start
+
+
+def test_requests_sent_at_the_same_instant_are_each_in_flight() -> None:
+    window = NetworkWindow(request_timeout=2.0, read_timeout=1.0)
+    window.sent(KB, 0.0)
+    window.sent(KB, 0.0)
+    window.answered(KB, 0.0, 0.1)
+    assert window.check_stall(0.7)  # the other one, still unanswered
+
+
+def test_the_next_stall_check_is_when_the_oldest_has_waited_the_span() -> None:
+    window = NetworkWindow(request_timeout=2.0, read_timeout=1.0)
+    assert window.next_stall_check(0.0) == math.inf  # nothing in flight
+    window.sent(KB, 1.0)
+    window.sent(KB, 1.2)
+    assert window.next_stall_check(1.2) == 1.0 + STALL_FRACTION
+    # answered lately, so no stall then: looked at again every quarter span
+    window.sent(KB, 1.3)
+    window.answered(KB, 1.3, 1.4)
+    assert not window.check_stall(1.5)
+    assert window.next_stall_check(1.5) == 1.5 + STALL_FRACTION / 4
+    # after a cut, only the requests sent since count
+    window.timed_out(0, 1.0, 2 * KB, 1.6)
+    assert window.next_stall_check(1.6) == math.inf
+    window.sent(KB, 2.0)
+    assert window.next_stall_check(2.0) == 2.0 + STALL_FRACTION

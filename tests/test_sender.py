@@ -216,6 +216,130 @@ async def test_after_a_timeout_requests_are_split_to_the_window_and_wait_for_roo
     assert transport.peak <= 2  # the timed-out one, then a window's worth at a time
 
 
+@pytest.mark.anyio
+@pytest.mark.autojump
+async def test_a_stall_cuts_the_window_and_abandons_what_it_does_not_hold() -> None:
+    """On a path that carries nothing, no request is answered for half the read timeout: the
+    window is cut then, long before the requests time out, and the requests in flight beyond
+    the new window (the newest) are abandoned at once, each with a timeout outcome; the oldest
+    goes on until its own timeout."""
+    from anykpl._core._network import NetworkWindow
+
+    class Stuck(_Transport):
+        async def put_records(self, stream: str, records: list[dict[str, Any]]) -> Any:
+            self.calls += 1
+            await anyio.sleep(100)  # never answered
+
+    transport = Stuck()
+    window = NetworkWindow(request_timeout=2.0, read_timeout=1.0)
+    user = Record("s", "k", b"x" * 20_000, 1, None, 0.0, 1.0, 30.0)
+    send_requests, receive_requests = anyio.create_memory_object_stream[Any](math.inf)
+    send_outcomes, receive_outcomes = anyio.create_memory_object_stream[Outcome](math.inf)
+    start = anyio.current_time()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(
+            lambda: run_sender(
+                "s",
+                transport,
+                receive_requests,
+                send_outcomes,
+                max_connections=8,
+                request_timeout=2.0,
+                window=window,
+            )
+        )
+        async with send_requests:
+            for index in range(4):  # one request every 0.1 s, 3 records each
+                send_requests.send_nowait([KinesisRecord.single(user) for _ in range(3)])
+                await anyio.sleep(0.1 if index < 3 else 0.0)
+            await anyio.sleep(0.45)  # the oldest has waited 0.55 s: a stall
+            assert (window.stalls, window.window) == (1, 64 * 1024)
+    async with receive_outcomes:
+        outcomes = [o async for o in receive_outcomes]
+    assert transport.calls == 4
+    assert [o.error_code for o in outcomes] == [errors.TIMEOUT] * 4
+    abandoned, (oldest,) = outcomes[:3], outcomes[3:]
+    for outcome in abandoned:
+        assert outcome.error_message == "abandoned: the network path stalled"
+        assert outcome.end - start == pytest.approx(0.5, abs=0.01)
+    assert oldest.start - start == pytest.approx(0.0, abs=0.01)
+    assert oldest.end - oldest.start == pytest.approx(2.0, abs=0.01)  # its own timeout
+    assert (window.in_flight, window.stalls, window.timeouts) == (0, 1, 1)
+
+
+def test_the_transport_closes_its_connections_abortively() -> None:
+    """SO_LINGER on with no linger time: a close discards unsent bytes (and resets)."""
+    import socket
+    import struct
+
+    from anykpl._transport._aws import _abortive_socket, abortive_socket_option
+
+    level, option, value = abortive_socket_option()
+    assert (level, option) == (socket.SOL_SOCKET, socket.SO_LINGER)
+    info = (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("127.0.0.1", 0))
+    with _abortive_socket(info) as sock:
+        linger = sock.getsockopt(socket.SOL_SOCKET, socket.SO_LINGER, len(value))
+        assert struct.unpack("ii", linger) == (1, 0)
+
+
+def test_an_httpx_client_gets_the_abortive_option_on_every_pool() -> None:
+    from aiobotocore._httpx import httpx
+
+    from anykpl._transport._aws import _close_abortively, abortive_socket_option
+
+    client = httpx.AsyncClient(mounts={"http://proxied": httpx.AsyncHTTPTransport()})
+    assert _close_abortively(client)
+    pools = [client._transport._pool, *(t._pool for t in client._mounts.values())]
+    assert len(pools) == 2
+    for pool in pools:
+        assert pool._socket_options == [abortive_socket_option()]
+
+    class Other:  # a transport this was not written for: nothing changes
+        _pool = object()
+
+    client = httpx.AsyncClient(mounts={"http://other": Other()})
+    assert not _close_abortively(client)
+    assert client._transport._pool._socket_options is None
+
+
+@pytest.mark.anyio
+async def test_a_request_that_times_out_resets_its_connection() -> None:
+    """Through the producer's own transport (aiohttp under asyncio, httpx under trio): the
+    connection of a request that timed out ends with a reset (SO_LINGER on, no linger time),
+    not a graceful close that would send every byte of the abandoned body the kernel holds
+    first. (aiohttp still writes out what its own buffer holds before it closes the socket.)"""
+    import socket
+
+    from anykpl._transport._botocore import open_transport
+    from anykpl.config import ProducerConfig
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        config = ProducerConfig(
+            region="us-east-1",
+            endpoint_url=f"http://127.0.0.1:{port}",
+            aws_access_key_id="x",
+            aws_secret_access_key="x",
+            request_timeout=5.0,
+            connect_timeout=5.0,
+        )
+        # a body bigger than the socket buffers take: the server reads none of it in time
+        records = [{"Data": b"x" * 1_000_000, "PartitionKey": f"k{i}"} for i in range(4)]
+        async with open_transport(config) as transport:
+            with anyio.move_on_after(0.5):
+                await transport.put_records("s", records)
+            accepted, _ = server.accept()
+
+            def read_to_the_end() -> None:
+                with accepted:
+                    accepted.settimeout(10.0)
+                    while accepted.recv(1 << 20):
+                        pass
+
+            with pytest.raises(ConnectionResetError):
+                await anyio.to_thread.run_sync(read_to_the_end)
+
+
 # -- the PutRecords body --------------------------------------------------------------------
 
 

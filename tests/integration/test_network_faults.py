@@ -88,25 +88,21 @@ def test_every_acknowledged_record_is_delivered_through_a_network_fault(
         assert len(bound) == 2  # one per backend, held to 0.8 × the bound by the script
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.xfail(
-    strict=True,
-    reason="not met yet (issue 34): a path that slows is found only when a request times out, "
-    "so what was admitted before (up to request_timeout × the offered rate) can expire",
-)
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("endpoint", ["emulator", "moto"])
 def test_a_bandwidth_cap_offered_five_times_over_expires_at_most_one_percent(
-    tmp_path: Path,
+    tmp_path: Path, endpoint: str
 ) -> None:
     # 1 Mbit/s carries about 700 of these records a second; 3,500/s are offered for as long as
     # the callers are let in. Time is scaled down: record_ttl 4 s, each request at most 2 s.
+    # The path is found to stall (half a read timeout without its answers) long before a
+    # request times out; what would take longer waits at submit.
     results = run_faults(
         tmp_path,
         "--scenario",
         "bandwidth",
         "--endpoint",
-        "emulator",
-        "--backend",
-        "asyncio",
+        endpoint,
         "--records",
         "6000",
         "--bandwidth",
@@ -120,6 +116,10 @@ def test_a_bandwidth_cap_offered_five_times_over_expires_at_most_one_percent(
         "--set",
         "connect_timeout=1.0",
     )
-    (result,) = results
-    assert result["submit_waits"] > 0  # backpressure reached the callers
-    assert len(result["failed"]) <= 0.01 * result["records"], result["failure_codes"]
+    assert {r["backend"] for r in results} == {"asyncio", "trio"}
+    for result in results:
+        where = f"{result['backend']} {endpoint}"
+        assert result["submit_waits"] > 0, where  # backpressure reached the callers
+        failed = len(result["failed"])
+        assert failed <= 0.01 * result["records"], (where, result["failure_codes"])
+        assert result["read_back"] >= result["records"] - failed, where

@@ -250,7 +250,7 @@ class Pipeline:
         # the Collector holds records past their deadline while a request waits for the Sender
         self._collector_held = False
         # the bytes in flight the network path carries (the Sender keeps to it)
-        self.network = NetworkWindow(self.request_timeout)
+        self.network = NetworkWindow(self.request_timeout, config.request_timeout)
         # adaptive batching (Nagle's rule): while no request is in flight, records go at once;
         # while one is, they gather until it returns (or a size limit, or their deadline)
         self.adaptive_batching = config.adaptive_batching
@@ -261,6 +261,7 @@ class Pipeline:
             self.intake.send_now = self._send_now
             self.intake.idle = True
         self._next_backlog_update = -math.inf
+        self._network_cuts = 0  # the network window's cuts when the limits were last planned
         self.on_room: Callable[[], None] | None = None  # the producer's wake-up for waiters
         self.update_backlog_limit(-math.inf)
         # the stages' scope: cancelled by stop() (created now, so stop() works before start)
@@ -438,8 +439,12 @@ class Pipeline:
         aggregation ratio seen so far; and the stream's, for records admitted while the shard
         map is not ready: what all its open shards deliver (one shard's ceiling without a
         map). Wakes the waiting submits if a limit grew."""
-        if now < self._next_backlog_update:
+        # a cut of the network window (a timeout, or a stall found now) is planned at once
+        network = self.network
+        network.check_stall(now)
+        if now < self._next_backlog_update and network.timeouts == self._network_cuts:
             return
+        self._network_cuts = network.timeouts
         self._next_backlog_update = now + BACKLOG_INTERVAL
         horizon = self.backlog_time
         if horizon == math.inf:

@@ -7,9 +7,13 @@ One task per stream. It keeps at most ``max_connections`` requests in flight, en
 outcome: it propagates.
 
 It also keeps the bytes in flight within the path's window (``_core/_network.py``): unlimited
-until a request times out; after that a request waits for room in the window, and one bigger
-than the window allows is split into requests of its own (``on_split`` counts the extra ones),
-each with its own outcome.
+until a request times out or the path stalls; after that a request waits for room in the
+window, and one bigger than the window allows is split into requests of its own (``on_split``
+counts the extra ones), each with its own outcome. When the path stalls, the requests in
+flight beyond what the new window holds (the newest) are abandoned at once, as if they had
+timed out: sharing the path, none of them would be answered in time, and their bytes would
+only hold back the oldest and the retries (the transport's connections close abortively, so
+their unsent bytes go nowhere).
 """
 
 from __future__ import annotations
@@ -46,9 +50,17 @@ async def run_sender(
     ``n`` more; ``on_take()``: a request was taken from ``requests``."""
     slots = anyio.Semaphore(max_connections)
     answered = anyio.Event()  # set when a request ends: a wait for room in the window looks again
+    flight_changed = anyio.Event()  # set when a request goes or ends: the stall watch looks again
+    #: the requests in flight in the window: send time, bytes, and the scope that abandons it
+    in_flight: dict[object, tuple[float, int, anyio.CancelScope]] = {}
 
     async def send(batch: list[Any], size: int = 0, sent_at: float = 0.0, flight: int = 0) -> None:
-        nonlocal answered
+        nonlocal answered, flight_changed
+        abandon = anyio.CancelScope()
+        if window is not None:
+            in_flight[abandon] = (sent_at, size, abandon)
+            flight_changed.set()
+            flight_changed = anyio.Event()
         try:
             entries = [
                 {
@@ -62,20 +74,25 @@ async def run_sender(
             response: Mapping[str, Any] | None = None
             code = message = None
             try:
-                with anyio.fail_after(request_timeout):
+                with abandon, anyio.fail_after(request_timeout):
                     response = await transport.put_records(stream, entries)
             except anyio.get_cancelled_exc_class():
                 raise
             except Exception as exc:
                 code, message = error_code(exc)
+            if abandon.cancelled_caught:
+                code, message = TIMEOUT, "abandoned: the network path stalled"
             if window is not None:
+                del in_flight[abandon]
+                flight_changed.set()
+                flight_changed = anyio.Event()
                 now = anyio.current_time()
                 if response is not None:
-                    window.answered(size, now)
+                    window.answered(size, sent_at, now)
                 elif code == TIMEOUT:
                     window.timed_out(size, sent_at, flight, now)
                 else:
-                    window.failed(size)
+                    window.failed(size, sent_at)
                 answered.set()
                 answered = anyio.Event()
             del entries
@@ -96,7 +113,33 @@ async def run_sender(
             with anyio.move_on_after(max(0.0, window.next_probe() - anyio.current_time())):
                 await answered.wait()
 
+    watching = anyio.CancelScope()  # the stall watch's: ended with the requests
+
+    async def watch_stalls() -> None:
+        """Check the window for a stall when one could be found; abandon what a stall
+        leaves beyond the window."""
+        assert window is not None
+        seen = window.stalls
+        with watching:
+            while True:
+                wait = window.next_stall_check(anyio.current_time()) - anyio.current_time()
+                with anyio.move_on_after(max(0.0, wait)):
+                    await flight_changed.wait()
+                window.check_stall(anyio.current_time())
+                if window.stalls == seen:
+                    continue
+                seen = window.stalls
+                # keep the oldest requests the new window holds (at least one); abandon the rest
+                kept = 0
+                for _, size, scope in sorted(in_flight.values(), key=lambda request: request[0]):
+                    if kept and kept + size > window.window:
+                        scope.cancel()
+                    else:
+                        kept += size
+
     async with requests, outcomes, anyio.create_task_group() as tg:
+        if window is not None:
+            tg.start_soon(watch_stalls)
         async for batch in requests:
             if on_take is not None:
                 on_take()
@@ -117,3 +160,4 @@ async def run_sender(
                 await room(size)
                 now = anyio.current_time()
                 tg.start_soon(send, part, size, now, window.sent(size, now))
+        watching.cancel()

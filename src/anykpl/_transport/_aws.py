@@ -8,11 +8,19 @@ metrics sink — from the producer's settings. The SDK's own retries are off eve
 *retries* after the first attempt, so ``max_attempts=1`` (what anykpl once passed) let the SDK
 repeat every call once on a 5xx, a throttling code, a timeout or a reset, unseen by the attempt
 history, the backoff, the retry budget and adaptive control.
+
+The Kinesis transport's connections close abortively (:func:`abortive_socket_option`): a request
+that timed out is abandoned mid-way, and its unsent bytes must not keep going out on the path.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import socket
+import struct
+import sys
 import threading
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
@@ -29,7 +37,7 @@ from botocore.loaders import Loader, create_loader
 from .._compat import running_trio
 from ..config import ProducerConfig
 
-__all__ = ("create_client", "http_backend")
+__all__ = ("abortive_socket_option", "create_client", "http_backend")
 
 
 def http_backend(config: ProducerConfig) -> str:
@@ -47,12 +55,14 @@ def create_client(
     max_pool_connections: int,
     region: str | None = None,
     endpoint_url: str | None = None,
+    abortive_close: bool = False,
 ) -> AbstractAsyncContextManager[Any]:
     """An aiobotocore client for ``service`` with the producer's settings: credentials,
     profile, region, certificate check, proxy, timeouts and HTTP backend (aiohttp under asyncio,
     httpx under trio, unless ``http_backend`` says otherwise). The SDK makes exactly one
     attempt per call (see the module's docstring): whoever calls it owns retrying. The Kinesis
-    transport, the fleet coordinator's S3 client and the CloudWatch metrics sink all use it."""
+    transport, the fleet coordinator's S3 client and the CloudWatch metrics sink all use it.
+    ``abortive_close``: every connection closes abortively (:func:`abortive_socket_option`)."""
     backend = http_backend(config)
     options: dict[str, Any] = {
         "max_pool_connections": max_pool_connections,
@@ -67,7 +77,9 @@ def create_client(
     if backend == "httpx":
         from aiobotocore.httpxsession import HttpxSession
 
-        options["http_session_cls"] = HttpxSession
+        options["http_session_cls"] = _abortive_httpx_session() if abortive_close else HttpxSession
+    elif abortive_close and _aiohttp_takes_socket_factory():
+        options["connector_args"] = {"socket_factory": _abortive_socket}
     client: AbstractAsyncContextManager[Any] = _session(config.profile).create_client(
         service,
         region_name=region or config.region,
@@ -80,6 +92,103 @@ def create_client(
         config=AioConfig(**options),
     )
     return client
+
+
+# ---------------------------------------------------------------------------------------------
+# Abortive closes
+#
+# A request that times out is abandoned, and its connection closed: aiohttp and httpcore both
+# close (never pool) a connection whose request was cancelled mid-way. But a plain close() is
+# graceful: the kernel keeps sending what the socket's send buffer holds (on a slow path, up to
+# megabytes of the abandoned body), then a FIN. Those bytes compete for the path with the
+# retries; the service, once it has them all, may even store the abandoned request, whose
+# records were retried: copies. With SO_LINGER {on, 0} a close discards the unsent bytes and
+# sends a reset. (aiohttp writes out what its own write buffer still holds before it closes the
+# socket; httpcore writes a body in pieces, each taken by the kernel before the next.) A
+# connection closed idle (keep-alive expiry, shutdown) has nothing unsent and nothing to
+# lose: only its FIN becomes a reset. Both HTTP clients take the option through
+# public settings: aiohttp through its connector's ``socket_factory`` (aiobotocore's
+# ``connector_args``), httpcore through its pool's ``socket_options``, which aiobotocore's
+# HttpxSession does not pass on: it is set on the pool that session builds, where the pool is
+# the one this was written for (otherwise connections close as before).
+
+
+def abortive_socket_option() -> tuple[int, int, bytes]:
+    """The socket option that makes a close abortive: ``SO_LINGER`` on, with no linger
+    time (``setsockopt(*option)``)."""
+    linger = struct.pack("HH" if sys.platform == "win32" else "ii", 1, 0)
+    return socket.SOL_SOCKET, socket.SO_LINGER, linger
+
+
+def _abortive_socket(addr_info: Any) -> socket.socket:
+    """aiohttp's ``socket_factory``: the socket it would make, closing abortively."""
+    family, type_, proto = addr_info[:3]
+    sock = socket.socket(family=family, type=type_, proto=proto)
+    with contextlib.suppress(OSError):  # a platform without SO_LINGER: a graceful close
+        sock.setsockopt(*abortive_socket_option())
+    return sock
+
+
+@functools.cache
+def _aiohttp_takes_socket_factory() -> bool:
+    """Whether aiohttp's connector and aiobotocore's ``connector_args`` take a
+    ``socket_factory`` (aiohttp ≥ 3.12)."""
+    import inspect
+
+    import aiohttp
+
+    try:
+        parameters = inspect.signature(aiohttp.TCPConnector).parameters
+        AioConfig(connector_args={"socket_factory": _abortive_socket})
+    except Exception:  # pragma: no cover - an older aiohttp or aiobotocore
+        return False
+    return "socket_factory" in parameters
+
+
+_abortive_httpx_session_class: Any = None
+
+
+def _abortive_httpx_session() -> Any:
+    """aiobotocore's HttpxSession, whose connections close abortively where its httpx client
+    is the one this was written for (a pool with ``socket_options``)."""
+    global _abortive_httpx_session_class
+    if _abortive_httpx_session_class is None:
+        from aiobotocore.httpxsession import HttpxSession
+
+        class _AbortiveHttpxSession(HttpxSession):  # type: ignore[misc]  # no types
+            def _make_async_client(self) -> Any:
+                client = super()._make_async_client()
+                _close_abortively(client)
+                return client
+
+        _abortive_httpx_session_class = _AbortiveHttpxSession
+    return _abortive_httpx_session_class
+
+
+def _close_abortively(client: Any) -> bool:
+    """Add the abortive option to the socket options of every pool of the httpx ``client``
+    (its own transport and its mounts); ``False`` (nothing changed) where a pool is not
+    httpcore's connection pool (``httpcore``, or the ``httpcore2`` of aiobotocore's
+    preferred ``httpx2``) keeping its options where this was written for."""
+    transports = [getattr(client, "_transport", None)]
+    transports += list(getattr(client, "_mounts", {}).values())
+    pools: list[Any] = []
+    for transport in transports:
+        if transport is None:
+            continue  # a mount that sends nothing (no proxy for the scheme)
+        pool = getattr(transport, "_pool", None)
+        kind = type(pool)
+        options = getattr(pool, "_socket_options", ())
+        if (
+            kind.__name__ != "AsyncConnectionPool"
+            or kind.__module__.partition(".")[0] not in ("httpcore", "httpcore2")
+            or not (options is None or isinstance(options, (list, tuple)))
+        ):
+            return False
+        pools.append(pool)
+    for pool in pools:
+        pool._socket_options = [*(pool._socket_options or ()), abortive_socket_option()]
+    return bool(pools)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -715,6 +715,7 @@ async def open_transport(config: ProducerConfig) -> AsyncIterator[Transport]:
         "kinesis",
         max_pool_connections=config.max_connections,
         endpoint_url=config.endpoint_url,
+        abortive_close=True,  # a request that timed out takes its unsent bytes with it
     )
     async with client_context as client:
         backend = http_backend(config)
