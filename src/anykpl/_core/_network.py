@@ -169,10 +169,9 @@ class NetworkWindow:
         flight (sent after the last cut) unanswered for :data:`STALL_FRACTION` of the read
         timeout, and the bytes answered meanwhile, over :data:`STALL_FRACTION`, fewer than
         the bytes in flight. Whether it cut."""
-        last_cut = self._last_cut
-        sends = [sent_at for sent_at in self._sends if sent_at >= last_cut]
+        oldest = self._oldest_since_cut()
         span = self._stall_after
-        if not sends or now - min(sends) < span:
+        if now - oldest < span:  # (none since the cut: oldest is inf)
             return False
         since = now - span
         recent = takewhile(lambda answer: answer[0] >= since, reversed(self._answered))
@@ -188,12 +187,16 @@ class NetworkWindow:
         once the oldest request in flight sent after the last cut has waited the stall span,
         and then every quarter span while it waits on (its answers might slow); ``inf``
         with no such request."""
-        last_cut = self._last_cut
-        sends = [sent_at for sent_at in self._sends if sent_at >= last_cut]
-        if not sends:
+        oldest = self._oldest_since_cut()
+        if oldest == math.inf:
             return math.inf
-        at = min(sends) + self._stall_after
+        at = oldest + self._stall_after
         return at if at > now else now + self._stall_after / 4
+
+    def _oldest_since_cut(self) -> float:
+        """When the oldest request in flight sent after the last cut went (``inf``: none)."""
+        last_cut = self._last_cut
+        return min((sent_at for sent_at in self._sends if sent_at >= last_cut), default=math.inf)
 
     def answered(self, size: int, sent_at: float, now: float) -> None:
         """A request of ``size`` bytes sent at ``sent_at`` got an answer (whatever it said)."""

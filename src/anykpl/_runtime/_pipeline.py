@@ -439,9 +439,8 @@ class Pipeline:
         aggregation ratio seen so far; and the stream's, for records admitted while the shard
         map is not ready: what all its open shards deliver (one shard's ceiling without a
         map). Wakes the waiting submits if a limit grew."""
-        # a cut of the network window (a timeout, or a stall found now) is planned at once
+        # a cut of the network window (a timeout, or a stall the Sender found) is planned at once
         network = self.network
-        network.check_stall(now)
         if now < self._next_backlog_update and network.timeouts == self._network_cuts:
             return
         self._network_cuts = network.timeouts

@@ -21,6 +21,7 @@ __all__ = (
     "RATE_WINDOW",
     "LatencyHistogram",
     "ShardRate",
+    "shard_number",
     "Tally",
     "percentile",
     "shard_rates_from_emulator",
@@ -89,6 +90,12 @@ class ShardRate:
     throttled: int
     limit_records: float | None
     limit_bytes: float | None
+
+
+def shard_number(shard_id: str) -> str:
+    """``shardId-000000000004`` as ``4`` (another id as it is)."""
+    tail = shard_id.rsplit("-", 1)[-1]
+    return str(int(tail)) if tail.isdigit() else shard_id
 
 
 def shard_rates_from_emulator(

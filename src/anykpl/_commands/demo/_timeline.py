@@ -20,6 +20,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ._bookkeeping import shard_number
+
 if TYPE_CHECKING:
     from ._bookkeeping import ShardRate
 
@@ -173,7 +175,7 @@ def plot(timeline: Mapping[str, Any], path: str, title: str) -> None:
     limits: Mapping[str, Sequence[Sequence[Any]]] = timeline.get("limits", {})
     for index, shard_id in enumerate(sorted(set(shards) | set(limits))):
         colour = colours[index % len(colours)]
-        label = _shard_label(shard_id)
+        label = f"shard {shard_number(shard_id)}"
         series = shards.get(shard_id)
         if series and series["t"]:
             rates.plot(
@@ -244,12 +246,6 @@ def plot(timeline: Mapping[str, Any], path: str, title: str) -> None:
     figure.subplots_adjust(left=0.1, right=0.86)
     figure.savefig(path, dpi=110)
     plt.close(figure)
-
-
-def _shard_label(shard_id: str) -> str:
-    """``shardId-000000000004`` as ``shard 4``."""
-    number = shard_id.removeprefix("shardId-")
-    return f"shard {int(number)}" if number.isdigit() else shard_id
 
 
 def _per_second(times: Sequence[float], counts: Sequence[float]) -> list[float]:

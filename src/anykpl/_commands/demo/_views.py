@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ._bookkeeping import RATE_WINDOW, ShardRate
+from ._bookkeeping import RATE_WINDOW, ShardRate, shard_number
 
 __all__ = (
     "MIB",
@@ -113,11 +113,12 @@ class PlainView:
         self._next = progress.elapsed + PLAIN_EVERY - REFRESH_EVERY / 2
         # each value after its shard's number: a split closes one shard and adds two
         shards = " ".join(
-            f"{_number(rate.shard_id)}:{rate.bytes_per_second / MIB:.2f}"
+            f"{shard_number(rate.shard_id)}:{rate.bytes_per_second / MIB:.2f}"
             for rate in progress.shards
         )
         records = " ".join(
-            f"{_number(rate.shard_id)}:{rate.records_per_second:,.0f}" for rate in progress.shards
+            f"{shard_number(rate.shard_id)}:{rate.records_per_second:,.0f}"
+            for rate in progress.shards
         )
         self._write(
             f"[{progress.elapsed:5.1f} s] offered {progress.offered_rate:,.0f}/s  "
@@ -127,12 +128,6 @@ class PlainView:
             f"p50 {format_ms(progress.p50)}  p99 {format_ms(progress.p99)}  "
             f"| per shard MiB/s: {shards or '-'}, records/s: {records or '-'}"
         )
-
-
-def _number(shard_id: str) -> str:
-    """``shardId-000000000004`` as ``4`` (another id as it is)."""
-    tail = shard_id.rsplit("-", 1)[-1]
-    return str(int(tail)) if tail.isdigit() else shard_id
 
 
 def _bar(share: float, width: int = 20) -> tuple[str, str]:
