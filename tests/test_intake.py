@@ -246,6 +246,44 @@ def test_records_whose_shard_is_not_known_are_held_to_the_streams_limit() -> Non
     assert stream.unplaced.outstanding_records == 5
 
 
+def test_once_the_map_is_ready_records_admitted_before_it_count_in_their_shards() -> None:
+    intake = _intake()
+    stream = _stream(intake, shard_bytes=2000)
+    ranges = even_ranges(SHARDS)
+    stream.shard_map.fail_update()  # not READY
+    stream.backlog_records, stream.backlog_bytes = math.inf, 5000.0
+    keys = [_key_on(0), _key_on(1), _key_on(2), _key_on(3), _key_on(0, 5000)]
+    admitted = [_offer(intake, stream, key) for key in keys]
+    assert all(r is not None for r in admitted)
+    assert intake.active_backlogs == 1  # unplaced
+    # the map comes: shard 0 already holds its 2,000 bytes, so its next record waits
+    stream.shard_map.begin_update()
+    stream.shard_map.apply_page(
+        [
+            {
+                "ShardId": f"shardId-{i:012d}",
+                "HashKeyRange": {"StartingHashKey": str(start), "EndingHashKey": str(end)},
+            }
+            for i, (start, end) in enumerate(ranges)
+        ]
+    )
+    stream.shard_map.finish_update(1.0)
+    intake.place_unplaced(stream)
+    assert stream.unplaced.outstanding_records == 0
+    assert stream.unplaced.outstanding_bytes == 0
+    held = {shard: b.outstanding_bytes for shard, b in stream.backlogs.items()}
+    assert held == {f"shardId-{i:012d}": (2000 if i == 0 else 1000) for i in range(SHARDS)}
+    assert intake.active_backlogs == SHARDS
+    assert _offer(intake, stream, _key_on(0, 9000)) is None
+    assert _offer(intake, stream, _key_on(1, 9000)) is not None
+    # they count out of the shards they moved to
+    intake.finish(list(intake.outstanding), True)
+    assert all(
+        not b.outstanding_records and not b.outstanding_bytes for b in stream.backlogs.values()
+    )
+    assert intake.active_backlogs == 0
+
+
 def test_a_record_that_waited_is_placed_again_when_it_is_checked() -> None:
     intake = _intake()
     stream = _stream(intake, shard_bytes=1000)

@@ -410,6 +410,37 @@ class Intake:
         self.on_finish()
         return count, released
 
+    def place_unplaced(self, stream: StreamIntake) -> None:
+        """``stream``'s shard map is ready: the records admitted while it was not (counted in
+        ``unplaced``, under the stream's limit) count in their shards' backlogs from now on, so
+        that a shard's limit bounds everything it holds. Scans the outstanding records only
+        when some are unplaced (before the first map, and during a refresh)."""
+        unplaced = stream.unplaced
+        if not unplaced.outstanding_records:
+            return
+        shard_id = stream.shard_map.shard_id
+        backlogs = stream.backlogs
+        for record in self.outstanding:
+            if record.backlog is not unplaced:
+                continue
+            shard = shard_id(record.hash_key)
+            if shard is None:
+                continue
+            backlog = backlogs.get(shard)
+            if backlog is None:
+                backlog = stream.new_backlog(shard)
+            size = record.size
+            unplaced.outstanding_records -= 1
+            unplaced.outstanding_bytes -= size
+            if not backlog.outstanding_records:
+                self.active_backlogs += 1
+            backlog.outstanding_records += 1
+            backlog.outstanding_bytes += size
+            record.backlog = backlog
+            if not unplaced.outstanding_records:
+                self.active_backlogs -= 1
+                break
+
 
 class StreamIntake:
     """One stream's part of admission: its shards' backlogs, its own limit (for records whose
@@ -471,10 +502,13 @@ class StreamIntake:
         if shard is None:
             return self.unplaced
         backlog = self.backlogs.get(shard)
-        if backlog is None:
-            backlog = self.backlogs[shard] = ShardBacklog(
-                shard, self.new_shard_records, self.new_shard_bytes
-            )
+        return self.new_backlog(shard) if backlog is None else backlog
+
+    def new_backlog(self, shard: str) -> ShardBacklog:
+        """The backlog of a shard seen for the first time, with a new shard's limits."""
+        backlog = self.backlogs[shard] = ShardBacklog(
+            shard, self.new_shard_records, self.new_shard_bytes
+        )
         return backlog
 
     def has_room(self, size: int, backlog: ShardBacklog) -> bool:

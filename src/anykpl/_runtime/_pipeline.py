@@ -151,8 +151,12 @@ class Pipeline:
         metrics: Metrics,
         finish: ProducerFinish,
         shared_bucket: TokenBucket | None = None,
+        place_unplaced: Callable[[StreamIntake], None] | None = None,
     ) -> None:
         self.stream = stream
+        # the producer's Intake.place_unplaced: records admitted before the shard map was
+        # ready move into their shards' backlogs once it is
+        self._place_unplaced = place_unplaced
         self.config = config
         self.transport = transport
         self.metrics = metrics
@@ -594,6 +598,8 @@ class Pipeline:
     def _shard_map_ready(self) -> None:
         self._settle_held()
         self.aggregator.shard_map_ready()
+        if self._place_unplaced is not None:
+            self._place_unplaced(self.intake)
         # records waiting under the stream's limit may fit their shards' now
         self._next_backlog_update = -math.inf
         if self.on_room is not None:

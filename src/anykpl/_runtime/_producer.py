@@ -470,6 +470,7 @@ class Producer(anyio.AsyncContextManagerMixin):
             self._metrics,
             self._intake.finish,
             shared_bucket=self._fleet_bucket,
+            place_unplaced=self._intake.place_unplaced,
         )
         pipeline.on_room = self._wake_waiters
         self._pipelines[stream] = pipeline
