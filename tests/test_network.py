@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
+
 from anykpl._core._network import (
     MIN_WINDOW,
     PROBE_INTERVAL,
@@ -13,6 +15,7 @@ from anykpl._core._network import (
     RELEASE_AFTER,
     STALL_FRACTION,
     UNLIMITED_WINDOW,
+    UNPROVEN_RATE,
     NetworkWindow,
 )
 
@@ -273,3 +276,58 @@ def test_the_next_stall_check_is_when_the_oldest_has_waited_the_span() -> None:
     assert window.next_stall_check(1.6) == math.inf
     window.sent(KB, 2.0)
     assert window.next_stall_check(2.0) == 2.0 + STALL_FRACTION
+
+
+# -- what admission may hold: what the path has proven it delivers ---------------------------
+
+
+def test_before_anything_is_answered_admission_holds_the_horizon_of_the_unproven_rate() -> None:
+    window = NetworkWindow(request_timeout=6.0)
+    assert window.admission_bytes(-math.inf, 15.0) == 15.0 * UNPROVEN_RATE
+    window.sent(MB, 0.0)
+    assert window.admission_bytes(2.0, 2.0) == 2.0 * UNPROVEN_RATE  # nothing answered yet
+
+
+def test_admission_holds_the_horizon_of_the_best_rate_proven_since_the_first_request() -> None:
+    window = NetworkWindow(request_timeout=6.0)
+    window.sent(MB, 0.0)
+    window.answered(MB, 0.0, 0.05)
+    # 1 MB answered 0.1 s after the first request went: 10 MB/s proven, 15 s of it
+    assert window.admission_bytes(0.1, 15.0) == 15.0 * 10 * MB
+    # a quiet path keeps what it proved: a burst after a pause is not held back
+    assert window.admission_bytes(100.0, 15.0) == 15.0 * 10 * MB
+
+
+def test_over_a_slow_path_admission_holds_what_it_carries_in_the_horizon() -> None:
+    # a link of 100 KB/s: the requests sent together are answered together, late
+    window = NetworkWindow(request_timeout=60.0)
+    for _ in range(10):
+        window.sent(100_000, 0.0)
+    for _ in range(10):
+        window.answered(100_000, 0.0, 10.0)
+    # 1 MB answered 10 s after they went: 100 KB/s, their bytes spread over the 10 s (not 1 MB
+    # within the last RATE_SPAN)
+    assert window.admission_bytes(10.0, 30.0) == 30.0 * 100_000
+    # and never less than the unproven rate's
+    slower = NetworkWindow(request_timeout=60.0)
+    slower.sent(100_000, 0.0)
+    slower.answered(100_000, 0.0, 10.0)
+    assert slower.admission_bytes(10.0, 30.0) == 30.0 * UNPROVEN_RATE
+
+
+def test_a_cut_forgets_what_was_proven_and_the_answers_in_flight_at_it() -> None:
+    window = NetworkWindow(request_timeout=6.0)
+    window.sent(MB, 0.0)
+    window.answered(MB, 0.0, 0.1)
+    assert window.admission_bytes(0.1, 15.0) == 15.0 * 10 * MB
+    flights = [window.sent(MB, 1.0) for _ in range(4)]
+    window.timed_out(MB, 1.0, flights[-1], 7.0)  # a cut
+    assert window.admission_bytes(7.0, 15.0) == 15.0 * UNPROVEN_RATE
+    # requests sent before the cut answered just after it crossed the path before it
+    for _ in range(3):
+        window.answered(MB, 1.0, 7.1)
+    assert window.admission_bytes(7.2, 15.0) == 15.0 * UNPROVEN_RATE
+    # a request sent after the cut and answered proves the path again
+    window.sent(MB, 7.2)
+    window.answered(MB, 7.2, 8.2)
+    assert window.admission_bytes(9.2, 15.0) == pytest.approx(15.0 * MB / 2.2)  # since the cut

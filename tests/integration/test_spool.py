@@ -11,6 +11,7 @@ cannot be written, and two producers on one directory.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import signal
@@ -167,6 +168,9 @@ async def test_spool_max_bytes_is_backpressure(tmp_path: Path) -> None:
             spool_dir=spool_dir,
             spool_max_bytes=4 * 1024 * 1024,  # 16 segments of 256 KiB
             admission_timeout=0.5,
+            # no backlog limits: neither the shards' nor what the path has proven (a path
+            # answering 3 s late proves little in 0.5 s), so that the spool is what fills
+            max_outstanding_time=math.inf,
             **CREDENTIALS,
         ) as producer:
             handles: list[PendingRecord] = []

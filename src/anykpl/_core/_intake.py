@@ -276,6 +276,13 @@ class Intake:
                         return False
                 elif held >= backlog.limit_records or held_bytes + size > backlog.limit_bytes:
                     return False  # the shard's own backlog limit (StreamIntake.has_room, inline)
+                elif (
+                    stream.outstanding_bytes + size > stream.path_bytes
+                    and held_bytes * len(stream.backlogs) >= stream.path_bytes
+                ):
+                    # what the network path has proven it delivers (StreamIntake.has_room)
+                    stream.path_waits = True
+                    return False
                 if outstanding >= self.reserve_records or nbytes > self.reserve_bytes:
                     # The caps run short: the reserve is for quiet shards, those that hold
                     # less than an equal part of it with one more shard to come. Each may take
@@ -328,6 +335,17 @@ class Intake:
             else:
                 held_records, held_bytes = held, backlog.outstanding_bytes
                 whose = "the shard delivers"
+            if (
+                backlog.shard is not None
+                and held < backlog.limit_records
+                and backlog.outstanding_bytes + size <= backlog.limit_bytes
+            ):
+                return (
+                    f"stream {record.stream!r} holds {stream.outstanding_bytes} bytes, "
+                    f"max_outstanding_time={stream.backlog_time:g} s of what the network path "
+                    f"to Kinesis has delivered ({stream.path_bytes:.0f} bytes), and {where} "
+                    f"holds at least its equal part of that"
+                )
             return (
                 f"{where} holds {held_records} records / {held_bytes} bytes, about "
                 f"max_outstanding_time={stream.backlog_time:g} s of what {whose} now"
@@ -483,6 +501,11 @@ class StreamIntake:
         self.backlogs: dict[str, ShardBacklog] = {}
         self.new_shard_records = math.inf
         self.new_shard_bytes = math.inf
+        # the most bytes the stream may hold that the network path has proven it delivers
+        # (planned by the pipeline: NetworkWindow.admission_bytes), and whether a record
+        # waited for it since the last plan (the pipeline plans again as answers come)
+        self.path_bytes = math.inf
+        self.path_waits = False
         self.unplaced = ShardBacklog(None, math.inf, math.inf)
         self.received = 0  # user records admitted for this stream
         # the earliest deadline the Aggregator's task was told of (it plans its own wake-ups
@@ -513,17 +536,32 @@ class StreamIntake:
 
     def has_room(self, size: int, backlog: ShardBacklog) -> bool:
         """Whether a record of ``size`` bytes fits in ``backlog``'s limit (a shard with
-        nothing outstanding always takes one record); for ``unplaced``, in the stream's limit
-        (likewise for a stream with nothing outstanding)."""
+        nothing outstanding always takes one record), and in what the network path has
+        proven it delivers (``path_bytes``, the stream's whole backlog; a shard that holds
+        less than an equal part of it, among the shards that held records, passes); for
+        ``unplaced``, in the stream's limit and the path's (likewise for a stream with
+        nothing outstanding)."""
         if backlog.shard is None:
             held = self.outstanding_records
+            nbytes = self.outstanding_bytes + size
             return not held or (
-                held < self.backlog_records and self.outstanding_bytes + size <= self.backlog_bytes
+                held < self.backlog_records
+                and nbytes <= self.backlog_bytes
+                and nbytes <= self.path_bytes
             )
         held = backlog.outstanding_records
-        return not held or (
-            held < backlog.limit_records and backlog.outstanding_bytes + size <= backlog.limit_bytes
-        )
+        if not held:
+            return True
+        held_bytes = backlog.outstanding_bytes
+        if held >= backlog.limit_records or held_bytes + size > backlog.limit_bytes:
+            return False
+        if (
+            self.outstanding_bytes + size > self.path_bytes
+            and held_bytes * len(self.backlogs) >= self.path_bytes
+        ):
+            self.path_waits = True
+            return False
+        return True
 
     def put(self, record: Record) -> None:
         """Hand an admitted record to the aggregator, and what it seals to the Limiter."""

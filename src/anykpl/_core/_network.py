@@ -50,7 +50,16 @@ for segments and ``request_timeout`` for the retransmission timer:
   path would split its requests and cap its admission for hours.)
 
 Admission follows the delivered rate only while the window binds: from a cut until
-:data:`RATE_SPAN` seconds after the last request it kept waiting.
+:data:`RATE_SPAN` seconds after the last request it kept waiting. Before that, and whatever
+the window, what a stream holds admitted is bounded by what the path has *proven* it
+delivers (:meth:`NetworkWindow.admission_bytes`): ``max_outstanding_time`` of the best
+delivery rate measured since the last cut, or of :data:`UNPROVEN_RATE` if that is more.
+Without it, a burst offered before the first request could stall (60,000 records of 100 B
+submitted at once, over 2 Mbit/s) is admitted whole within a second, and what the link
+cannot carry within ``record_ttl`` expires (19 % of them). On a healthy path the bound is far
+above what is held: the first answers (a round trip) prove tens of MB/s, and admission waits,
+if ever, for one round trip at the start of a burst larger than the unproven rate's (960 KiB
+with the defaults).
 """
 
 from __future__ import annotations
@@ -59,7 +68,7 @@ import math
 from collections import deque
 from itertools import takewhile
 
-__all__ = ("MIN_WINDOW", "NetworkWindow")
+__all__ = ("MIN_WINDOW", "UNPROVEN_RATE", "NetworkWindow")
 
 #: the window after a timeout, and the smallest request it splits to (bytes)
 MIN_WINDOW = 64 * 1024
@@ -72,6 +81,9 @@ PROBE_INTERVAL = 2.0
 RATE_SPAN = 5.0
 #: no timeout and no request kept waiting for this long: the window is unlimited again (seconds)
 RELEASE_AFTER = 10.0
+#: the delivery rate a path is taken to have before it has proven one (bytes/s): with the
+#: default ``max_outstanding_time`` (15 s) a stream holds 960 KiB before its first answers
+UNPROVEN_RATE = 64 * 1024
 #: the share of the read timeout that the oldest request in flight goes unanswered before the
 #: path may count as stalled (a cut), and the share of the bytes in flight the answers of that
 #: span must reach for it not to; and the share of the read timeout an answer took that opens
@@ -84,11 +96,13 @@ class NetworkWindow:
 
     __slots__ = (
         "_answered",
+        "_first_send",
         "_keep",
         "_last_answer",
         "_last_cut",
         "_last_refused",
         "_last_send",
+        "_proven",
         "_sends",
         "_stall_after",
         "floor_rate",
@@ -114,12 +128,15 @@ class NetworkWindow:
         #: the delivery rate assumed when nothing was answered lately: the smallest window per
         #: timeout (bytes/s)
         self.floor_rate = MIN_WINDOW / request_timeout
-        self._answered: deque[tuple[float, int]] = deque()  # (when, bytes) of answers
+        #: (when, bytes, sent at) of the answers of the last few seconds
+        self._answered: deque[tuple[float, int, float]] = deque()
         self._keep = max(RATE_SPAN, self._stall_after)  # seconds of answers kept
         self._last_cut = -math.inf
         self._last_refused = -math.inf  # when the window last kept a request waiting
         self._last_send = -math.inf
         self._last_answer = -math.inf
+        self._first_send = math.inf
+        self._proven = 0.0  # the best delivery rate measured since the last cut (bytes/s)
 
     def __repr__(self) -> str:
         return f"<NetworkWindow {self.in_flight}/{self.window} bytes in flight>"
@@ -155,6 +172,8 @@ class NetworkWindow:
         (for :meth:`timed_out`). Its end is told with its send time (``sent_at``)."""
         self.in_flight += size
         self._last_send = now
+        if now < self._first_send:
+            self._first_send = now
         self._sends[now] = self._sends.get(now, 0) + 1
         return self.in_flight
 
@@ -175,7 +194,7 @@ class NetworkWindow:
             return False
         since = now - span
         recent = takewhile(lambda answer: answer[0] >= since, reversed(self._answered))
-        answered = sum(size for _, size in recent)
+        answered = sum(answer[1] for answer in recent)
         if answered >= STALL_FRACTION * self.in_flight:
             return False
         self.stalls += 1
@@ -203,7 +222,7 @@ class NetworkWindow:
         self._ended(size, sent_at)
         self._last_answer = now
         answered = self._answered
-        answered.append((now, size))
+        answered.append((now, size, sent_at))
         while answered[0][0] < now - self._keep:
             answered.popleft()
         window = self.window
@@ -233,6 +252,7 @@ class NetworkWindow:
 
     def _cut(self, flight: int, now: float) -> None:
         self._last_cut = now
+        self._proven = 0.0  # what the path delivered before says nothing now
         self.timeouts += 1
         self.threshold = max(float(MIN_WINDOW), flight / 2)
         self.window = float(MIN_WINDOW)
@@ -254,8 +274,39 @@ class NetworkWindow:
         while answered and answered[0][0] < now - self._keep:
             answered.popleft()
         since = now - RATE_SPAN
-        delivered = sum(size for when, size in answered if when >= since) / RATE_SPAN
+        delivered = sum(size for when, size, _ in answered if when >= since) / RATE_SPAN
         return max(delivered, self.floor_rate)
+
+    def admission_bytes(self, now: float, horizon: float) -> float:
+        """The most bytes a stream may hold admitted (module docstring): ``horizon`` seconds
+        of the best delivery rate measured since the last cut, or of :data:`UNPROVEN_RATE`
+        if that is more. The rate is the bytes answered over the last
+        :data:`RATE_SPAN` seconds, or since the first request went (or the last cut) if that
+        is sooner, counting only requests sent since then, each for the share of its time
+        (sent to answered) within the span."""
+        self.check_stall(now)
+        answered = self._answered
+        while answered and answered[0][0] < now - self._keep:
+            answered.popleft()
+        start = max(self._first_send, self._last_cut)
+        span = min(RATE_SPAN, now - start)
+        if answered and span > 0.0:
+            # the answers of the span to requests sent since the start (those in flight at a
+            # cut, answered just after it, crossed the path before it), each for the part of
+            # its time that falls in the span: requests answered together after a long
+            # while carried their bytes over that while, not within the span
+            since = now - span
+            delivered = 0.0
+            for when, size, sent in answered:
+                if when >= since and sent >= start:
+                    took = when - sent
+                    delivered += (
+                        size if took <= 0.0 or sent >= since else size * (when - since) / took
+                    )
+            rate = delivered / span
+            if rate > self._proven:
+                self._proven = rate
+        return horizon * max(float(UNPROVEN_RATE), self._proven)
 
     def split(self, sizes: list[int]) -> list[int]:
         """Where to cut a request whose records have ``sizes`` (bytes each) into parts of at

@@ -442,10 +442,17 @@ class Pipeline:
         shard delivers now (a new shard's: its ceiling's), in bytes, and in user records at the
         aggregation ratio seen so far; and the stream's, for records admitted while the shard
         map is not ready: what all its open shards deliver (one shard's ceiling without a
-        map). Wakes the waiting submits if a limit grew."""
+        map); and the stream's whole backlog's, ``backlog_time`` of what the network path
+        has proven it delivers (:meth:`NetworkWindow.admission_bytes`). Wakes the waiting
+        submits if a limit grew. Planned every :data:`BACKLOG_INTERVAL`, at once after a cut
+        of the network window, and at each answer while records wait for the path."""
         # a cut of the network window (a timeout, or a stall the Sender found) is planned at once
         network = self.network
-        if now < self._next_backlog_update and network.timeouts == self._network_cuts:
+        if (
+            now < self._next_backlog_update
+            and network.timeouts == self._network_cuts
+            and not self.intake.path_waits
+        ):
             return
         self._network_cuts = network.timeouts
         self._next_backlog_update = now + BACKLOG_INTERVAL
@@ -509,8 +516,14 @@ class Pipeline:
             "", limiter.records_ceiling * records_scale, limiter.bytes_ceiling * bytes_scale
         )
         records, nbytes = limits("", records_rate * records_scale, bytes_rate * bytes_scale)
+        # and the stream's whole backlog: what the path has proven it delivers (the records
+        # whose shard is not known yet are held to it too)
+        path_bytes = network.admission_bytes(now, horizon)
         grew = grew or records > intake.backlog_records or nbytes > intake.backlog_bytes
+        grew = grew or path_bytes > intake.path_bytes
         intake.backlog_records, intake.backlog_bytes = records, nbytes
+        intake.path_bytes = path_bytes
+        intake.path_waits = False
         if grew and self.on_room is not None:
             self.on_room()
 
@@ -776,6 +789,9 @@ class Pipeline:
                 if outcome is not None and not isinstance(outcome, Control):
                     self.in_flight -= 1
                     retrier.handle(outcome, now)
+                    if self.intake.path_waits:
+                        # records wait for what the path has proven: this answer proves more
+                        self.update_backlog_limit(now)
                     if not self.in_flight and self.adaptive_batching:
                         # an aggregate that fills within a quarter of the buffered time is
                         # better full: a firehose's keeps gathering
