@@ -287,21 +287,31 @@ def test_once_the_map_is_ready_records_admitted_before_it_count_in_their_shards(
 def test_the_stream_holds_what_the_path_has_proven_and_a_quiet_shard_its_part_of_it() -> None:
     intake = _intake()
     stream = _stream(intake)
-    stream.path_bytes = 8000.0
+    stream.path_bytes, stream.path_share = 8000.0, 2000.0  # 4 shards
     # a hot shard takes the whole of what the path has proven
     assert _fill(intake, stream, _key_on(0)) == 8
     assert stream.path_waits
-    assert "network path" in intake.no_room_reason(
+    reason = intake.no_room_reason(
         intake.make_record("s", b"x" * 900, _key_on(0, 9000), None), stream
     )
-    # a shard holding less than an equal part of it (among the two shards that held records:
-    # 4,000 bytes) still takes records
-    assert _fill(intake, stream, _key_on(1)) == 4
+    assert "network path to Kinesis has delivered (8000 bytes)" in reason, reason
+    assert "shardId-000000000000 of stream 's' at least its part" in reason, reason
+    # a shard holding less than its part of it (2,000) still takes records: the stream holds
+    # less than twice what the path proved
+    assert _fill(intake, stream, _key_on(1)) == 2
+    assert _fill(intake, stream, _key_on(2)) == 2
     assert _offer(intake, stream, _key_on(1, 9000)) is None
+    assert stream.outstanding_bytes == 12_000
     # the records whose shard is not known yet are held to it as well (past the first)
+    stream.path_waits = False
     stream.shard_map.fail_update()
-    assert _offer(intake, stream, _key_on(2)) is not None
-    assert _offer(intake, stream, _key_on(3)) is None
+    assert _offer(intake, stream, _key_on(3)) is not None
+    assert _offer(intake, stream, _key_on(3, 9000)) is None
+    assert stream.path_waits
+    reason = intake.no_room_reason(
+        intake.make_record("s", b"x" * 900, _key_on(3, 9000), None), stream
+    )
+    assert "network path" in reason, reason
 
 
 def test_a_record_that_waited_is_placed_again_when_it_is_checked() -> None:

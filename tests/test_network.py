@@ -9,6 +9,7 @@ import random
 import pytest
 
 from anykpl._core._network import (
+    MIN_ADMISSION_HORIZON,
     MIN_WINDOW,
     PROBE_INTERVAL,
     RATE_SPAN,
@@ -331,3 +332,13 @@ def test_a_cut_forgets_what_was_proven_and_the_answers_in_flight_at_it() -> None
     window.sent(MB, 7.2)
     window.answered(MB, 7.2, 8.2)
     assert window.admission_bytes(9.2, 15.0) == pytest.approx(15.0 * MB / 2.2)  # since the cut
+
+
+def test_admission_holds_at_least_a_second_of_the_rate_however_short_the_horizon() -> None:
+    # what is admitted in a round trip is all that round trip can prove: a horizon shorter than
+    # the round trip would keep the proven rate from ever growing
+    window = NetworkWindow(request_timeout=6.0)
+    assert window.admission_bytes(0.0, 0.01) == MIN_ADMISSION_HORIZON * UNPROVEN_RATE
+    window.sent(MB, 0.0)
+    window.answered(MB, 0.0, 0.1)
+    assert window.admission_bytes(0.2, 0.01) == pytest.approx(MIN_ADMISSION_HORIZON * MB / 0.2)

@@ -278,7 +278,7 @@ class Intake:
                     return False  # the shard's own backlog limit (StreamIntake.has_room, inline)
                 elif (
                     stream.outstanding_bytes + size > stream.path_bytes
-                    and held_bytes * len(stream.backlogs) >= stream.path_bytes
+                    and held_bytes >= stream.path_share
                 ):
                     # what the network path has proven it delivers (StreamIntake.has_room)
                     stream.path_waits = True
@@ -331,20 +331,19 @@ class Intake:
         if outstanding and held and not stream.has_room(size, backlog):
             if backlog.shard is None:
                 held_records, held_bytes = stream.outstanding_records, stream.outstanding_bytes
+                limit_records, limit_bytes = stream.backlog_records, stream.backlog_bytes
                 whose = "its shards deliver"  # the shard map is not ready
             else:
                 held_records, held_bytes = held, backlog.outstanding_bytes
+                limit_records, limit_bytes = backlog.limit_records, backlog.limit_bytes
                 whose = "the shard delivers"
-            if (
-                backlog.shard is not None
-                and held < backlog.limit_records
-                and backlog.outstanding_bytes + size <= backlog.limit_bytes
-            ):
+            if held_records < limit_records and held_bytes + size <= limit_bytes:
+                # not the shards' limit: what the path has proven
                 return (
-                    f"stream {record.stream!r} holds {stream.outstanding_bytes} bytes, "
+                    f"stream {record.stream!r} holds {stream.outstanding_bytes} bytes, about "
                     f"max_outstanding_time={stream.backlog_time:g} s of what the network path "
-                    f"to Kinesis has delivered ({stream.path_bytes:.0f} bytes), and {where} "
-                    f"holds at least its equal part of that"
+                    f"to Kinesis has delivered ({stream.path_bytes:.0f} bytes)"
+                    + ("" if backlog.shard is None else f", {where} at least its part of it")
                 )
             return (
                 f"{where} holds {held_records} records / {held_bytes} bytes, about "
@@ -502,9 +501,11 @@ class StreamIntake:
         self.new_shard_records = math.inf
         self.new_shard_bytes = math.inf
         # the most bytes the stream may hold that the network path has proven it delivers
-        # (planned by the pipeline: NetworkWindow.admission_bytes), and whether a record
-        # waited for it since the last plan (the pipeline plans again as answers come)
+        # (planned by the pipeline: NetworkWindow.admission_bytes), each open shard's equal
+        # part of it (a shard holding less is not held back by it), and whether a record
+        # waited for it since it was last planned (the pipeline plans it again as answers come)
         self.path_bytes = math.inf
+        self.path_share = math.inf
         self.path_waits = False
         self.unplaced = ShardBacklog(None, math.inf, math.inf)
         self.received = 0  # user records admitted for this stream
@@ -538,27 +539,27 @@ class StreamIntake:
         """Whether a record of ``size`` bytes fits in ``backlog``'s limit (a shard with
         nothing outstanding always takes one record), and in what the network path has
         proven it delivers (``path_bytes``, the stream's whole backlog; a shard that holds
-        less than an equal part of it, among the shards that held records, passes); for
-        ``unplaced``, in the stream's limit and the path's (likewise for a stream with
-        nothing outstanding)."""
+        less than its equal part of it, ``path_share``, passes, so the stream holds less than
+        twice it); for ``unplaced``, in the stream's limit and the path's (likewise for a
+        stream with nothing outstanding)."""
         if backlog.shard is None:
             held = self.outstanding_records
+            if not held:
+                return True
             nbytes = self.outstanding_bytes + size
-            return not held or (
-                held < self.backlog_records
-                and nbytes <= self.backlog_bytes
-                and nbytes <= self.path_bytes
-            )
+            if held >= self.backlog_records or nbytes > self.backlog_bytes:
+                return False
+            if nbytes > self.path_bytes:
+                self.path_waits = True
+                return False
+            return True
         held = backlog.outstanding_records
         if not held:
             return True
         held_bytes = backlog.outstanding_bytes
         if held >= backlog.limit_records or held_bytes + size > backlog.limit_bytes:
             return False
-        if (
-            self.outstanding_bytes + size > self.path_bytes
-            and held_bytes * len(self.backlogs) >= self.path_bytes
-        ):
+        if self.outstanding_bytes + size > self.path_bytes and held_bytes >= self.path_share:
             self.path_waits = True
             return False
         return True

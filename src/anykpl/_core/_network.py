@@ -84,6 +84,10 @@ RELEASE_AFTER = 10.0
 #: the delivery rate a path is taken to have before it has proven one (bytes/s): with the
 #: default ``max_outstanding_time`` (15 s) a stream holds 960 KiB before its first answers
 UNPROVEN_RATE = 64 * 1024
+#: the bound on admission holds at least this long of the proven rate (seconds): with a
+#: shorter ``max_outstanding_time``, a round trip longer than it would keep the proven rate
+#: from ever growing (what is admitted in a round trip is all a round trip can prove)
+MIN_ADMISSION_HORIZON = 1.0
 #: the share of the read timeout that the oldest request in flight goes unanswered before the
 #: path may count as stalled (a cut), and the share of the bytes in flight the answers of that
 #: span must reach for it not to; and the share of the read timeout an answer took that opens
@@ -279,11 +283,11 @@ class NetworkWindow:
 
     def admission_bytes(self, now: float, horizon: float) -> float:
         """The most bytes a stream may hold admitted (module docstring): ``horizon`` seconds
-        of the best delivery rate measured since the last cut, or of :data:`UNPROVEN_RATE`
-        if that is more. The rate is the bytes answered over the last
-        :data:`RATE_SPAN` seconds, or since the first request went (or the last cut) if that
-        is sooner, counting only requests sent since then, each for the share of its time
-        (sent to answered) within the span."""
+        (at least :data:`MIN_ADMISSION_HORIZON`) of the best delivery rate measured since the
+        last cut, or of :data:`UNPROVEN_RATE` if that is more. The rate is the bytes answered
+        over the last :data:`RATE_SPAN` seconds, or since the first request went (or the last
+        cut) if that is sooner, counting only requests sent since then, each for the share of
+        its time (sent to answered) within the span."""
         self.check_stall(now)
         answered = self._answered
         while answered and answered[0][0] < now - self._keep:
@@ -297,8 +301,10 @@ class NetworkWindow:
             # while carried their bytes over that while, not within the span
             since = now - span
             delivered = 0.0
-            for when, size, sent in answered:
-                if when >= since and sent >= start:
+            for when, size, sent in reversed(answered):  # in the order they were answered
+                if when < since:
+                    break
+                if sent >= start:
                     took = when - sent
                     delivered += (
                         size if took <= 0.0 or sent >= since else size * (when - since) / took
@@ -306,6 +312,7 @@ class NetworkWindow:
             rate = delivered / span
             if rate > self._proven:
                 self._proven = rate
+        horizon = max(horizon, MIN_ADMISSION_HORIZON)
         return horizon * max(float(UNPROVEN_RATE), self._proven)
 
     def split(self, sizes: list[int]) -> list[int]:

@@ -435,6 +435,7 @@ class Pipeline:
             shards=shards,
             retry_budget_exhausted=retrier.retry_budget_exhausted,
             pace=self.limiter.pace,
+            path_limit_bytes=self.intake.path_bytes,
         )
 
     def update_backlog_limit(self, now: float) -> None:
@@ -444,15 +445,12 @@ class Pipeline:
         map is not ready: what all its open shards deliver (one shard's ceiling without a
         map); and the stream's whole backlog's, ``backlog_time`` of what the network path
         has proven it delivers (:meth:`NetworkWindow.admission_bytes`). Wakes the waiting
-        submits if a limit grew. Planned every :data:`BACKLOG_INTERVAL`, at once after a cut
-        of the network window, and at each answer while records wait for the path."""
+        submits if a limit grew. Planned every :data:`BACKLOG_INTERVAL` and at once after a
+        cut of the network window; the path's bound also at each answer while records wait
+        for it (:meth:`plan_path`)."""
         # a cut of the network window (a timeout, or a stall the Sender found) is planned at once
         network = self.network
-        if (
-            now < self._next_backlog_update
-            and network.timeouts == self._network_cuts
-            and not self.intake.path_waits
-        ):
+        if now < self._next_backlog_update and network.timeouts == self._network_cuts:
             return
         self._network_cuts = network.timeouts
         self._next_backlog_update = now + BACKLOG_INTERVAL
@@ -516,16 +514,25 @@ class Pipeline:
             "", limiter.records_ceiling * records_scale, limiter.bytes_ceiling * bytes_scale
         )
         records, nbytes = limits("", records_rate * records_scale, bytes_rate * bytes_scale)
-        # and the stream's whole backlog: what the path has proven it delivers (the records
-        # whose shard is not known yet are held to it too)
-        path_bytes = network.admission_bytes(now, horizon)
         grew = grew or records > intake.backlog_records or nbytes > intake.backlog_bytes
-        grew = grew or path_bytes > intake.path_bytes
         intake.backlog_records, intake.backlog_bytes = records, nbytes
-        intake.path_bytes = path_bytes
-        intake.path_waits = False
+        # and the stream's whole backlog: what the path has proven it delivers
+        grew = self.plan_path(now) or grew
         if grew and self.on_room is not None:
             self.on_room()
+
+    def plan_path(self, now: float) -> bool:
+        """Plan the stream's bound by what the network path has proven it delivers
+        (:meth:`NetworkWindow.admission_bytes` over ``backlog_time``), which the records whose
+        shard is not known yet are held to as well, and each open shard's equal part of it;
+        whether it grew."""
+        intake = self.intake
+        path_bytes = self.network.admission_bytes(now, self.backlog_time)
+        grew = path_bytes > intake.path_bytes
+        intake.path_bytes = path_bytes
+        intake.path_share = path_bytes / max(1, len(self.shard_map.open_shards))
+        intake.path_waits = False
+        return grew
 
     def wake_limiter(self) -> None:
         """Make the Limiter plan every shard's wait again (a shared bucket got faster)."""
@@ -789,9 +796,9 @@ class Pipeline:
                 if outcome is not None and not isinstance(outcome, Control):
                     self.in_flight -= 1
                     retrier.handle(outcome, now)
-                    if self.intake.path_waits:
-                        # records wait for what the path has proven: this answer proves more
-                        self.update_backlog_limit(now)
+                    if self.intake.path_waits and self.plan_path(now) and self.on_room:
+                        # records wait for what the path has proven: this answer proved more
+                        self.on_room()
                     if not self.in_flight and self.adaptive_batching:
                         # an aggregate that fills within a quarter of the buffered time is
                         # better full: a firehose's keeps gathering

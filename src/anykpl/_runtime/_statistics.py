@@ -102,6 +102,11 @@ class StreamStatistics:
         held_records: user records stored in a shard the map has not listed yet (after a
             split, under load), waiting for its refresh to say whether a reader keeps them
             (see docs/stages/retrier.md).
+        path_limit_bytes: the bytes the stream may hold by what the network path to Kinesis
+            has proven it delivers: ``max_outstanding_time`` of the best rate its requests
+            were answered at since the last timeout or stall (64 KiB/s before any answer); a
+            shard holding less than an equal part of it is not held back by it (see
+            docs/admission.md). ``inf`` when turned off.
     """
 
     shard_map_state: str
@@ -120,6 +125,7 @@ class StreamStatistics:
     retry_budget_exhausted: int
     pace: float = 0.0
     held_records: int = 0
+    path_limit_bytes: float = math.inf
 
 
 @dataclass(frozen=True, slots=True)
