@@ -267,6 +267,49 @@ async def test_a_stall_cuts_the_window_and_abandons_what_it_does_not_hold() -> N
     assert (window.in_flight, window.stalls, window.timeouts) == (0, 1, 1)
 
 
+@pytest.mark.anyio
+@pytest.mark.autojump
+async def test_a_stall_keeps_the_requests_whose_records_expire_first() -> None:
+    """A request of records retried after an abandoned attempt goes last, but its records
+    expire first: a stall keeps it, and abandons the newer records sent before it."""
+    from anykpl._core._network import NetworkWindow
+
+    class Stuck(_Transport):
+        async def put_records(self, stream: str, records: list[dict[str, Any]]) -> Any:
+            await anyio.sleep(100)  # never answered
+
+    window = NetworkWindow(request_timeout=2.0, read_timeout=1.0)
+    fresh = Record("s", "k", b"x" * 20_000, 1, None, 0.0, 1.0, 30.0)
+    retried = Record("s", "k", b"y" * 20_000, 1, None, 0.0, 1.0, 10.0)  # expires sooner
+    send_requests, receive_requests = anyio.create_memory_object_stream[Any](math.inf)
+    send_outcomes, receive_outcomes = anyio.create_memory_object_stream[Outcome](math.inf)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(
+            lambda: run_sender(
+                "s",
+                Stuck(),
+                receive_requests,
+                send_outcomes,
+                max_connections=8,
+                request_timeout=2.0,
+                window=window,
+            )
+        )
+        async with send_requests:
+            for user in (fresh, fresh, fresh, retried):
+                send_requests.send_nowait([KinesisRecord.single(user) for _ in range(3)])
+                await anyio.sleep(0.1)
+            await anyio.sleep(0.35)  # the oldest has waited 0.55 s: a stall
+            assert window.stalls == 1
+    async with receive_outcomes:
+        outcomes = [o async for o in receive_outcomes]
+    abandoned = [o for o in outcomes if o.error_message == "abandoned: the network path stalled"]
+    assert len(abandoned) == 3
+    assert all(o.records[0].records[0] is fresh for o in abandoned)
+    (kept,) = [o for o in outcomes if o not in abandoned]
+    assert kept.records[0].records[0] is retried
+
+
 def test_the_transport_closes_its_connections_abortively() -> None:
     """SO_LINGER on with no linger time: a close discards unsent bytes (and resets)."""
     import socket

@@ -10,10 +10,10 @@ It also keeps the bytes in flight within the path's window (``_core/_network.py`
 until a request times out or the path stalls; after that a request waits for room in the
 window, and one bigger than the window allows is split into requests of its own (``on_split``
 counts the extra ones), each with its own outcome. When the path stalls, the requests in
-flight beyond what the new window holds (the newest) are abandoned at once, as if they had
-timed out: sharing the path, none of them would be answered in time, and their bytes would
-only hold back the oldest and the retries (the transport's connections close abortively, so
-their unsent bytes go nowhere).
+flight beyond what the new window holds (those whose records have the most time left) are
+abandoned at once, as if they had timed out: sharing the path, none of them would be answered
+in time, and their bytes would only hold back the records that expire first (the transport's
+connections close abortively, so their unsent bytes go nowhere).
 """
 
 from __future__ import annotations
@@ -51,14 +51,15 @@ async def run_sender(
     slots = anyio.Semaphore(max_connections)
     answered = anyio.Event()  # set when a request ends: a wait for room in the window looks again
     flight_changed = anyio.Event()  # set when a request goes or ends: the stall watch looks again
-    #: the requests in flight in the window: send time, bytes, and the scope that abandons it
-    in_flight: dict[object, tuple[float, int, anyio.CancelScope]] = {}
+    #: the requests in flight in the window: send time, bytes, the scope that abandons it, and
+    #: its Kinesis records
+    in_flight: dict[object, tuple[float, int, anyio.CancelScope, list[Any]]] = {}
 
     async def send(batch: list[Any], size: int = 0, sent_at: float = 0.0, flight: int = 0) -> None:
         nonlocal answered, flight_changed
         abandon = anyio.CancelScope()
         if window is not None:
-            in_flight[abandon] = (sent_at, size, abandon)
+            in_flight[abandon] = (sent_at, size, abandon, batch)
             flight_changed.set()
             flight_changed = anyio.Event()
         try:
@@ -129,9 +130,14 @@ async def run_sender(
                 if window.stalls == seen:
                     continue
                 seen = window.stalls
-                # keep the oldest requests the new window holds (at least one); abandon the rest
+                # keep the requests whose records expire first, as many as the new window
+                # holds (at least one), and abandon the rest: a record retried after an
+                # abandoned attempt is kept the next time, not abandoned again as the newest
                 kept = 0
-                for _, size, scope in sorted(in_flight.values(), key=lambda request: request[0]):
+                for _, size, scope, _ in sorted(
+                    in_flight.values(),
+                    key=lambda request: (min(kr.expiration for kr in request[3]), request[0]),
+                ):
                     if kept and kept + size > window.window:
                         scope.cancel()
                     else:
