@@ -216,26 +216,21 @@ async def test_after_a_timeout_requests_are_split_to_the_window_and_wait_for_roo
     assert transport.peak <= 2  # the timed-out one, then a window's worth at a time
 
 
-@pytest.mark.anyio
-@pytest.mark.autojump
-async def test_a_stall_cuts_the_window_and_abandons_what_it_does_not_hold() -> None:
-    """On a path that carries nothing, no request is answered for half the read timeout: the
-    window is cut then, long before the requests time out, and the requests in flight beyond
-    the new window (the newest) are abandoned at once, each with a timeout outcome; the oldest
-    goes on until its own timeout."""
-    from anykpl._core._network import NetworkWindow
+class _Stuck(_Transport):
+    async def put_records(self, stream: str, records: list[dict[str, Any]]) -> Any:
+        self.calls += 1
+        await anyio.sleep(100)  # never answered
 
-    class Stuck(_Transport):
-        async def put_records(self, stream: str, records: list[dict[str, Any]]) -> Any:
-            self.calls += 1
-            await anyio.sleep(100)  # never answered
 
-    transport = Stuck()
-    window = NetworkWindow(request_timeout=2.0, read_timeout=1.0)
-    user = Record("s", "k", b"x" * 20_000, 1, None, 0.0, 1.0, 30.0)
+async def _through_a_stuck_path(
+    window: Any, users: list[Record], settle: float
+) -> tuple[_Stuck, tuple[int, float], list[Outcome]]:
+    """Send a request of 3 records of each of ``users``, one every 0.1 s, through a path that
+    answers nothing; ``settle`` s after the last: the window's (stalls, size) then, and every
+    outcome once the requests have ended."""
+    transport = _Stuck()
     send_requests, receive_requests = anyio.create_memory_object_stream[Any](math.inf)
     send_outcomes, receive_outcomes = anyio.create_memory_object_stream[Outcome](math.inf)
-    start = anyio.current_time()
     async with anyio.create_task_group() as tg:
         tg.start_soon(
             lambda: run_sender(
@@ -249,13 +244,30 @@ async def test_a_stall_cuts_the_window_and_abandons_what_it_does_not_hold() -> N
             )
         )
         async with send_requests:
-            for index in range(4):  # one request every 0.1 s, 3 records each
+            for index, user in enumerate(users):
                 send_requests.send_nowait([KinesisRecord.single(user) for _ in range(3)])
-                await anyio.sleep(0.1 if index < 3 else 0.0)
-            await anyio.sleep(0.45)  # the oldest has waited 0.55 s: a stall
-            assert (window.stalls, window.window) == (1, 64 * 1024)
+                await anyio.sleep(0.1 if index < len(users) - 1 else 0.0)
+            await anyio.sleep(settle)
+            seen = (window.stalls, window.window)
     async with receive_outcomes:
-        outcomes = [o async for o in receive_outcomes]
+        return transport, seen, [o async for o in receive_outcomes]
+
+
+@pytest.mark.anyio
+@pytest.mark.autojump
+async def test_a_stall_cuts_the_window_and_abandons_what_it_does_not_hold() -> None:
+    """On a path that carries nothing, no request is answered for half the read timeout: the
+    window is cut then, long before the requests time out, and the requests in flight beyond
+    the new window (the newest) are abandoned at once, each with a timeout outcome; the oldest
+    goes on until its own timeout."""
+    from anykpl._core._network import NetworkWindow
+
+    window = NetworkWindow(request_timeout=2.0, read_timeout=1.0)
+    user = Record("s", "k", b"x" * 20_000, 1, None, 0.0, 1.0, 30.0)
+    start = anyio.current_time()
+    # the oldest has waited 0.55 s after the settle: a stall
+    transport, seen, outcomes = await _through_a_stuck_path(window, [user] * 4, 0.45)
+    assert seen == (1, 64 * 1024)
     assert transport.calls == 4
     assert [o.error_code for o in outcomes] == [errors.TIMEOUT] * 4
     abandoned, (oldest,) = outcomes[:3], outcomes[3:]
@@ -274,35 +286,11 @@ async def test_a_stall_keeps_the_requests_whose_records_expire_first() -> None:
     expire first: a stall keeps it, and abandons the newer records sent before it."""
     from anykpl._core._network import NetworkWindow
 
-    class Stuck(_Transport):
-        async def put_records(self, stream: str, records: list[dict[str, Any]]) -> Any:
-            await anyio.sleep(100)  # never answered
-
     window = NetworkWindow(request_timeout=2.0, read_timeout=1.0)
     fresh = Record("s", "k", b"x" * 20_000, 1, None, 0.0, 1.0, 30.0)
     retried = Record("s", "k", b"y" * 20_000, 1, None, 0.0, 1.0, 10.0)  # expires sooner
-    send_requests, receive_requests = anyio.create_memory_object_stream[Any](math.inf)
-    send_outcomes, receive_outcomes = anyio.create_memory_object_stream[Outcome](math.inf)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(
-            lambda: run_sender(
-                "s",
-                Stuck(),
-                receive_requests,
-                send_outcomes,
-                max_connections=8,
-                request_timeout=2.0,
-                window=window,
-            )
-        )
-        async with send_requests:
-            for user in (fresh, fresh, fresh, retried):
-                send_requests.send_nowait([KinesisRecord.single(user) for _ in range(3)])
-                await anyio.sleep(0.1)
-            await anyio.sleep(0.35)  # the oldest has waited 0.55 s: a stall
-            assert window.stalls == 1
-    async with receive_outcomes:
-        outcomes = [o async for o in receive_outcomes]
+    _, seen, outcomes = await _through_a_stuck_path(window, [fresh, fresh, fresh, retried], 0.45)
+    assert seen[0] == 1  # a stall
     abandoned = [o for o in outcomes if o.error_message == "abandoned: the network path stalled"]
     assert len(abandoned) == 3
     assert all(o.records[0].records[0] is fresh for o in abandoned)
