@@ -50,16 +50,16 @@ for segments and ``request_timeout`` for the retransmission timer:
   path would split its requests and cap its admission for hours.)
 
 Admission follows the delivered rate only while the window binds: from a cut until
-:data:`RATE_SPAN` seconds after the last request it kept waiting. Before that, and whatever
-the window, what a stream holds admitted is bounded by what the path has *proven* it
+:data:`RATE_SPAN` seconds after the last request it kept waiting. At all times, whatever the
+window, what a stream holds admitted is also bounded by what the path has *proven* it
 delivers (:meth:`NetworkWindow.admission_bytes`): ``max_outstanding_time`` of the best
 delivery rate measured since the last cut, or of :data:`UNPROVEN_RATE` if that is more.
 Without it, a burst offered before the first request could stall (60,000 records of 100 B
 submitted at once, over 2 Mbit/s) is admitted whole within a second, and what the link
-cannot carry within ``record_ttl`` expires (19 % of them). On a healthy path the bound is far
-above what is held: the first answers (a round trip) prove tens of MB/s, and admission waits,
-if ever, for one round trip at the start of a burst larger than the unproven rate's (960 KiB
-with the defaults).
+cannot carry within ``record_ttl`` expires (6-19 % of them, measured). On a healthy path
+the bound is far above what is held: the first answers (a round trip) prove tens of MB/s, and
+admission waits, if ever, for one round trip at the start of a burst larger than the unproven
+rate's (960 KiB with the defaults).
 """
 
 from __future__ import annotations
