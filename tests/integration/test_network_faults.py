@@ -93,33 +93,33 @@ def test_every_acknowledged_record_is_delivered_through_a_network_fault(
 @pytest.mark.parametrize(
     "offered",
     [
-        # 3,500 records/s, five times what the link carries, for as long as the callers are
-        # let in: the path is found to stall (half a read timeout without its answers) long
-        # before a request times out, and admission follows what it delivers
-        pytest.param(["--pace", "3500"], id="five-times-over"),
-        # all at once, more than twice what the link carries within record_ttl, offered
-        # before any request could stall: what the path has not proven it delivers waits
-        pytest.param([], id="burst"),
+        # 6,000 records at 3,500/s, five times what the link carries, for as long as the
+        # callers are let in: the path is found to stall (half a read timeout without its
+        # answers) long before a request times out, and admission follows what it delivers
+        pytest.param(
+            ["--records", "6000", "--pace", "3500", "--set", "record_ttl=4.0"], id="five-times-over"
+        ),
+        # 9,000 records at once, more than twice what the link carries within record_ttl (6 s
+        # here), offered before any request could stall: what the path has not proven it
+        # delivers waits at submit
+        pytest.param(["--records", "9000", "--set", "record_ttl=6.0"], id="burst"),
     ],
 )
 def test_a_link_slower_than_what_is_offered_expires_at_most_one_percent(
     tmp_path: Path, endpoint: str, offered: list[str]
 ) -> None:
-    # 6,000 records through 1 Mbit/s, which carries about 700 of them a second. Time is scaled
-    # down: record_ttl 4 s, each request at most 2 s. What would take longer waits at submit.
+    # Through 1 Mbit/s, which carries about 650 of these records a second. Time is scaled
+    # down: record_ttl of seconds, each request at most 2 s. What would take longer waits at
+    # submit.
     results = run_faults(
         tmp_path,
         "--scenario",
         "bandwidth",
         "--endpoint",
         endpoint,
-        "--records",
-        "6000",
         "--bandwidth",
         "1m",
         *offered,
-        "--set",
-        "record_ttl=4.0",
         "--set",
         "request_timeout=1.0",
         "--set",
