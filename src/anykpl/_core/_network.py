@@ -225,10 +225,8 @@ class NetworkWindow:
         """A request of ``size`` bytes sent at ``sent_at`` got an answer (whatever it said)."""
         self._ended(size, sent_at)
         self._last_answer = now
-        answered = self._answered
-        answered.append((now, size, sent_at))
-        while answered[0][0] < now - self._keep:
-            answered.popleft()
+        self._answered.append((now, size, sent_at))
+        self._recent_answers(now)
         window = self.window
         if window == math.inf:
             return
@@ -241,6 +239,13 @@ class NetworkWindow:
         if window >= UNLIMITED_WINDOW or now - self._binding_since() >= RELEASE_AFTER:
             window = math.inf
         self.window = window
+
+    def _recent_answers(self, now: float) -> deque[tuple[float, int, float]]:
+        """The answers kept, those older than the span they are kept for dropped first."""
+        answered = self._answered
+        while answered and answered[0][0] < now - self._keep:
+            answered.popleft()
+        return answered
 
     def _binding_since(self) -> float:
         """When the window last limited anything: a cut, or a request kept waiting."""
@@ -274,9 +279,7 @@ class NetworkWindow:
         self.check_stall(now)
         if self.window == math.inf or now - self._binding_since() > RATE_SPAN:
             return None
-        answered = self._answered
-        while answered and answered[0][0] < now - self._keep:
-            answered.popleft()
+        answered = self._recent_answers(now)
         since = now - RATE_SPAN
         delivered = sum(size for when, size, _ in answered if when >= since) / RATE_SPAN
         return max(delivered, self.floor_rate)
@@ -289,9 +292,7 @@ class NetworkWindow:
         cut) if that is sooner, counting only requests sent since then, each for the share of
         its time (sent to answered) within the span."""
         self.check_stall(now)
-        answered = self._answered
-        while answered and answered[0][0] < now - self._keep:
-            answered.popleft()
+        answered = self._recent_answers(now)
         start = max(self._first_send, self._last_cut)
         span = min(RATE_SPAN, now - start)
         if answered and span > 0.0:
