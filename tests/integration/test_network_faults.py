@@ -73,7 +73,9 @@ def test_every_acknowledged_record_is_delivered_through_a_network_fault(
         # beyond the record's failed attempts, and the scenario's own bar
         assert result["problems"] == [], where
         assert not result["failed"], where
-        assert result["read_back"] >= result["records"], where
+        # moto's server can give two requests one sequence number and keep only one of their
+        # records (benchmarks/network_faults.py, repeated_sequence_numbers): its loss, not ours
+        assert result["read_back"] + result.get("lost_by_endpoint", 0) >= result["records"], where
         # and the fault really happened
         if scenario in ("resets", "blackhole"):
             assert result["fault_on"] is not None, where
@@ -131,4 +133,37 @@ def test_a_link_slower_than_what_is_offered_expires_at_most_one_percent(
         assert result["submit_waits"] > 0, where  # backpressure reached the callers
         failed = len(result["failed"])
         assert failed <= 0.01 * result["records"], (where, result["failure_codes"])
-        assert result["read_back"] >= result["records"] - failed, where
+        lost_by_moto = result.get("lost_by_endpoint", 0)
+        assert result["read_back"] + lost_by_moto >= result["records"] - failed, where
+
+
+def test_records_given_one_sequence_number_are_told_apart() -> None:
+    """The judgement counts a record moto's race lost as moto's only where the endpoint gave
+    its place in the stream to another record too."""
+    import importlib.util
+
+    from anykpl import RecordResult
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("network_faults", SCRIPT)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+    def ok(shard: str, sequence: str, sub: int) -> RecordResult:
+        return RecordResult(True, shard, sequence, sub, ())
+
+    failed = RecordResult(False, None, None, None, ())
+    results = [
+        ok("shardId-0", "1", 0),
+        ok("shardId-0", "1", 1),  # the same Kinesis record: its second user record
+        ok("shardId-0", "2", 0),
+        ok("shardId-0", "2", 0),  # another Kinesis record with the number of the one before
+        ok("shardId-1", "2", 0),  # the same number on another shard: no collision
+        failed,
+        failed,
+    ]
+    assert module.repeated_sequence_numbers(results) == [2, 3]
