@@ -34,6 +34,14 @@ from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
 from botocore.loaders import Loader, create_loader
 
+if "trio" in sys.modules:
+    # A trio program (it imported trio): httpx, trio's HTTP client here, builds its transport
+    # with httpcore, which it imports on the first client (h11 with it, 30-40 ms with trio
+    # loaded): imported now, for the reason above. Not for asyncio programs, where httpcore
+    # would import trio (0.1 s).
+    with contextlib.suppress(ImportError):  # without the trio extra
+        import httpcore2  # noqa: F401  # the httpcore of httpx2, aiobotocore's choice
+
 from .._compat import running_trio
 from ..config import ProducerConfig
 
