@@ -147,7 +147,8 @@ def test_records_given_one_sequence_number_are_told_apart() -> None:
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         spec = importlib.util.spec_from_file_location("network_faults", SCRIPT)
-        assert spec is not None and spec.loader is not None
+        assert spec is not None
+        assert spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     finally:

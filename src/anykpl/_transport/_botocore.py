@@ -37,6 +37,7 @@ from botocore.exceptions import ClientError, NoCredentialsError
 
 from .. import errors
 from ..config import ProducerConfig
+from . import _cbor
 from ._aws import create_client, http_backend
 from ._protocol import Transport, stream_parameters
 
@@ -534,9 +535,13 @@ class _DirectPutRecords:
         kept = {k: v for k, v in headers.items() if k.lower() not in _PER_REQUEST_HEADERS}
         self.routes[stream] = _Route(url, _host(url), kept, scope[2], scope[3])
 
-    async def send(self, route: _Route, body: memoryview, payload: Any) -> Mapping[str, Any]:
+    async def send(
+        self, route: _Route, body: memoryview, payload: Any, *, cbor: bool = False
+    ) -> Mapping[str, Any]:
         """Sign ``body`` and send it (as ``payload``, the same bytes in the form the session
-        sends); the parsed response, or the SDK's exceptions."""
+        sends); the parsed response, or the SDK's exceptions. ``cbor``: the body is CBOR
+        (``route`` says so in its ``Content-Type``), and so is the answer where its own
+        ``Content-Type`` says it is."""
         credentials = self._credentials.get_frozen_credentials()
         if inspect.isawaitable(credentials):
             credentials = await credentials
@@ -550,6 +555,8 @@ class _DirectPutRecords:
         response = await self._send(request)
         content = await response.content
         status = response.status_code
+        if cbor and "cbor" in str(response.headers.get("content-type", "")).lower():
+            return self._cbor_answer(status, response.headers, content)
         if status == 200:
             try:
                 parsed: Any = json.loads(content)
@@ -569,6 +576,24 @@ class _DirectPutRecords:
                 error_class = ClientError
             raise error_class(read, "PutRecords")
         return read
+
+    def _cbor_answer(
+        self, status: int, headers: Mapping[str, str], content: bytes
+    ) -> Mapping[str, Any]:
+        """A CBOR answer to a CBOR request: as :meth:`send` returns or raises a JSON one."""
+        decoded = _cbor.load(content)
+        if status < 300:
+            answer: dict[str, Any] = decoded if type(decoded) is dict else {}
+            answer["ResponseMetadata"] = _metadata(status, headers)
+            return answer
+        read = _cbor.error_answer(decoded, status)
+        read["ResponseMetadata"] = _metadata(status, headers)
+        code = read["Error"]["Code"]
+        try:
+            error_class = self._client.exceptions.from_code(code)
+        except Exception:  # pragma: no cover - another botocore's client
+            error_class = ClientError
+        raise error_class(read, "PutRecords")
 
     def _parse(self, status: int, headers: Mapping[str, str], content: bytes) -> dict[str, Any]:
         """The response as botocore's JSON parser reads it (errors above all)."""
@@ -613,11 +638,18 @@ def _metadata(status: int, headers: Mapping[str, str]) -> dict[str, Any]:
 
 
 class _BotocoreTransport:
-    def __init__(self, client: Any, *, body_pieces: bool = False, aiohttp: bool = False) -> None:
+    def __init__(
+        self, client: Any, *, body_pieces: bool = False, aiohttp: bool = False, cbor: bool = False
+    ) -> None:
         """Bodies are written into kept buffers (:class:`_BodyBuffers`); ``body_pieces``:
         and sent in pieces, as httpx needs (:class:`_BodyPieces`); ``aiohttp``: large ones as
-        a payload that aiohttp does not warn about (:func:`_view_payload`)."""
+        a payload that aiohttp does not warn about (:func:`_view_payload`). ``cbor``: the
+        PutRecords requests built here (every one after a stream's first) are CBOR."""
         self._client = client
+        self._cbor = cbor
+        # per stream, its JSON route and the route of its CBOR requests (the same, with CBOR's
+        # content type)
+        self._cbor_routes: dict[str, tuple[_Route, _Route]] = {}
         self._bodies = _BodyBuffers()
         self._body_pieces = body_pieces
         self._aiohttp = aiohttp
@@ -673,9 +705,15 @@ class _BotocoreTransport:
         self, direct: _DirectPutRecords, route: _Route, stream: str, records: list[dict[str, Any]]
     ) -> Mapping[str, Any]:
         slot = self._bodies.take()
+        cbor = self._cbor
+        if cbor:
+            route = self._cbor_route(stream, route)
         try:
+            parameters = {**stream_parameters(stream), "Records": records}
             body = slot.write(
-                put_records_body_parts({**stream_parameters(stream), "Records": records})
+                _cbor.put_records_body_parts(parameters)
+                if cbor
+                else put_records_body_parts(parameters)
             )
             payload = (
                 _sendable(body, pieces=self._body_pieces)
@@ -683,7 +721,7 @@ class _BotocoreTransport:
                 else body
             )
             try:
-                return await direct.send(route, body, payload)
+                return await direct.send(route, body, payload, cbor=cbor)
             except Exception as exc:
                 if not _signature_refused(exc):
                     raise
@@ -700,6 +738,17 @@ class _BotocoreTransport:
         )
         self._direct = None
         return await self.put_records(stream, records)
+
+    def _cbor_route(self, stream: str, route: _Route) -> _Route:
+        """``route`` (what the SDK's JSON request showed) with CBOR's content type."""
+        known = self._cbor_routes.get(stream)
+        if known is not None and known[0] is route:
+            return known[1]
+        headers = {k: v for k, v in route.headers.items() if k.lower() != "content-type"}
+        headers["Content-Type"] = _cbor.CBOR_CONTENT_TYPE
+        cbor_route = _Route(route.url, route.host, headers, route.region, route.service)
+        self._cbor_routes[stream] = (route, cbor_route)
+        return cbor_route
 
     async def list_shards(self, **kwargs: Any) -> Mapping[str, Any]:
         response: Mapping[str, Any] = await self._client.list_shards(**kwargs)
@@ -720,5 +769,8 @@ async def open_transport(config: ProducerConfig) -> AsyncIterator[Transport]:
     async with client_context as client:
         backend = http_backend(config)
         yield _BotocoreTransport(
-            client, body_pieces=backend == "httpx", aiohttp=backend == "aiohttp"
+            client,
+            body_pieces=backend == "httpx",
+            aiohttp=backend == "aiohttp",
+            cbor=config.wire_protocol == "cbor",
         )

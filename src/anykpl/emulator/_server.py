@@ -22,6 +22,7 @@ module routes each whole request:
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import re
@@ -58,6 +59,58 @@ def _json_response(status: int, body: Any, content_type: str = "application/json
         [("Content-Type", content_type), ("x-amzn-RequestId", str(uuid.uuid4()))],
         payload,
     )
+
+
+_JSON_TYPE = "application/x-amz-json-1.1"
+#: Kinesis's CBOR protocol (what the AWS SDK for Java sends): the same operations, a CBOR body
+#: with each record's data as a byte string, answers in CBOR
+_CBOR_TYPE = "application/x-amz-cbor-1.1"
+
+
+def _is_cbor(request: Request) -> bool:
+    return request.headers.get("content-type", "").startswith(_CBOR_TYPE)
+
+
+def _answer(status: int, body: Any, cbor: bool) -> Response:
+    """A Kinesis answer, in CBOR to a CBOR request, in JSON otherwise."""
+    if not cbor:
+        return _json_response(status, body, _JSON_TYPE)
+    import cbor2
+
+    return (
+        status,
+        [("Content-Type", _CBOR_TYPE), ("x-amzn-RequestId", str(uuid.uuid4()))],
+        cbor2.dumps(body),
+    )
+
+
+def _request_object(request: Request) -> dict[str, Any]:
+    """A Kinesis request's object, JSON or CBOR; a CBOR request's ``Data`` (a byte string, in
+    each record of PutRecords, or PutRecord's own) becomes base64 text, as JSON carries it.
+    Raises the service's SerializationException."""
+    if not _is_cbor(request):
+        return _json_object(request.body)
+    try:
+        import cbor2
+    except ImportError:  # pragma: no cover - cbor2 comes with the emulator's extra
+        raise KinesisError(
+            400, "SerializationException", "this emulator cannot read CBOR: install cbor2"
+        ) from None
+    try:
+        payload = cbor2.loads(request.body)
+    except Exception as exc:  # cbor2's decode errors, and what a malformed item raises
+        raise KinesisError(400, "SerializationException", str(exc)[:200]) from None
+    if not isinstance(payload, dict):
+        raise KinesisError(400, "SerializationException", "the request is not a map")
+    records = payload.get("Records")
+    for entry in records if isinstance(records, list) else (payload,):
+        if isinstance(entry, dict):
+            data = entry.get("Data")
+            if isinstance(data, (bytes, bytearray)):
+                entry["Data"] = base64.b64encode(data).decode("ascii")
+            elif data is not None:  # text where the protocol has a byte string
+                raise KinesisError(400, "SerializationException", "Data is not a byte string")
+    return payload
 
 
 def _json_object(body: bytes) -> dict[str, Any]:
@@ -362,14 +415,15 @@ class EmulatorServer:
         return result
 
     def _list_shards(self, request: Request) -> Response:
+        cbor = _is_cbor(request)
         try:
-            payload = _json_object(request.body)
+            payload = _request_object(request)
             response = self._shard_lister.list_shards(
                 payload, self._caller(request.headers), self._streams, self._loop.time()
             )
         except KinesisError as exc:
-            return _json_response(exc.status, exc.body(), "application/x-amz-json-1.1")
-        return _json_response(200, response, "application/x-amz-json-1.1")
+            return _answer(exc.status, exc.body(), cbor)
+        return _answer(200, response, cbor)
 
     # -- the write path, through the fault dice ----------------------------------------------
 
@@ -378,6 +432,9 @@ class EmulatorServer:
         faults = write_path.faults
         dice = write_path.random.random
         write_path.requests["requests"] += 1
+        cbor = _is_cbor(request)
+        if cbor:
+            write_path.requests["cbor_requests"] += 1
         fault = None
         if faults.error_rate or faults.reset_rate:
             roll = dice()
@@ -389,17 +446,17 @@ class EmulatorServer:
         if faults.latency or faults.latency_jitter:
             await asyncio.sleep(faults.latency + dice() * faults.latency_jitter)
         if fault is not None and not after_write:
-            return self._fault(fault)
+            return self._fault(fault, cbor)
         try:
             response = self._put(request, operation)
         except KinesisError as exc:
             write_path.requests["request_errors"] += 1
-            return _json_response(exc.status, exc.body(), "application/x-amz-json-1.1")
+            return _answer(exc.status, exc.body(), cbor)
         if fault is not None:
-            return self._fault(fault)
-        return _json_response(200, response, "application/x-amz-json-1.1")
+            return self._fault(fault, cbor)
+        return _answer(200, response, cbor)
 
-    def _fault(self, fault: str) -> Response:
+    def _fault(self, fault: str, cbor: bool = False) -> Response:
         totals = self.write_path.requests
         if fault == "reset":
             totals["resets"] += 1
@@ -407,12 +464,12 @@ class EmulatorServer:
         totals["request_errors"] += 1
         if self.write_path.random.random() < 0.5:
             body = {"__type": "InternalFailure", "message": "Internal service failure."}
-            return _json_response(500, body, "application/x-amz-json-1.1")
+            return _answer(500, body, cbor)
         body = {"__type": "ServiceUnavailable", "message": "Service Unavailable"}
-        return _json_response(503, body, "application/x-amz-json-1.1")
+        return _answer(503, body, cbor)
 
     def _put(self, request: Request, operation: str) -> dict[str, Any]:
-        payload = _json_object(request.body)
+        payload = _request_object(request)
         name = payload.get("StreamName")
         arn = payload.get("StreamARN")
         if not isinstance(name, str) and not isinstance(arn, str):

@@ -167,7 +167,7 @@ class WritePath:
         self.storms: list[tuple[float, float, Storm]] = []
         self.stats: dict[tuple[str, str], ShardStats] = {}
         #: request-level counters; the record counters are summed from ``stats`` (``totals``)
-        self.requests = {"requests": 0, "request_errors": 0, "resets": 0}
+        self.requests = {"requests": 0, "request_errors": 0, "resets": 0, "cbor_requests": 0}
         self._buckets: dict[tuple[str, str], _Bucket] = {}
 
     # -- control -----------------------------------------------------------------------------

@@ -1,0 +1,225 @@
+"""``wire_protocol="cbor"``: PutRecords in Kinesis's CBOR protocol, through the public API,
+against the emulator over HTTP, on asyncio and trio; every record read back with AWS's
+deaggregator (``aws_kinesis_agg``), and the emulator's own count of the CBOR requests it
+answered."""
+
+from __future__ import annotations
+
+import base64
+import random
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import boto3
+import pytest
+from aws_kinesis_agg.deaggregator import iter_deaggregate_records
+
+from anykpl import Producer, ProducerConfig
+from anykpl._core._limits import MAX_HASH_KEY
+from anykpl.emulator import EmulatorClient, spawn
+from anykpl.readback import list_shard_ids
+
+from . import interop_servers
+from .conftest import CREDENTIALS, REGION
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def emulator() -> Iterator[str]:
+    with spawn() as url:
+        yield url
+
+
+def read_back(url: str, stream: str) -> Counter[tuple[str, bytes]]:
+    """Every user record in ``stream``, (partition key, data), as AWS's deaggregator reads it."""
+    client = boto3.client("kinesis", region_name=REGION, endpoint_url=url, **CREDENTIALS)
+    found: Counter[tuple[str, bytes]] = Counter()
+    for shard_id in list_shard_ids(client, stream):
+        iterator = client.get_shard_iterator(
+            StreamName=stream, ShardId=shard_id, ShardIteratorType="TRIM_HORIZON"
+        )["ShardIterator"]
+        while iterator:
+            page = client.get_records(ShardIterator=iterator, Limit=10_000)
+            for user in iter_deaggregate_records(page["Records"], data_format="Boto3"):
+                kinesis = user["kinesis"]
+                data = kinesis["data"]
+                data = base64.b64decode(data) if kinesis.get("aggregated") else bytes(data)
+                found[(kinesis["partitionKey"], data)] += 1
+            if not page["Records"] and page.get("MillisBehindLatest", 0) == 0:
+                break
+            iterator = page.get("NextShardIterator")
+    return found
+
+
+def workload(count: int) -> list[tuple[str, bytes, int | None]]:
+    """(partition key, data, explicit hash key): small records under many keys (aggregated),
+    some with explicit hash keys, and a few over the aggregate's size (each sent as a Kinesis
+    record of its own, its data a byte string of more than 65,535 bytes)."""
+    rng = random.Random(35)
+    items: list[tuple[str, bytes, int | None]] = []
+    for i in range(count):
+        key = f"device-{rng.randrange(500)}-é"
+        size = 70_000 if i % 500 == 7 else rng.choice((1, 23, 24, 100, 255, 256, 1000))
+        data = (b"%08d|" % i) + bytes(rng.randrange(256) for _ in range(size))
+        hash_key = rng.randrange(MAX_HASH_KEY + 1) if i % 11 == 0 else None
+        items.append((key, data, hash_key))
+    return items
+
+
+async def test_records_sent_in_cbor_are_all_delivered() -> None:
+    """Each stream's first PutRecords goes through the SDK in JSON; the rest in CBOR, and every
+    record is read back once, with its key and data."""
+    stream = f"cbor-{uuid.uuid4().hex[:8]}"
+    with spawn(streams={stream: 4}) as url:
+        control = EmulatorClient(url)
+        items = workload(2_000)
+        config = ProducerConfig(
+            region=REGION, endpoint_url=url, wire_protocol="cbor", **CREDENTIALS
+        )
+        async with Producer(config) as producer:
+            first = items[0]
+            await producer.put_record(stream, first[1], first[0], first[2])
+            handles = [
+                await producer.submit(stream, data, key, hash_key)
+                for key, data, hash_key in items[1:]
+            ]
+            results = [await handle for handle in handles]
+        assert all(result.success for result in results)
+        totals = control.stats()["totals"]
+        assert totals["cbor_requests"] >= 1
+        assert totals["requests"] > totals["cbor_requests"]  # the first, in JSON
+        found = read_back(url, stream)
+        assert found == Counter((key, data) for key, data, _ in items)
+
+
+async def test_cbor_errors_are_read_and_retried() -> None:
+    """The emulator answers a third of the requests with a CBOR 500 or 503: each is read as its
+    error code and retried, and nothing is lost or failed."""
+    stream = f"cbor-{uuid.uuid4().hex[:8]}"
+    with spawn(streams={stream: 2}) as url:
+        control = EmulatorClient(url)
+        items = workload(600)
+        config = ProducerConfig(
+            region=REGION,
+            endpoint_url=url,
+            wire_protocol="cbor",
+            record_max_buffered_time=0.01,  # many small requests
+            **CREDENTIALS,
+        )
+        async with Producer(config) as producer:
+            await producer.put_record(stream, items[0][1], items[0][0])
+            control.set_faults(error_rate=0.35, fault_after_write=0.0, seed=35)
+            handles = []
+            for index, (key, data, hash_key) in enumerate(items[1:]):
+                handles.append(await producer.submit(stream, data, key, hash_key))
+                if index % 20 == 0:
+                    await anyio.sleep(0.01)  # requests of a few records each: many of them
+            results = [await handle for handle in handles]
+            control.clear_faults()
+        assert all(result.success for result in results)
+        codes: Counter[Any] = Counter(
+            a.error_code for result in results for a in result.attempts if not a.success
+        )
+        assert codes, "no CBOR error answer was met"
+        assert set(codes) <= {"InternalFailure", "ServiceUnavailable"}, codes
+        assert control.stats()["totals"]["cbor_requests"] > 1
+        assert read_back(url, stream) == Counter((k, d) for k, d, _ in items)
+
+
+async def test_kinesis_mock_stores_what_anykpl_sends_in_cbor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kinesis-mock (npm ``kinesis-local``), an independent implementation that speaks Kinesis's
+    CBOR protocol, stores every record anykpl sends it in CBOR as it was put."""
+    missing = interop_servers.missing_tools()
+    if missing:
+        pytest.skip(f"kinesis-mock needs {', '.join(missing)}")
+    from anykpl._transport import _cbor
+
+    bodies = [0]
+    written = _cbor.put_records_body_parts
+
+    def counted(parameters: Any) -> list[bytes]:
+        bodies[0] += 1
+        return written(parameters)
+
+    monkeypatch.setattr(_cbor, "put_records_body_parts", counted)
+    prefix = interop_servers.install()
+    with interop_servers.run("kinesis-mock", prefix, tmp_path) as server:
+        stream = f"cbor-{uuid.uuid4().hex[:8]}"
+        client = boto3.client("kinesis", region_name=REGION, endpoint_url=server.url, **CREDENTIALS)
+        client.create_stream(StreamName=stream, ShardCount=2)
+        client.get_waiter("stream_exists").wait(
+            StreamName=stream, WaiterConfig={"Delay": 0.1, "MaxAttempts": 200}
+        )
+        items = workload(800)
+        config = ProducerConfig(
+            region=REGION, endpoint_url=server.url, wire_protocol="cbor", **CREDENTIALS
+        )
+        async with Producer(config) as producer:
+            await producer.put_record(stream, items[0][1], items[0][0], items[0][2])
+            handles = [await producer.submit(stream, d, k, h) for k, d, h in items[1:]]
+            results = [await handle for handle in handles]
+        assert all(result.success for result in results)
+        assert bodies[0] >= 1  # requests went in CBOR
+        assert read_back(server.url, stream) == Counter((k, d) for k, d, _ in items)
+
+
+def test_cbor_needs_cbor2(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from anykpl.errors import ConfigError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "cbor2" else real(name, *a)
+    )
+    with pytest.raises(ConfigError, match=r"pip install 'anykpl\[cbor\]'"):
+        ProducerConfig(wire_protocol="cbor")
+    assert ProducerConfig(wire_protocol="json").wire_protocol == "json"
+
+
+def test_the_emulator_answers_cbor_in_cbor(emulator: str) -> None:
+    """ListShards and PutRecords in CBOR straight over HTTP: CBOR answers, errors included."""
+    import urllib.error
+    import urllib.request
+
+    import cbor2
+
+    stream = f"cbor-{uuid.uuid4().hex[:8]}"
+    EmulatorClient(emulator).create_stream(stream, shards=2)
+
+    def call(operation: str, body: dict[str, Any]) -> tuple[int, str, Any]:
+        request = urllib.request.Request(
+            emulator,
+            data=cbor2.dumps(body),
+            method="POST",
+            headers={
+                "Content-Type": "application/x-amz-cbor-1.1",
+                "X-Amz-Target": f"Kinesis_20131202.{operation}",
+            },
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                status, headers, content = response.status, response.headers, response.read()
+        except urllib.error.HTTPError as error:
+            status, headers, content = error.code, error.headers, error.read()
+        return status, headers["Content-Type"], cbor2.loads(content)
+
+    status, content_type, answer = call("ListShards", {"StreamName": stream})
+    assert (status, content_type) == (200, "application/x-amz-cbor-1.1")
+    assert len(answer["Shards"]) == 2
+    records = [{"Data": b"\x00\xff" * 10, "PartitionKey": "k"}]
+    status, _, answer = call("PutRecords", {"StreamName": stream, "Records": records})
+    assert status == 200
+    assert answer["FailedRecordCount"] == 0
+    assert answer["Records"][0]["ShardId"].startswith("shardId-")
+    text = [{"Data": "not bytes", "PartitionKey": "k"}]
+    status, content_type, answer = call("PutRecords", {"StreamName": stream, "Records": text})
+    assert (status, content_type) == (400, "application/x-amz-cbor-1.1")
+    assert answer["__type"] == "SerializationException"
