@@ -57,3 +57,87 @@ def test_error_answers_read_as_botocore_reads_json_ones() -> None:
         "Error": {"Code": "HTTP502", "Message": ""}
     }
     assert _cbor.load(b"") is None
+
+
+class _Direct:
+    """Answers the probe's exchange with what the test queued."""
+
+    def __init__(self, answers: list[Any]) -> None:
+        self.answers = answers
+        self.bodies: list[Any] = []
+
+    async def exchange(self, route: Any, body: Any, payload: Any) -> Any:
+        self.bodies.append(cbor2.loads(bytes(body)))
+        answer = self.answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+
+def _route(url: str) -> Any:
+    from anykpl._transport._botocore import _Route
+
+    return _Route(url, "host", {}, "us-east-1", "kinesis")
+
+
+def _cbor_error(code: str, **headers: str) -> tuple[int, dict[str, str], bytes]:
+    body = cbor2.dumps({"__type": code, "message": "..."})
+    return 400, {"Content-Type": _cbor.CBOR_CONTENT_TYPE, **headers}, body
+
+
+@pytest.mark.anyio
+async def test_the_probe_decides_once_per_endpoint_and_asks_again_after_no_answer() -> None:
+    from anykpl._transport._botocore import PROBE_RETRY, _CborProbe
+
+    now = [0.0]
+    probe = _CborProbe(lambda: now[0])
+    emulator = _route("http://127.0.0.1:4567")
+    direct = _Direct(
+        [
+            TimeoutError("read timeout"),
+            _cbor_error("ResourceNotFoundException", **{"x-anykpl-cbor": "1"}),
+        ]
+    )
+    assert not await probe.takes_cbor(direct, emulator, "s")  # no answer: JSON
+    assert not await probe.takes_cbor(direct, emulator, "s")  # not asked again yet
+    assert len(direct.bodies) == 1
+    now[0] += PROBE_RETRY
+    assert await probe.takes_cbor(direct, emulator, "s")
+    assert await probe.takes_cbor(direct, emulator, "s")  # known: not asked again
+    assert len(direct.bodies) == 2
+    sent = direct.bodies[0]
+    assert sent["StreamName"].startswith("anykpl-cbor-probe-")  # a stream that does not exist
+    assert sent["Records"][0]["Data"] == b"\x00\xff anykpl"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("url", "answer", "cbor"),
+    [
+        # AWS's own endpoints store CBOR as sent: an AccessDenied answer shows it parsed it
+        ("https://kinesis.us-east-1.amazonaws.com", _cbor_error("AccessDeniedException"), True),
+        (
+            "https://vpce-1.kinesis.us-east-1.vpce.amazonaws.com",
+            _cbor_error("ResourceNotFoundException"),
+            True,
+        ),
+        # an endpoint anykpl cannot vouch for (kinesalite answers just so)
+        ("http://localhost:4567", _cbor_error("ResourceNotFoundException"), False),
+        # a JSON answer, a 500, a parse error
+        (
+            "https://kinesis.us-east-1.amazonaws.com",
+            (500, {"Content-Type": "text/html"}, b"<html>"),
+            False,
+        ),
+        ("https://kinesis.us-east-1.amazonaws.com", _cbor_error("SerializationException"), False),
+    ],
+)
+async def test_the_probes_verdict(url: str, answer: Any, cbor: bool) -> None:
+    from anykpl._transport._botocore import _CborProbe
+
+    probe = _CborProbe(lambda: 0.0)
+    arn = "arn:aws:kinesis:us-east-1:123456789012:stream/events"
+    direct = _Direct([answer])
+    assert await probe.takes_cbor(direct, _route(url), arn) is cbor
+    probed = direct.bodies[0]["StreamARN"]
+    assert probed.startswith("arn:aws:kinesis:us-east-1:123456789012:stream/anykpl-cbor-probe-")

@@ -130,7 +130,7 @@ OUT_OF_RANGE = [
     ("endpoint_url", "http://localhost:99999", "http:// or https://"),
     ("profile", "", "non-empty"),
     ("http_backend", "curl", "'auto', 'aiohttp', 'httpx'"),
-    ("wire_protocol", "xml", "'json', 'cbor'"),
+    ("wire_protocol", "xml", "'json', 'cbor', 'auto'"),
     ("proxy_url", "proxy.internal:3128", "http:// or https://"),
     ("proxy_url", "socks5://proxy.internal:1080", "http:// or https://"),
     ("proxy_url", "http://", "with a host"),

@@ -55,7 +55,7 @@ from .errors import ConfigError
 __all__ = ("FleetConfig", "ProducerConfig", "StreamSettings", "TenantQuota")
 
 HttpBackend = Literal["auto", "aiohttp", "httpx"]
-WireProtocol = Literal["json", "cbor"]
+WireProtocol = Literal["json", "cbor", "auto"]
 TenantOverflow = Literal["wait", "reject"]
 SpoolFsync = Literal["off", "commit", "interval"]
 MetricsLevel = Literal["none", "summary", "detailed"]
@@ -280,15 +280,17 @@ class ProducerConfig:
             (the default: aiohttp under asyncio, httpx under trio, where aiohttp cannot run).
             No KPL property.
         wire_protocol: How PutRecords bodies are written: ``"json"`` (the default, each
-            record's data in base64, what botocore sends) or ``"cbor"`` (Kinesis's
+            record's data in base64, what botocore sends), ``"cbor"`` (Kinesis's
             ``application/x-amz-cbor-1.1``, what the AWS SDK for Java sends: data as raw
-            bytes, a request about a quarter smaller and no base64; needs ``cbor2``, ``pip
-            install 'anykpl[cbor]'``). With ``"cbor"``, each stream's first PutRecords still
-            goes through botocore in JSON (anykpl learns the request's route from it), and so
-            do ListShards and every request when anykpl cannot sign requests itself. Use it
-            only against Kinesis or an endpoint that stores CBOR correctly (anykpl's emulator;
-            kinesalite stores CBOR data wrongly, moto's server refuses it):
-            ``docs/cbor.md``. No KPL property.
+            bytes, a request about a quarter smaller and no base64) or ``"auto"`` (CBOR where
+            the endpoint is shown to take it, JSON elsewhere: once per endpoint, a CBOR
+            PutRecords to a stream that does not exist must come back as a CBOR error, and the
+            endpoint must be AWS's or anykpl's emulator, which store CBOR data as sent;
+            kinesalite parses CBOR but stores its data wrongly). ``"cbor"`` and ``"auto"``
+            need ``cbor2`` (``pip install 'anykpl[cbor]'``). Each stream's first PutRecords
+            goes through botocore in JSON either way (anykpl learns the request's route from
+            it), and so do ListShards and every request when anykpl cannot sign requests
+            itself. ``docs/cbor.md``. No KPL property.
         proxy_url: HTTP proxy for every AWS call the producer makes (Kinesis, the fleet's S3,
             a ``CloudWatchSink``), such as ``"http://proxy.internal:3128"`` or
             ``"http://user:password@proxy.internal:3128"``: ``http://`` or ``https://`` (the
@@ -560,11 +562,11 @@ class ProducerConfig:
         _check_ca_bundle(self)
         _check_choice(self, "http_backend", get_args(HttpBackend))
         _check_choice(self, "wire_protocol", get_args(WireProtocol))
-        if self.wire_protocol == "cbor" and importlib.util.find_spec("cbor2") is None:
+        if self.wire_protocol != "json" and importlib.util.find_spec("cbor2") is None:
             _fail(
                 "wire_protocol",
-                "cbor",
-                "'json', or 'cbor' with cbor2 installed (pip install 'anykpl[cbor]')",
+                self.wire_protocol,
+                "'json', or 'cbor' and 'auto' with cbor2 installed (pip install 'anykpl[cbor]')",
             )
         _check_proxy_url(self)
         _check_int(self, "max_connections", 1, 256)

@@ -6,6 +6,9 @@ answered."""
 from __future__ import annotations
 
 import base64
+import contextlib
+import importlib.util
+import logging
 import random
 import uuid
 from collections import Counter
@@ -27,6 +30,7 @@ from . import interop_servers
 from .conftest import CREDENTIALS, REGION
 
 pytestmark = pytest.mark.anyio
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
@@ -223,3 +227,82 @@ def test_the_emulator_answers_cbor_in_cbor(emulator: str) -> None:
     status, content_type, answer = call("PutRecords", {"StreamName": stream, "Records": text})
     assert (status, content_type) == (400, "application/x-amz-cbor-1.1")
     assert answer["__type"] == "SerializationException"
+
+
+@contextlib.contextmanager
+def endpoint_of(name: str, tmp_path: Path) -> Iterator[str]:
+    """A running endpoint: the emulator, moto's own server, kinesalite or kinesis-mock."""
+    if name == "emulator":
+        with spawn() as url:
+            yield url
+    elif name == "moto":
+        spec = importlib.util.spec_from_file_location("endpoints", BENCHMARKS / "endpoints.py")
+        assert spec is not None
+        assert spec.loader is not None
+        endpoints = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(endpoints)
+        with endpoints.start_moto_server() as url:
+            yield url
+    else:
+        missing = interop_servers.missing_tools()
+        if missing:
+            pytest.skip(f"{name} needs {', '.join(missing)}")
+        with interop_servers.run(name, interop_servers.install(), tmp_path) as server:
+            yield server.url
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("endpoint", "cbor"),
+    [("emulator", True), ("moto", False), ("kinesalite", False), ("kinesis-mock", False)],
+)
+async def test_auto_uses_cbor_only_where_it_is_stored_as_sent(
+    endpoint: str, cbor: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """``wire_protocol="auto"``: CBOR on the emulator, JSON on moto's server (it refuses CBOR),
+    kinesalite (it parses CBOR but stores its data wrongly) and kinesis-mock (it parses CBOR,
+    and anykpl cannot tell how it stores it); the probe writes nothing; every record is read
+    back as it was put."""
+    from anykpl._transport import _cbor
+
+    bodies = [0]
+    written = _cbor.put_records_body_parts
+
+    def counted(parameters: Any) -> list[bytes]:
+        if not any(
+            str(v).rpartition("/")[2].startswith("anykpl-cbor-probe-")
+            for v in (parameters.get("StreamName"), parameters.get("StreamARN"))
+        ):
+            bodies[0] += 1  # a request of the test's stream, not the probe's
+        return written(parameters)
+
+    monkeypatch.setattr(_cbor, "put_records_body_parts", counted)
+    caplog.set_level(logging.INFO, logger="anykpl.sender")
+    with endpoint_of(endpoint, tmp_path) as url:
+        client = boto3.client("kinesis", region_name=REGION, endpoint_url=url, **CREDENTIALS)
+        stream = f"auto-{uuid.uuid4().hex[:8]}"
+        client.create_stream(StreamName=stream, ShardCount=2)
+        client.get_waiter("stream_exists").wait(
+            StreamName=stream, WaiterConfig={"Delay": 0.1, "MaxAttempts": 200}
+        )
+        items = workload(600)
+        config = ProducerConfig(
+            region=REGION, endpoint_url=url, wire_protocol="auto", **CREDENTIALS
+        )
+        async with Producer(config) as producer:
+            await producer.put_record(stream, items[0][1], items[0][0], items[0][2])
+            handles = []
+            for index, (key, data, hash_key) in enumerate(items[1:]):
+                handles.append(await producer.submit(stream, data, key, hash_key))
+                if index % 100 == 0:
+                    await anyio.sleep(0.02)  # several requests
+            results = [await handle for handle in handles]
+        assert all(result.success for result in results)
+        assert (bodies[0] > 0) is cbor
+        decided = [
+            r.getMessage() for r in caplog.records if "wire_protocol='auto'" in r.getMessage()
+        ]
+        assert len(decided) == 1, decided  # once per endpoint
+        assert ("go in CBOR" in decided[0]) is cbor, decided
+        assert client.list_streams()["StreamNames"] == [stream]  # the probe created nothing
+        assert read_back(url, stream) == Counter((k, d) for k, d, _ in items)

@@ -25,6 +25,7 @@ import inspect
 import json
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
@@ -535,13 +536,13 @@ class _DirectPutRecords:
         kept = {k: v for k, v in headers.items() if k.lower() not in _PER_REQUEST_HEADERS}
         self.routes[stream] = _Route(url, _host(url), kept, scope[2], scope[3])
 
-    async def send(
-        self, route: _Route, body: memoryview, payload: Any, *, cbor: bool = False
-    ) -> Mapping[str, Any]:
-        """Sign ``body`` and send it (as ``payload``, the same bytes in the form the session
-        sends); the parsed response, or the SDK's exceptions. ``cbor``: the body is CBOR
-        (``route`` says so in its ``Content-Type``), and so is the answer where its own
-        ``Content-Type`` says it is."""
+    async def exchange(
+        self, route: _Route, body: memoryview, payload: Any
+    ) -> tuple[int, Mapping[str, str], bytes]:
+        """Sign ``body`` and send it (as ``payload``); the answer's status, headers and content.
+
+        :raises: the HTTP session's exceptions (no answer), ``NoCredentialsError``.
+        """
         credentials = self._credentials.get_frozen_credentials()
         if inspect.isawaitable(credentials):
             credentials = await credentials
@@ -554,9 +555,18 @@ class _DirectPutRecords:
         request = AWSPreparedRequest("POST", route.url, headers, payload, False)
         response = await self._send(request)
         content = await response.content
-        status = response.status_code
-        if cbor and "cbor" in str(response.headers.get("content-type", "")).lower():
-            return self._cbor_answer(status, response.headers, content)
+        return response.status_code, response.headers, content
+
+    async def send(
+        self, route: _Route, body: memoryview, payload: Any, *, cbor: bool = False
+    ) -> Mapping[str, Any]:
+        """Sign ``body`` and send it (as ``payload``, the same bytes in the form the session
+        sends); the parsed response, or the SDK's exceptions. ``cbor``: the body is CBOR
+        (``route`` says so in its ``Content-Type``), and so is the answer where its own
+        ``Content-Type`` says it is."""
+        status, headers, content = await self.exchange(route, body, payload)
+        if cbor and "cbor" in str(headers.get("content-type", "")).lower():
+            return self._cbor_answer(status, headers, content)
         if status == 200:
             try:
                 parsed: Any = json.loads(content)
@@ -564,9 +574,9 @@ class _DirectPutRecords:
                 parsed = None
             if _well_formed(parsed):
                 answer: dict[str, Any] = parsed
-                answer["ResponseMetadata"] = _metadata(status, response.headers)
+                answer["ResponseMetadata"] = _metadata(status, headers)
                 return answer
-        read = self._parse(status, response.headers, content)
+        read = self._parse(status, headers, content)
         if status >= 300:
             # as the SDK raises it: the modelled exception for the code, or ClientError
             code = read.get("Error", {}).get("Code")
@@ -608,6 +618,98 @@ class _DirectPutRecords:
         return parsed
 
 
+#: Hosts whose Kinesis stores CBOR requests' data as sent (AWS's own endpoints, VPC endpoints
+#: included): ``wire_protocol="auto"`` uses CBOR there once the probe shows it is parsed
+_AWS_HOST_SUFFIXES: Final = (".amazonaws.com", ".amazonaws.com.cn", ".api.aws")
+#: The header anykpl's emulator puts on its CBOR answers: it stores CBOR data as sent
+EMULATOR_CBOR_HEADER: Final = "x-anykpl-cbor"
+#: The answers that show an endpoint parsed a CBOR PutRecords (to a stream that does not exist)
+_PROBE_ANSWERS: Final = frozenset({"ResourceNotFoundException", "AccessDeniedException"})
+#: Seconds before a probe that met no answer (a timeout, a lost connection) is tried again
+PROBE_RETRY: Final = 60.0
+
+
+class _CborProbe:
+    """``wire_protocol="auto"``: whether an endpoint takes CBOR, found out once per endpoint.
+
+    Parsing is not enough: kinesalite parses CBOR and answers in it, but stores a record's byte
+    string wrongly (mhart/kinesalite#101), and nothing short of writing a record and reading it
+    back would show that. So CBOR is used only where the data is known to be stored as sent,
+    on AWS's own endpoints and on anykpl's emulator (which says so in a header of its CBOR
+    answers), and only once the endpoint has shown it parses a CBOR PutRecords: the probe
+    sends one, with one record, to a stream that does not exist, so nothing can be written,
+    and expects a CBOR error that names the stream's absence (or the caller's lack of access
+    to it). Everything else stays JSON, and the reason is logged once."""
+
+    def __init__(self, clock: Any) -> None:
+        self._clock = clock
+        # per endpoint (scheme, host): True or False once known, else when to try again
+        self._known: dict[str, bool | float] = {}
+
+    async def takes_cbor(self, direct: _DirectPutRecords, route: _Route, stream: str) -> bool:
+        """Whether this request of ``stream`` may go in CBOR (probing the endpoint first)."""
+        endpoint = _endpoint(route.url)
+        known = self._known.get(endpoint)
+        if type(known) is bool:
+            return known
+        if known is not None and self._clock() < known:
+            return False  # the last probe met no answer: JSON until it is tried again
+        self._known[endpoint] = self._clock() + PROBE_RETRY  # one probe at a time
+        try:
+            verdict, reason = await self._probe(direct, route, stream)
+        except Exception as exc:  # no answer: JSON meanwhile, and ask again later
+            code, message = error_code(exc)
+            logger.info(
+                "wire_protocol='auto': the CBOR probe of %s met no answer (%s: %s); JSON until "
+                "it is tried again in %.0f s",
+                endpoint,
+                code,
+                message,
+                PROBE_RETRY,
+            )
+            return False
+        self._known[endpoint] = verdict
+        if verdict:
+            logger.info("wire_protocol='auto': PutRecords to %s go in CBOR", endpoint)
+        else:
+            logger.info("wire_protocol='auto': PutRecords to %s stay in JSON: %s", endpoint, reason)
+        return verdict
+
+    async def _probe(
+        self, direct: _DirectPutRecords, route: _Route, stream: str
+    ) -> tuple[bool, str]:
+        missing = f"anykpl-cbor-probe-{os.urandom(8).hex()}"
+        if stream.startswith("arn:"):
+            parameters = {"StreamARN": stream.rpartition("/")[0] + "/" + missing}
+        else:
+            parameters = {"StreamName": missing}
+        record = {"Data": b"\x00\xff anykpl", "PartitionKey": "anykpl-cbor-probe"}
+        body = memoryview(
+            b"".join(_cbor.put_records_body_parts({**parameters, "Records": [record]}))
+        )
+        status, answered_headers, content = await direct.exchange(route, body, bytes(body))
+        headers = {str(name).lower(): str(value) for name, value in answered_headers.items()}
+        content_type = headers.get("content-type", "")
+        if "cbor" not in content_type.lower():
+            answered = content_type or "no content type"
+            return False, f"it answered a CBOR request with HTTP {status} ({answered})"
+        code = _cbor.error_answer(_cbor.load(content), status)["Error"]["Code"]
+        if code not in _PROBE_ANSWERS:
+            return False, f"it answered a CBOR request to a missing stream with {code}"
+        host = urlsplit(route.url).hostname or ""
+        if host.endswith(_AWS_HOST_SUFFIXES) or EMULATOR_CBOR_HEADER in headers:
+            return True, ""
+        return False, (
+            "it parses CBOR, but anykpl cannot tell whether it stores CBOR data as sent "
+            "(kinesalite does not); wire_protocol='cbor' uses it anyway"
+        )
+
+
+def _endpoint(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}"
+
+
 def _well_formed(parsed: Any) -> bool:
     """A PutRecords answer the Retrier can read as it is: a list of entries, each an object
     (anything else is left to botocore's parser, which drops nulls as the SDK's answers do)."""
@@ -639,14 +741,22 @@ def _metadata(status: int, headers: Mapping[str, str]) -> dict[str, Any]:
 
 class _BotocoreTransport:
     def __init__(
-        self, client: Any, *, body_pieces: bool = False, aiohttp: bool = False, cbor: bool = False
+        self,
+        client: Any,
+        *,
+        body_pieces: bool = False,
+        aiohttp: bool = False,
+        wire_protocol: str = "json",
+        clock: Any = time.monotonic,
     ) -> None:
         """Bodies are written into kept buffers (:class:`_BodyBuffers`); ``body_pieces``:
         and sent in pieces, as httpx needs (:class:`_BodyPieces`); ``aiohttp``: large ones as
-        a payload that aiohttp does not warn about (:func:`_view_payload`). ``cbor``: the
-        PutRecords requests built here (every one after a stream's first) are CBOR."""
+        a payload that aiohttp does not warn about (:func:`_view_payload`). ``wire_protocol``:
+        the PutRecords requests built here (every one after a stream's first) are JSON, CBOR,
+        or (``"auto"``) CBOR where :class:`_CborProbe` finds the endpoint takes it."""
         self._client = client
-        self._cbor = cbor
+        self._cbor = wire_protocol == "cbor"
+        self._probe = _CborProbe(clock) if wire_protocol == "auto" else None
         # per stream, its JSON route and the route of its CBOR requests (the same, with CBOR's
         # content type)
         self._cbor_routes: dict[str, tuple[_Route, _Route]] = {}
@@ -704,8 +814,11 @@ class _BotocoreTransport:
     async def _put_records_direct(
         self, direct: _DirectPutRecords, route: _Route, stream: str, records: list[dict[str, Any]]
     ) -> Mapping[str, Any]:
-        slot = self._bodies.take()
         cbor = self._cbor
+        probe = self._probe
+        if probe is not None:
+            cbor = await probe.takes_cbor(direct, self._cbor_route(stream, route), stream)
+        slot = self._bodies.take()
         if cbor:
             route = self._cbor_route(stream, route)
         try:
@@ -772,5 +885,5 @@ async def open_transport(config: ProducerConfig) -> AsyncIterator[Transport]:
             client,
             body_pieces=backend == "httpx",
             aiohttp=backend == "aiohttp",
-            cbor=config.wire_protocol == "cbor",
+            wire_protocol=config.wire_protocol,
         )

@@ -79,7 +79,12 @@ def _answer(status: int, body: Any, cbor: bool) -> Response:
 
     return (
         status,
-        [("Content-Type", _CBOR_TYPE), ("x-amzn-RequestId", str(uuid.uuid4()))],
+        [
+            ("Content-Type", _CBOR_TYPE),
+            ("x-amzn-RequestId", str(uuid.uuid4())),
+            # it stores CBOR data as sent: wire_protocol="auto" may use CBOR here
+            ("x-anykpl-cbor", "stored-as-sent"),
+        ],
         cbor2.dumps(body),
     )
 
