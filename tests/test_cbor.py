@@ -62,9 +62,10 @@ def test_error_answers_read_as_botocore_reads_json_ones() -> None:
 class _Direct:
     """Answers the probe's exchange with what the test queued."""
 
-    def __init__(self, answers: list[Any]) -> None:
+    def __init__(self, answers: list[Any], emulators: tuple[str, ...] = ()) -> None:
         self.answers = answers
         self.bodies: list[Any] = []
+        self.stores_cbor_as_sent = set(emulators)
 
     async def exchange(self, route: Any, body: Any, payload: Any) -> Any:
         self.bodies.append(cbor2.loads(bytes(body)))
@@ -93,10 +94,8 @@ async def test_the_probe_decides_once_per_endpoint_and_asks_again_after_no_answe
     probe = _CborProbe(lambda: now[0])
     emulator = _route("http://127.0.0.1:4567")
     direct = _Direct(
-        [
-            TimeoutError("read timeout"),
-            _cbor_error("ResourceNotFoundException", **{"x-anykpl-cbor": "1"}),
-        ]
+        [TimeoutError("read timeout"), _cbor_error("ResourceNotFoundException")],
+        emulators=("http://127.0.0.1:4567",),  # its answers said it stores CBOR as sent
     )
     assert not await probe.takes_cbor(direct, emulator, "s")  # no answer: JSON
     assert not await probe.takes_cbor(direct, emulator, "s")  # not asked again yet
@@ -121,8 +120,6 @@ async def test_the_probe_decides_once_per_endpoint_and_asks_again_after_no_answe
             _cbor_error("ResourceNotFoundException"),
             True,
         ),
-        # an endpoint anykpl cannot vouch for (kinesalite answers just so)
-        ("http://localhost:4567", _cbor_error("ResourceNotFoundException"), False),
         # a JSON answer, a 500, a parse error
         (
             "https://kinesis.us-east-1.amazonaws.com",
@@ -141,3 +138,17 @@ async def test_the_probes_verdict(url: str, answer: Any, cbor: bool) -> None:
     assert await probe.takes_cbor(direct, _route(url), arn) is cbor
     probed = direct.bodies[0]["StreamARN"]
     assert probed.startswith("arn:aws:kinesis:us-east-1:123456789012:stream/anykpl-cbor-probe-")
+
+
+@pytest.mark.anyio
+async def test_an_endpoint_that_is_not_aws_nor_the_emulator_is_not_asked() -> None:
+    """kinesalite answers the probe just as Kinesis does, and stores CBOR data wrongly: an
+    endpoint anykpl cannot vouch for stays JSON, and no probe reaches it (a user's stub or
+    proxy never sees one)."""
+    from anykpl._transport._botocore import _CborProbe
+
+    probe = _CborProbe(lambda: 0.0)
+    direct = _Direct([_cbor_error("ResourceNotFoundException")])
+    assert not await probe.takes_cbor(direct, _route("http://localhost:4567"), "s")
+    assert not await probe.takes_cbor(direct, _route("http://localhost:4567"), "s")
+    assert direct.bodies == []

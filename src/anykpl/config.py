@@ -279,18 +279,18 @@ class ProducerConfig:
         http_backend: HTTP client under aiobotocore: ``"aiohttp"``, ``"httpx"``, or ``"auto"``
             (the default: aiohttp under asyncio, httpx under trio, where aiohttp cannot run).
             No KPL property.
-        wire_protocol: How PutRecords bodies are written: ``"json"`` (the default, each
-            record's data in base64, what botocore sends), ``"cbor"`` (Kinesis's
-            ``application/x-amz-cbor-1.1``, what the AWS SDK for Java sends: data as raw
-            bytes, a request about a quarter smaller and no base64) or ``"auto"`` (CBOR where
-            the endpoint is shown to take it, JSON elsewhere: once per endpoint, a CBOR
-            PutRecords to a stream that does not exist must come back as a CBOR error, and the
-            endpoint must be AWS's or anykpl's emulator, which store CBOR data as sent;
-            kinesalite parses CBOR but stores its data wrongly). ``"cbor"`` and ``"auto"``
-            need ``cbor2`` (``pip install 'anykpl[cbor]'``). Each stream's first PutRecords
-            goes through botocore in JSON either way (anykpl learns the request's route from
-            it), and so do ListShards and every request when anykpl cannot sign requests
-            itself. ``docs/cbor.md``. No KPL property.
+        wire_protocol: How PutRecords (and ListShards) bodies are written: ``"auto"`` (the
+            default: Kinesis's CBOR protocol where the endpoint is shown to take it, JSON
+            elsewhere), ``"cbor"`` (``application/x-amz-cbor-1.1``, what the AWS SDK for Java
+            sends: each record's data as raw bytes, a request about a quarter smaller and no
+            base64) or ``"json"`` (each record's data in base64, what botocore sends). With
+            ``"auto"``, only AWS's endpoints and anykpl's emulator, which store CBOR data as
+            sent, are asked: once per endpoint, a CBOR PutRecords to a stream that does not
+            exist must come back as a CBOR error; every other endpoint (kinesalite parses CBOR
+            but stores its data wrongly) stays JSON. A stream's first PutRecords and first
+            ListShards go through botocore in JSON either way (anykpl learns the requests'
+            route from them), and so does every request when anykpl cannot sign requests
+            itself. Answers are read with ``cbor2``. ``docs/cbor.md``. No KPL property.
         proxy_url: HTTP proxy for every AWS call the producer makes (Kinesis, the fleet's S3,
             a ``CloudWatchSink``), such as ``"http://proxy.internal:3128"`` or
             ``"http://user:password@proxy.internal:3128"``: ``http://`` or ``https://`` (the
@@ -493,7 +493,7 @@ class ProducerConfig:
     verify_certificate: bool = True
     ca_bundle: str | None = None
     http_backend: HttpBackend = "auto"
-    wire_protocol: WireProtocol = "json"
+    wire_protocol: WireProtocol = "auto"
     proxy_url: str | None = None
     max_connections: int = 24
     connect_timeout: float = 6.0
@@ -566,7 +566,7 @@ class ProducerConfig:
             _fail(
                 "wire_protocol",
                 self.wire_protocol,
-                "'json', or 'cbor' and 'auto' with cbor2 installed (pip install 'anykpl[cbor]')",
+                "'json', or 'cbor' and 'auto' with cbor2 installed (pip install cbor2)",
             )
         _check_proxy_url(self)
         _check_int(self, "max_connections", 1, 256)

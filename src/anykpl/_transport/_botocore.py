@@ -479,6 +479,10 @@ class _DirectPutRecords:
         self._parser: Any = None
         self._keys: dict[tuple[str, str], bytes] = {}
         self.routes: dict[str, _Route] = {}
+        # ListShards' routes, by :func:`_list_key`
+        self.list_routes: dict[str, _Route] = {}
+        # endpoints whose answers said they store CBOR data as sent (:meth:`note_answer`)
+        self.stores_cbor_as_sent: set[str] = set()
 
     @classmethod
     def for_client(cls, client: Any) -> _DirectPutRecords | None:
@@ -494,47 +498,89 @@ class _DirectPutRecords:
         if credentials is None or not callable(send):
             return None  # unsigned requests, or an HTTP session unlike aiobotocore's
         send = getattr(send, "_anykpl_send", send)  # another transport on the client wrapped it
+        direct = cls(client, credentials, send, output_shape)
 
         async def send_and_learn(request: Any) -> Any:
             sent = _learned_route.get()
             if sent is not None:
                 sent.append(request)
-            return await send(request)
+            response = await send(request)
+            if sent is not None:
+                direct.note_answer(request, response)
+            return response
 
         send_and_learn._anykpl_send = send  # type: ignore[attr-defined]
         try:
             session.send = send_and_learn
         except (AttributeError, TypeError):  # pragma: no cover - a session with slots
             return None
-        return cls(client, credentials, send, output_shape)
+        return direct
+
+    def note_answer(self, request: Any, response: Any) -> None:
+        """Note an endpoint that says it stores CBOR data as sent (anykpl's emulator, in a
+        header of its answers)."""
+        try:
+            names = {str(name).lower() for name in response.headers}
+            if EMULATOR_CBOR_HEADER in names:
+                self.stores_cbor_as_sent.add(_endpoint(str(request.url)))
+        except Exception:  # pragma: no cover - another session's response
+            return
 
     def learn(self, stream: str, request: Any) -> None:
         """Keep the route of the SDK's ``request`` for ``stream`` if it is a plain SigV4 POST
         to the root of an HTTP(S) endpoint; otherwise the stream stays with the SDK."""
+        route = _route_of(request)
+        if route is not None:
+            self.routes[stream] = route
+
+    def learn_list_shards(self, key: str, request: Any) -> None:
+        """:meth:`learn` for the SDK's ListShards ``request`` (``key``: :func:`_list_key`)."""
+        route = _route_of(request)
+        if route is not None:
+            self.list_routes[key] = route
+
+    async def list_shards(self, route: _Route, parameters: Mapping[str, Any]) -> Mapping[str, Any]:
+        """ListShards in CBOR along ``route`` (its CBOR form): the answer as botocore's JSON
+        parser reads it (no null members), or the SDK's exceptions. A 2xx answer that is not
+        CBOR raises :class:`_NotCbor`."""
+        import cbor2
+
+        body = memoryview(cbor2.dumps(dict(parameters)))
+        status, headers, content = await self.exchange(route, body, bytes(body))
+        if "cbor" not in str(headers.get("content-type", "")).lower():
+            if status < 300:
+                raise _NotCbor(status)
+            return self._parse_list_shards(status, headers, content)
+        decoded = _cbor.load(content)
+        if status < 300 and type(decoded) is dict:
+            answer: dict[str, Any] = _without_nulls(decoded)
+            answer["ResponseMetadata"] = _metadata(status, headers)
+            return answer
+        read = _cbor.error_answer(decoded, status)
+        read["ResponseMetadata"] = _metadata(status, headers)
         try:
-            url = str(request.url)
-            parts = urlsplit(url)
-            headers = {
-                str(k): v.decode() if isinstance(v, bytes) else str(v)
-                for k, v in request.headers.items()
-            }
-        except Exception:  # pragma: no cover - another botocore's request
-            return
-        authorization = next((v for k, v in headers.items() if k.lower() == "authorization"), "")
-        prefix = "AWS4-HMAC-SHA256 Credential="
-        if (
-            str(getattr(request, "method", "")).upper() != "POST"
-            or parts.scheme not in ("http", "https")
-            or parts.path not in ("", "/")
-            or parts.query
-            or not authorization.startswith(prefix)
-        ):
-            return
-        scope = authorization[len(prefix) :].split(",", 1)[0].split("/")
-        if len(scope) != 5 or scope[4] != "aws4_request":
-            return
-        kept = {k: v for k, v in headers.items() if k.lower() not in _PER_REQUEST_HEADERS}
-        self.routes[stream] = _Route(url, _host(url), kept, scope[2], scope[3])
+            error_class = self._client.exceptions.from_code(read["Error"]["Code"])
+        except Exception:  # pragma: no cover - another botocore's client
+            error_class = ClientError
+        raise error_class(read, "ListShards")
+
+    def _parse_list_shards(
+        self, status: int, headers: Mapping[str, str], content: bytes
+    ) -> Mapping[str, Any]:
+        """A JSON error answer to a CBOR ListShards, raised as the SDK raises it."""
+        from botocore.parsers import create_parser
+
+        shape = self._client.meta.service_model.operation_model("ListShards").output_shape
+        read: dict[str, Any] = create_parser("json").parse(
+            {"status_code": status, "headers": headers, "body": content}, shape
+        )
+        read.setdefault("ResponseMetadata", {}).update(_metadata(status, headers))
+        code = read.get("Error", {}).get("Code")
+        try:
+            error_class = self._client.exceptions.from_code(code)
+        except Exception:  # pragma: no cover - another botocore's client
+            error_class = ClientError
+        raise error_class(read, "ListShards")
 
     async def exchange(
         self, route: _Route, body: memoryview, payload: Any
@@ -618,6 +664,58 @@ class _DirectPutRecords:
         return parsed
 
 
+class _NotCbor(Exception):
+    """An endpoint answered a CBOR request with a success that is not CBOR."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"HTTP {status}, not CBOR")
+
+
+def _without_nulls(value: Any) -> Any:
+    """``value`` with every null member of a map left out, as botocore's parser leaves them out
+    (kinesis-mock writes them)."""
+    if type(value) is dict:
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if type(value) is list:
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def _list_key(parameters: Mapping[str, Any]) -> str:
+    """Which learned route a ListShards call takes: botocore sends a call by stream ARN to the
+    account's own endpoint, and one by name or by ``NextToken`` alone to the region's."""
+    return str(parameters.get("StreamARN") or "")
+
+
+def _route_of(request: Any) -> _Route | None:
+    """The route of the SDK's ``request`` if it is a plain SigV4 POST to the root of an
+    HTTP(S) endpoint."""
+    try:
+        url = str(request.url)
+        parts = urlsplit(url)
+        headers = {
+            str(k): v.decode() if isinstance(v, bytes) else str(v)
+            for k, v in request.headers.items()
+        }
+    except Exception:  # pragma: no cover - another botocore's request
+        return None
+    authorization = next((v for k, v in headers.items() if k.lower() == "authorization"), "")
+    prefix = "AWS4-HMAC-SHA256 Credential="
+    if (
+        str(getattr(request, "method", "")).upper() != "POST"
+        or parts.scheme not in ("http", "https")
+        or parts.path not in ("", "/")
+        or parts.query
+        or not authorization.startswith(prefix)
+    ):
+        return None
+    scope = authorization[len(prefix) :].split(",", 1)[0].split("/")
+    if len(scope) != 5 or scope[4] != "aws4_request":
+        return None
+    kept = {k: v for k, v in headers.items() if k.lower() not in _PER_REQUEST_HEADERS}
+    return _Route(url, _host(url), kept, scope[2], scope[3])
+
+
 #: Hosts whose Kinesis stores CBOR requests' data as sent (AWS's own endpoints, VPC endpoints
 #: included): ``wire_protocol="auto"`` uses CBOR there once the probe shows it is parsed
 _AWS_HOST_SUFFIXES: Final = (".amazonaws.com", ".amazonaws.com.cn", ".api.aws")
@@ -635,16 +733,21 @@ class _CborProbe:
     Parsing is not enough: kinesalite parses CBOR and answers in it, but stores a record's byte
     string wrongly (mhart/kinesalite#101), and nothing short of writing a record and reading it
     back would show that. So CBOR is used only where the data is known to be stored as sent,
-    on AWS's own endpoints and on anykpl's emulator (which says so in a header of its CBOR
+    on AWS's own endpoints and on anykpl's emulator (which says so in a header of its
     answers), and only once the endpoint has shown it parses a CBOR PutRecords: the probe
     sends one, with one record, to a stream that does not exist, so nothing can be written,
     and expects a CBOR error that names the stream's absence (or the caller's lack of access
-    to it). Everything else stays JSON, and the reason is logged once."""
+    to it). Every other endpoint stays JSON without being asked (a stub or a proxy of the
+    user's never sees a probe), and the reason is logged once."""
 
     def __init__(self, clock: Any) -> None:
         self._clock = clock
         # per endpoint (scheme, host): True or False once known, else when to try again
         self._known: dict[str, bool | float] = {}
+
+    def decided(self, url: str) -> bool:
+        """Whether the endpoint of ``url`` was found to take CBOR (``False`` until probed)."""
+        return self._known.get(_endpoint(url)) is True
 
     async def takes_cbor(self, direct: _DirectPutRecords, route: _Route, stream: str) -> bool:
         """Whether this request of ``stream`` may go in CBOR (probing the endpoint first)."""
@@ -654,6 +757,18 @@ class _CborProbe:
             return known
         if known is not None and self._clock() < known:
             return False  # the last probe met no answer: JSON until it is tried again
+        host = urlsplit(route.url).hostname or ""
+        if not host.endswith(_AWS_HOST_SUFFIXES) and endpoint not in direct.stores_cbor_as_sent:
+            # kinesalite parses CBOR and answers as Kinesis does, yet stores its data wrongly:
+            # an endpoint that is neither AWS's nor anykpl's emulator is not asked at all
+            self._known[endpoint] = False
+            logger.info(
+                "wire_protocol='auto': PutRecords to %s stay in JSON: anykpl can tell only of "
+                "AWS's endpoints and its emulator that they store CBOR data as sent "
+                "(kinesalite does not); wire_protocol='cbor' uses CBOR anyway",
+                endpoint,
+            )
+            return False
         self._known[endpoint] = self._clock() + PROBE_RETRY  # one probe at a time
         try:
             verdict, reason = await self._probe(direct, route, stream)
@@ -696,13 +811,14 @@ class _CborProbe:
         code = _cbor.error_answer(_cbor.load(content), status)["Error"]["Code"]
         if code not in _PROBE_ANSWERS:
             return False, f"it answered a CBOR request to a missing stream with {code}"
-        host = urlsplit(route.url).hostname or ""
-        if host.endswith(_AWS_HOST_SUFFIXES) or EMULATOR_CBOR_HEADER in headers:
-            return True, ""
-        return False, (
-            "it parses CBOR, but anykpl cannot tell whether it stores CBOR data as sent "
-            "(kinesalite does not); wire_protocol='cbor' uses it anyway"
-        )
+        return True, ""
+
+
+def _with_cbor_type(route: _Route) -> _Route:
+    """``route`` with CBOR's content type."""
+    headers = {k: v for k, v in route.headers.items() if k.lower() != "content-type"}
+    headers["Content-Type"] = _cbor.CBOR_CONTENT_TYPE
+    return _Route(route.url, route.host, headers, route.region, route.service)
 
 
 def _endpoint(url: str) -> str:
@@ -757,6 +873,8 @@ class _BotocoreTransport:
         self._client = client
         self._cbor = wire_protocol == "cbor"
         self._probe = _CborProbe(clock) if wire_protocol == "auto" else None
+        # an endpoint answered a CBOR ListShards with a success in something else
+        self._cbor_list_shards_refused = False
         # per stream, its JSON route and the route of its CBOR requests (the same, with CBOR's
         # content type)
         self._cbor_routes: dict[str, tuple[_Route, _Route]] = {}
@@ -857,15 +975,47 @@ class _BotocoreTransport:
         known = self._cbor_routes.get(stream)
         if known is not None and known[0] is route:
             return known[1]
-        headers = {k: v for k, v in route.headers.items() if k.lower() != "content-type"}
-        headers["Content-Type"] = _cbor.CBOR_CONTENT_TYPE
-        cbor_route = _Route(route.url, route.host, headers, route.region, route.service)
+        cbor_route = _with_cbor_type(route)
         self._cbor_routes[stream] = (route, cbor_route)
         return cbor_route
 
     async def list_shards(self, **kwargs: Any) -> Mapping[str, Any]:
-        response: Mapping[str, Any] = await self._client.list_shards(**kwargs)
+        direct = self._direct
+        if direct is None or not (self._cbor or self._probe is not None):
+            response: Mapping[str, Any] = await self._client.list_shards(**kwargs)
+            return response
+        # In CBOR once a call along the same route went through the SDK (and, with "auto",
+        # once the endpoint was found to take CBOR, by PutRecords' probe)
+        key = _list_key(kwargs)
+        route = direct.list_routes.get(key)
+        if route is not None and (self._cbor or self._probe_decided(route)):
+            try:
+                return await direct.list_shards(_with_cbor_type(route), kwargs)
+            except _NotCbor as exc:
+                logger.warning(
+                    "a ListShards request in CBOR was answered with %s; ListShards goes "
+                    "through the SDK, in JSON, from now on",
+                    exc,
+                )
+                self._cbor_list_shards_refused = True
+                direct.list_routes.clear()
+        learning = _learned_route.set([])
+        answered = False
+        try:
+            response = await self._client.list_shards(**kwargs)
+            answered = True
+        except Exception as exc:
+            answered = _is_client_error(exc)
+            raise
+        finally:
+            sent = _learned_route.get()
+            _learned_route.reset(learning)
+            if answered and sent and not self._cbor_list_shards_refused:
+                direct.learn_list_shards(key, sent[-1])
         return response
+
+    def _probe_decided(self, route: _Route) -> bool:
+        return self._probe is not None and self._probe.decided(route.url)
 
 
 @asynccontextmanager

@@ -65,6 +65,8 @@ _JSON_TYPE = "application/x-amz-json-1.1"
 #: Kinesis's CBOR protocol (what the AWS SDK for Java sends): the same operations, a CBOR body
 #: with each record's data as a byte string, answers in CBOR
 _CBOR_TYPE = "application/x-amz-cbor-1.1"
+#: on every answer of the write path and ListShards: the emulator stores CBOR data as sent
+_STORES_CBOR = ("x-anykpl-cbor", "stored-as-sent")
 
 
 def _is_cbor(request: Request) -> bool:
@@ -72,19 +74,16 @@ def _is_cbor(request: Request) -> bool:
 
 
 def _answer(status: int, body: Any, cbor: bool) -> Response:
-    """A Kinesis answer, in CBOR to a CBOR request, in JSON otherwise."""
+    """A Kinesis answer, in CBOR to a CBOR request, in JSON otherwise, saying that this
+    endpoint stores CBOR data as sent (``wire_protocol="auto"`` may use CBOR here)."""
     if not cbor:
-        return _json_response(status, body, _JSON_TYPE)
+        status, headers, payload = _json_response(status, body, _JSON_TYPE)
+        return status, [*headers, _STORES_CBOR], payload
     import cbor2
 
     return (
         status,
-        [
-            ("Content-Type", _CBOR_TYPE),
-            ("x-amzn-RequestId", str(uuid.uuid4())),
-            # it stores CBOR data as sent: wire_protocol="auto" may use CBOR here
-            ("x-anykpl-cbor", "stored-as-sent"),
-        ],
+        [("Content-Type", _CBOR_TYPE), ("x-amzn-RequestId", str(uuid.uuid4())), _STORES_CBOR],
         cbor2.dumps(body),
     )
 
@@ -421,6 +420,8 @@ class EmulatorServer:
 
     def _list_shards(self, request: Request) -> Response:
         cbor = _is_cbor(request)
+        if cbor:
+            self.write_path.requests["cbor_requests"] += 1
         try:
             payload = _request_object(request)
             response = self._shard_lister.list_shards(
