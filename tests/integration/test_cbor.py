@@ -5,7 +5,6 @@ answered."""
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import importlib.util
 import logging
@@ -14,17 +13,16 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import anyio
 import boto3
 import pytest
-from aws_kinesis_agg.deaggregator import iter_deaggregate_records
 
 from anykpl import Producer, ProducerConfig
 from anykpl._core._limits import MAX_HASH_KEY
 from anykpl.emulator import EmulatorClient, spawn
-from anykpl.readback import list_shard_ids
 
 from . import interop_servers
 from .conftest import CREDENTIALS, REGION
@@ -39,25 +37,40 @@ def emulator() -> Iterator[str]:
         yield url
 
 
+def _endpoints() -> ModuleType:
+    """benchmarks/endpoints.py: moto's own server, and reading a stream back with AWS's
+    deaggregator."""
+    spec = importlib.util.spec_from_file_location("endpoints", BENCHMARKS / "endpoints.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def read_back(url: str, stream: str) -> Counter[tuple[str, bytes]]:
     """Every user record in ``stream``, (partition key, data), as AWS's deaggregator reads it."""
     client = boto3.client("kinesis", region_name=REGION, endpoint_url=url, **CREDENTIALS)
-    found: Counter[tuple[str, bytes]] = Counter()
-    for shard_id in list_shard_ids(client, stream):
-        iterator = client.get_shard_iterator(
-            StreamName=stream, ShardId=shard_id, ShardIteratorType="TRIM_HORIZON"
-        )["ShardIterator"]
-        while iterator:
-            page = client.get_records(ShardIterator=iterator, Limit=10_000)
-            for user in iter_deaggregate_records(page["Records"], data_format="Boto3"):
-                kinesis = user["kinesis"]
-                data = kinesis["data"]
-                data = base64.b64decode(data) if kinesis.get("aggregated") else bytes(data)
-                found[(kinesis["partitionKey"], data)] += 1
-            if not page["Records"] and page.get("MillisBehindLatest", 0) == 0:
-                break
-            iterator = page.get("NextShardIterator")
+    found: Counter[tuple[str, bytes]] = _endpoints().read_back(client, stream)
     return found
+
+
+@pytest.fixture
+def cbor_bodies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many CBOR PutRecords bodies the producer writes (the probe's not counted)."""
+    from anykpl._transport import _cbor
+
+    bodies = [0]
+    written = _cbor.put_records_body_parts
+
+    def counted(parameters: Any) -> list[bytes]:
+        names = (parameters.get("StreamName"), parameters.get("StreamARN"))
+        if not any(str(n).rpartition("/")[2].startswith("anykpl-cbor-probe-") for n in names):
+            bodies[0] += 1
+        return written(parameters)
+
+    monkeypatch.setattr(_cbor, "put_records_body_parts", counted)
+    return bodies
 
 
 def workload(count: int) -> list[tuple[str, bytes, int | None]]:
@@ -178,23 +191,13 @@ async def test_cbor_errors_are_read_and_retried() -> None:
 
 
 async def test_kinesis_mock_stores_what_anykpl_sends_in_cbor(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, cbor_bodies: list[int]
 ) -> None:
     """kinesis-mock (npm ``kinesis-local``), an independent implementation that speaks Kinesis's
     CBOR protocol, stores every record anykpl sends it in CBOR as it was put."""
     missing = interop_servers.missing_tools()
     if missing:
         pytest.skip(f"kinesis-mock needs {', '.join(missing)}")
-    from anykpl._transport import _cbor
-
-    bodies = [0]
-    written = _cbor.put_records_body_parts
-
-    def counted(parameters: Any) -> list[bytes]:
-        bodies[0] += 1
-        return written(parameters)
-
-    monkeypatch.setattr(_cbor, "put_records_body_parts", counted)
     prefix = interop_servers.install()
     with interop_servers.run("kinesis-mock", prefix, tmp_path) as server:
         stream = f"cbor-{uuid.uuid4().hex[:8]}"
@@ -212,7 +215,7 @@ async def test_kinesis_mock_stores_what_anykpl_sends_in_cbor(
             handles = [await producer.submit(stream, d, k, h) for k, d, h in items[1:]]
             results = [await handle for handle in handles]
         assert all(result.success for result in results)
-        assert bodies[0] >= 1  # requests went in CBOR
+        assert cbor_bodies[0] >= 1  # requests went in CBOR
         assert read_back(server.url, stream) == Counter((k, d) for k, d, _ in items)
 
 
@@ -278,12 +281,7 @@ def endpoint_of(name: str, tmp_path: Path) -> Iterator[str]:
         with spawn() as url:
             yield url
     elif name == "moto":
-        spec = importlib.util.spec_from_file_location("endpoints", BENCHMARKS / "endpoints.py")
-        assert spec is not None
-        assert spec.loader is not None
-        endpoints = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(endpoints)
-        with endpoints.start_moto_server() as url:
+        with _endpoints().start_moto_server() as url:
             yield url
     else:
         missing = interop_servers.missing_tools()
@@ -299,26 +297,12 @@ def endpoint_of(name: str, tmp_path: Path) -> Iterator[str]:
     [("emulator", True), ("moto", False), ("kinesalite", False), ("kinesis-mock", False)],
 )
 async def test_auto_uses_cbor_only_where_it_is_stored_as_sent(
-    endpoint: str, cbor: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+    endpoint: str, cbor: bool, tmp_path: Path, cbor_bodies: list[int], caplog: Any
 ) -> None:
     """``wire_protocol="auto"``: CBOR on the emulator, JSON on moto's server (it refuses CBOR),
     kinesalite (it parses CBOR but stores its data wrongly) and kinesis-mock (it parses CBOR,
     and anykpl cannot tell how it stores it); the probe writes nothing; every record is read
     back as it was put."""
-    from anykpl._transport import _cbor
-
-    bodies = [0]
-    written = _cbor.put_records_body_parts
-
-    def counted(parameters: Any) -> list[bytes]:
-        if not any(
-            str(v).rpartition("/")[2].startswith("anykpl-cbor-probe-")
-            for v in (parameters.get("StreamName"), parameters.get("StreamARN"))
-        ):
-            bodies[0] += 1  # a request of the test's stream, not the probe's
-        return written(parameters)
-
-    monkeypatch.setattr(_cbor, "put_records_body_parts", counted)
     caplog.set_level(logging.INFO, logger="anykpl.sender")
     with endpoint_of(endpoint, tmp_path) as url:
         client = boto3.client("kinesis", region_name=REGION, endpoint_url=url, **CREDENTIALS)
@@ -340,7 +324,7 @@ async def test_auto_uses_cbor_only_where_it_is_stored_as_sent(
                     await anyio.sleep(0.02)  # several requests
             results = [await handle for handle in handles]
         assert all(result.success for result in results)
-        assert (bodies[0] > 0) is cbor
+        assert (cbor_bodies[0] > 0) is cbor
         decided = [
             r.getMessage() for r in caplog.records if "wire_protocol='auto'" in r.getMessage()
         ]

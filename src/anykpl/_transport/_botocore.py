@@ -558,11 +558,7 @@ class _DirectPutRecords:
             return answer
         read = _cbor.error_answer(decoded, status)
         read["ResponseMetadata"] = _metadata(status, headers)
-        try:
-            error_class = self._client.exceptions.from_code(read["Error"]["Code"])
-        except Exception:  # pragma: no cover - another botocore's client
-            error_class = ClientError
-        raise error_class(read, "ListShards")
+        raise self._sdk_error(read, "ListShards")
 
     def _parse_list_shards(
         self, status: int, headers: Mapping[str, str], content: bytes
@@ -575,12 +571,17 @@ class _DirectPutRecords:
             {"status_code": status, "headers": headers, "body": content}, shape
         )
         read.setdefault("ResponseMetadata", {}).update(_metadata(status, headers))
-        code = read.get("Error", {}).get("Code")
+        raise self._sdk_error(read, "ListShards")
+
+    def _sdk_error(self, read: dict[str, Any], operation: str) -> Exception:
+        """An error answer (``read`` as botocore's parser reads it) as the SDK raises it: the
+        modelled exception for its code, or ``ClientError``."""
         try:
-            error_class = self._client.exceptions.from_code(code)
+            error_class = self._client.exceptions.from_code(read.get("Error", {}).get("Code"))
         except Exception:  # pragma: no cover - another botocore's client
             error_class = ClientError
-        raise error_class(read, "ListShards")
+        error: Exception = error_class(read, operation)
+        return error
 
     async def exchange(
         self, route: _Route, body: memoryview, payload: Any
@@ -624,13 +625,7 @@ class _DirectPutRecords:
                 return answer
         read = self._parse(status, headers, content)
         if status >= 300:
-            # as the SDK raises it: the modelled exception for the code, or ClientError
-            code = read.get("Error", {}).get("Code")
-            try:
-                error_class = self._client.exceptions.from_code(code)
-            except Exception:  # pragma: no cover - another botocore's client
-                error_class = ClientError
-            raise error_class(read, "PutRecords")
+            raise self._sdk_error(read, "PutRecords")
         return read
 
     def _cbor_answer(
@@ -644,12 +639,7 @@ class _DirectPutRecords:
             return answer
         read = _cbor.error_answer(decoded, status)
         read["ResponseMetadata"] = _metadata(status, headers)
-        code = read["Error"]["Code"]
-        try:
-            error_class = self._client.exceptions.from_code(code)
-        except Exception:  # pragma: no cover - another botocore's client
-            error_class = ClientError
-        raise error_class(read, "PutRecords")
+        raise self._sdk_error(read, "PutRecords")
 
     def _parse(self, status: int, headers: Mapping[str, str], content: bytes) -> dict[str, Any]:
         """The response as botocore's JSON parser reads it (errors above all)."""
