@@ -32,6 +32,7 @@ from contextvars import ContextVar
 from typing import Any, Final
 from urllib.parse import quote, urlsplit
 
+import anyio
 from botocore.auth import SIGNED_HEADERS_BLACKLIST
 from botocore.awsrequest import AWSPreparedRequest
 from botocore.exceptions import ClientError, NoCredentialsError
@@ -556,7 +557,7 @@ class _DirectPutRecords:
             answer: dict[str, Any] = _without_nulls(decoded)
             answer["ResponseMetadata"] = _metadata(status, headers)
             return answer
-        read = _cbor.error_answer(decoded, status)
+        read = _cbor.error_answer(decoded, status, headers)
         read["ResponseMetadata"] = _metadata(status, headers)
         raise self._sdk_error(read, "ListShards")
 
@@ -634,10 +635,13 @@ class _DirectPutRecords:
         """A CBOR answer to a CBOR request: as :meth:`send` returns or raises a JSON one."""
         decoded = _cbor.load(content)
         if status < 300:
-            answer: dict[str, Any] = decoded if type(decoded) is dict else {}
+            # as botocore reads an answer: no null members; one that is not a list of entries
+            # is read as none (the Retrier then fails its records as a count mismatch)
+            decoded = _without_nulls(decoded)
+            answer: dict[str, Any] = decoded if _well_formed(decoded) else {}
             answer["ResponseMetadata"] = _metadata(status, headers)
             return answer
-        read = _cbor.error_answer(decoded, status)
+        read = _cbor.error_answer(decoded, status, headers)
         read["ResponseMetadata"] = _metadata(status, headers)
         raise self._sdk_error(read, "PutRecords")
 
@@ -708,7 +712,17 @@ def _route_of(request: Any) -> _Route | None:
 
 #: Hosts whose Kinesis stores CBOR requests' data as sent (AWS's own endpoints, VPC endpoints
 #: included): ``wire_protocol="auto"`` uses CBOR there once the probe shows it is parsed
-_AWS_HOST_SUFFIXES: Final = (".amazonaws.com", ".amazonaws.com.cn", ".api.aws")
+_AWS_HOST_SUFFIXES: Final = (
+    ".amazonaws.com",
+    ".amazonaws.com.cn",
+    ".api.aws",
+    ".api.amazonwebservices.com.cn",
+    ".amazonaws.eu",
+    ".c2s.ic.gov",
+    ".sc2s.sgov.gov",
+    ".cloud.adc-e.uk",
+    ".csp.hci.ic.gov",
+)
 #: The header anykpl's emulator puts on its CBOR answers: it stores CBOR data as sent
 EMULATOR_CBOR_HEADER: Final = "x-anykpl-cbor"
 #: The answers that show an endpoint parsed a CBOR PutRecords (to a stream that does not exist)
@@ -730,8 +744,13 @@ class _CborProbe:
     to it). Every other endpoint stays JSON without being asked (a stub or a proxy of the
     user's never sees a probe), and the reason is logged once."""
 
-    def __init__(self, clock: Any) -> None:
+    def __init__(self, clock: Any, spawn: Any, timeout: float) -> None:
+        """``spawn(fn, *args)`` runs a probe in a task of the transport's own, so that no
+        request waits for it (the requests go in JSON meanwhile); each probe is given
+        ``timeout`` seconds."""
         self._clock = clock
+        self._spawn = spawn
+        self._timeout = timeout
         # per endpoint (scheme, host): True or False once known, else when to try again
         self._known: dict[str, bool | float] = {}
 
@@ -739,14 +758,15 @@ class _CborProbe:
         """Whether the endpoint of ``url`` was found to take CBOR (``False`` until probed)."""
         return self._known.get(_endpoint(url)) is True
 
-    async def takes_cbor(self, direct: _DirectPutRecords, route: _Route, stream: str) -> bool:
-        """Whether this request of ``stream`` may go in CBOR (probing the endpoint first)."""
+    def takes_cbor(self, direct: _DirectPutRecords, route: _Route, stream: str) -> bool:
+        """Whether this request of ``stream`` may go in CBOR; the first time an endpoint is met,
+        starts its probe (and says JSON: this request does not wait for the probe)."""
         endpoint = _endpoint(route.url)
         known = self._known.get(endpoint)
         if type(known) is bool:
             return known
         if known is not None and self._clock() < known:
-            return False  # the last probe met no answer: JSON until it is tried again
+            return False  # a probe is under way, or the last met no answer
         host = urlsplit(route.url).hostname or ""
         if not host.endswith(_AWS_HOST_SUFFIXES) and endpoint not in direct.stores_cbor_as_sent:
             # kinesalite parses CBOR and answers as Kinesis does, yet stores its data wrongly:
@@ -760,10 +780,20 @@ class _CborProbe:
             )
             return False
         self._known[endpoint] = self._clock() + PROBE_RETRY  # one probe at a time
+        self._spawn(self.probe, direct, route, stream)
+        return False
+
+    async def probe(self, direct: _DirectPutRecords, route: _Route, stream: str) -> None:
+        """Probe the endpoint of ``route`` and keep the verdict; an answer that says nothing
+        (none within the timeout, a server error, a throttle, expired credentials) leaves it on
+        JSON until it is asked again, :data:`PROBE_RETRY` seconds later."""
+        endpoint = _endpoint(route.url)
         try:
-            verdict, reason = await self._probe(direct, route, stream)
-        except Exception as exc:  # no answer: JSON meanwhile, and ask again later
+            with anyio.fail_after(self._timeout):
+                verdict, reason = await self._probe(direct, route, stream)
+        except Exception as exc:
             code, message = error_code(exc)
+            self._known[endpoint] = self._clock() + PROBE_RETRY
             logger.info(
                 "wire_protocol='auto': the CBOR probe of %s met no answer (%s: %s); JSON until "
                 "it is tried again in %.0f s",
@@ -772,13 +802,12 @@ class _CborProbe:
                 message,
                 PROBE_RETRY,
             )
-            return False
+            return
         self._known[endpoint] = verdict
         if verdict:
             logger.info("wire_protocol='auto': PutRecords to %s go in CBOR", endpoint)
         else:
             logger.info("wire_protocol='auto': PutRecords to %s stay in JSON: %s", endpoint, reason)
-        return verdict
 
     async def _probe(
         self, direct: _DirectPutRecords, route: _Route, stream: str
@@ -795,13 +824,35 @@ class _CborProbe:
         status, answered_headers, content = await direct.exchange(route, body, bytes(body))
         headers = {str(name).lower(): str(value) for name, value in answered_headers.items()}
         content_type = headers.get("content-type", "")
+        if status >= 500:
+            raise _ProbeUnanswered(f"HTTP {status}")
         if "cbor" not in content_type.lower():
             answered = content_type or "no content type"
             return False, f"it answered a CBOR request with HTTP {status} ({answered})"
-        code = _cbor.error_answer(_cbor.load(content), status)["Error"]["Code"]
+        code = _cbor.error_answer(_cbor.load(content), status, headers)["Error"]["Code"]
+        if code in _PROBE_UNANSWERED:
+            raise _ProbeUnanswered(code)
         if code not in _PROBE_ANSWERS:
             return False, f"it answered a CBOR request to a missing stream with {code}"
         return True, ""
+
+
+class _ProbeUnanswered(Exception):
+    """The probe's answer says nothing of CBOR (a server error, a throttle, ...)."""
+
+
+#: Answers to the probe that say nothing of CBOR: it is asked again later
+_PROBE_UNANSWERED: Final = frozenset(
+    {
+        "ThrottlingException",
+        "ProvisionedThroughputExceededException",
+        "LimitExceededException",
+        "ExpiredTokenException",
+        "RequestExpired",
+        "InternalFailure",
+        "ServiceUnavailable",
+    }
+)
 
 
 def _with_cbor_type(route: _Route) -> _Route:
@@ -854,15 +905,23 @@ class _BotocoreTransport:
         aiohttp: bool = False,
         wire_protocol: str = "json",
         clock: Any = time.monotonic,
+        spawn: Any = None,
+        probe_timeout: float = 6.0,
     ) -> None:
         """Bodies are written into kept buffers (:class:`_BodyBuffers`); ``body_pieces``:
         and sent in pieces, as httpx needs (:class:`_BodyPieces`); ``aiohttp``: large ones as
         a payload that aiohttp does not warn about (:func:`_view_payload`). ``wire_protocol``:
         the PutRecords requests built here (every one after a stream's first) are JSON, CBOR,
-        or (``"auto"``) CBOR where :class:`_CborProbe` finds the endpoint takes it."""
+        or (``"auto"``) CBOR where :class:`_CborProbe` finds the endpoint takes it, probing in
+        tasks that ``spawn(fn, *args)`` starts (without it, or without ``cbor2``, ``"auto"`` is
+        JSON)."""
         self._client = client
         self._cbor = wire_protocol == "cbor"
-        self._probe = _CborProbe(clock) if wire_protocol == "auto" else None
+        self._probe = (
+            _CborProbe(clock, spawn, probe_timeout)
+            if wire_protocol == "auto" and spawn is not None and _cbor.available()
+            else None
+        )
         # an endpoint answered a CBOR ListShards with a success in something else
         self._cbor_list_shards_refused = False
         # per stream, its JSON route and the route of its CBOR requests (the same, with CBOR's
@@ -925,7 +984,7 @@ class _BotocoreTransport:
         cbor = self._cbor
         probe = self._probe
         if probe is not None:
-            cbor = await probe.takes_cbor(direct, self._cbor_route(stream, route), stream)
+            cbor = probe.takes_cbor(direct, self._cbor_route(stream, route), stream)
         slot = self._bodies.take()
         if cbor:
             route = self._cbor_route(stream, route)
@@ -981,11 +1040,14 @@ class _BotocoreTransport:
         if route is not None and (self._cbor or self._probe_decided(route)):
             try:
                 return await direct.list_shards(_with_cbor_type(route), kwargs)
-            except _NotCbor as exc:
+            except Exception as exc:
+                if not isinstance(exc, _NotCbor) and not _signature_refused(exc):
+                    raise
+                # answered with a success that is not CBOR, or a signature made here refused
                 logger.warning(
                     "a ListShards request in CBOR was answered with %s; ListShards goes "
                     "through the SDK, in JSON, from now on",
-                    exc,
+                    exc if isinstance(exc, _NotCbor) else error_code(exc)[0],
                 )
                 self._cbor_list_shards_refused = True
                 direct.list_routes.clear()
@@ -1019,11 +1081,16 @@ async def open_transport(config: ProducerConfig) -> AsyncIterator[Transport]:
         endpoint_url=config.endpoint_url,
         abortive_close=True,  # a request that timed out takes its unsent bytes with it
     )
-    async with client_context as client:
+    async with client_context as client, anyio.create_task_group() as probes:
         backend = http_backend(config)
-        yield _BotocoreTransport(
-            client,
-            body_pieces=backend == "httpx",
-            aiohttp=backend == "aiohttp",
-            wire_protocol=config.wire_protocol,
-        )
+        try:
+            yield _BotocoreTransport(
+                client,
+                body_pieces=backend == "httpx",
+                aiohttp=backend == "aiohttp",
+                wire_protocol=config.wire_protocol,
+                spawn=probes.start_soon,  # wire_protocol="auto": its probes
+                probe_timeout=config.request_timeout,
+            )
+        finally:
+            probes.cancel_scope.cancel()

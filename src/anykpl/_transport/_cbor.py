@@ -11,7 +11,7 @@ bytes), with ``Content-Type: application/x-amz-cbor-1.1``. An error comes back a
 
 A PutRecords body is a handful of definite-length maps, arrays and strings, so it is written
 here from bytes (:func:`put_records_body_parts`), as the JSON body is; answers are read by
-``cbor2`` (:func:`load`), an optional dependency (``pip install 'anykpl[cbor]'``).
+``cbor2`` (:func:`load`).
 """
 
 from __future__ import annotations
@@ -94,14 +94,16 @@ def put_records_body_parts(parameters: Mapping[str, Any]) -> list[bytes]:
     append(_head(_ARRAY, len(records)))
     for entry in records:
         data = entry["Data"]
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise TypeError(f"Data must be bytes-like, not {type(data).__name__}")
+        if type(data) is not bytes:
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                raise TypeError(f"Data must be bytes-like, not {type(data).__name__}")
+            data = bytes(data)  # a memoryview's len() counts its items, not its bytes
         key = _text("PartitionKey", entry["PartitionKey"])
         hash_key = entry.get("ExplicitHashKey")
         append(_TWO_FIELDS if hash_key is None else _THREE_FIELDS)
         append(_DATA)
         append(_head(_BYTES, len(data)))
-        append(bytes(data) if type(data) is not bytes else data)
+        append(data)
         append(_PARTITION_KEY)
         append(key)
         if hash_key is not None:
@@ -120,12 +122,21 @@ def load(content: bytes) -> Any:
         return None
 
 
-def error_answer(decoded: Any, status: int) -> dict[str, Any]:
-    """An error answer (``{"__type": ..., "message": ...}``) as botocore's parser reads a JSON
-    one: ``{"Error": {"Code": ..., "Message": ...}}``; ``HTTP<status>`` where it names none."""
+def error_answer(
+    decoded: Any, status: int, headers: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """An error answer as botocore's parser reads a JSON one: ``{"Error": {"Code": ...,
+    "Message": ...}}``. The code is the ``x-amzn-ErrorType`` header's, else the answer's
+    ``__type`` (or ``code``), else the status; anything after a ``:`` and up to a ``#`` is
+    dropped (``aws.protocoltests#ResourceNotFoundException:http://...`` is
+    ``ResourceNotFoundException``)."""
     if not isinstance(decoded, dict):
         decoded = {}
-    code = str(decoded.get("__type") or decoded.get("code") or "")
-    code = code.rpartition("#")[2] or f"HTTP{status}"
+    error_type = ""
+    for name, value in (headers or {}).items():
+        if str(name).lower() == "x-amzn-errortype":
+            error_type = str(value)
+    code = error_type or str(decoded.get("__type") or decoded.get("code") or "")
+    code = code.split(":", 1)[0].rpartition("#")[2] or str(status)
     message = decoded.get("message", decoded.get("Message", ""))
     return {"Error": {"Code": code, "Message": str(message or "")}}
