@@ -12,6 +12,7 @@ import random
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -88,6 +89,29 @@ def workload(count: int) -> list[tuple[str, bytes, int | None]]:
     return items
 
 
+async def put_workload(
+    producer: Producer,
+    stream: str,
+    items: list[tuple[str, bytes, int | None]],
+    *,
+    before_the_rest: Any = None,
+    pause_every: int = 0,
+) -> list[Any]:
+    """``put_record`` of the first item (the stream's first request, through the SDK, in JSON),
+    ``before_the_rest()`` if given, then a ``submit`` of each other item (a short pause every
+    ``pause_every``, so that they go in several requests); the results of the rest."""
+    key, data, hash_key = items[0]
+    await producer.put_record(stream, data, key, hash_key)
+    if before_the_rest is not None:
+        before_the_rest()
+    handles = []
+    for index, (key, data, hash_key) in enumerate(items[1:]):
+        handles.append(await producer.submit(stream, data, key, hash_key))
+        if pause_every and index % pause_every == 0:
+            await anyio.sleep(0.01)
+    return [await handle for handle in handles]
+
+
 async def test_records_sent_in_cbor_are_all_delivered() -> None:
     """Each stream's first PutRecords goes through the SDK in JSON; the rest in CBOR, and every
     record is read back once, with its key and data."""
@@ -99,13 +123,7 @@ async def test_records_sent_in_cbor_are_all_delivered() -> None:
             region=REGION, endpoint_url=url, wire_protocol="cbor", **CREDENTIALS
         )
         async with Producer(config) as producer:
-            first = items[0]
-            await producer.put_record(stream, first[1], first[0], first[2])
-            handles = [
-                await producer.submit(stream, data, key, hash_key)
-                for key, data, hash_key in items[1:]
-            ]
-            results = [await handle for handle in handles]
+            results = await put_workload(producer, stream, items)
         assert all(result.success for result in results)
         totals = control.stats()["totals"]
         assert totals["cbor_requests"] >= 1
@@ -171,14 +189,15 @@ async def test_cbor_errors_are_read_and_retried() -> None:
             **CREDENTIALS,
         )
         async with Producer(config) as producer:
-            await producer.put_record(stream, items[0][1], items[0][0])
-            control.set_faults(error_rate=0.35, fault_after_write=0.0, seed=35)
-            handles = []
-            for index, (key, data, hash_key) in enumerate(items[1:]):
-                handles.append(await producer.submit(stream, data, key, hash_key))
-                if index % 20 == 0:
-                    await anyio.sleep(0.01)  # requests of a few records each: many of them
-            results = [await handle for handle in handles]
+            results = await put_workload(
+                producer,
+                stream,
+                items,
+                before_the_rest=partial(
+                    control.set_faults, error_rate=0.35, fault_after_write=0.0, seed=35
+                ),
+                pause_every=20,  # requests of a few records each: many of them
+            )
             control.clear_faults()
         assert all(result.success for result in results)
         codes: Counter[Any] = Counter(
@@ -197,7 +216,9 @@ async def test_kinesis_mock_stores_what_anykpl_sends_in_cbor(
     CBOR protocol, stores every record anykpl sends it in CBOR as it was put."""
     missing = interop_servers.missing_tools()
     if missing:
-        pytest.skip(f"kinesis-mock needs {', '.join(missing)}")
+        pytest.skip(
+            f"kinesis-mock is installed from npm: {' and '.join(missing)} not found on PATH"
+        )
     prefix = interop_servers.install()
     with interop_servers.run("kinesis-mock", prefix, tmp_path) as server:
         stream = f"cbor-{uuid.uuid4().hex[:8]}"
@@ -211,9 +232,7 @@ async def test_kinesis_mock_stores_what_anykpl_sends_in_cbor(
             region=REGION, endpoint_url=server.url, wire_protocol="cbor", **CREDENTIALS
         )
         async with Producer(config) as producer:
-            await producer.put_record(stream, items[0][1], items[0][0], items[0][2])
-            handles = [await producer.submit(stream, d, k, h) for k, d, h in items[1:]]
-            results = [await handle for handle in handles]
+            results = await put_workload(producer, stream, items)
         assert all(result.success for result in results)
         assert cbor_bodies[0] >= 1  # requests went in CBOR
         assert read_back(server.url, stream) == Counter((k, d) for k, d, _ in items)
@@ -286,7 +305,7 @@ def endpoint_of(name: str, tmp_path: Path) -> Iterator[str]:
     else:
         missing = interop_servers.missing_tools()
         if missing:
-            pytest.skip(f"{name} needs {', '.join(missing)}")
+            pytest.skip(f"{name} is installed from npm: {' and '.join(missing)} not found on PATH")
         with interop_servers.run(name, interop_servers.install(), tmp_path) as server:
             yield server.url
 
@@ -316,13 +335,7 @@ async def test_auto_uses_cbor_only_where_it_is_stored_as_sent(
             region=REGION, endpoint_url=url, wire_protocol="auto", **CREDENTIALS
         )
         async with Producer(config) as producer:
-            await producer.put_record(stream, items[0][1], items[0][0], items[0][2])
-            handles = []
-            for index, (key, data, hash_key) in enumerate(items[1:]):
-                handles.append(await producer.submit(stream, data, key, hash_key))
-                if index % 100 == 0:
-                    await anyio.sleep(0.02)  # several requests
-            results = [await handle for handle in handles]
+            results = await put_workload(producer, stream, items, pause_every=100)
         assert all(result.success for result in results)
         assert (cbor_bodies[0] > 0) is cbor
         decided = [

@@ -380,7 +380,7 @@ _UNSIGNED_HEADERS: Final = frozenset(SIGNED_HEADERS_BLACKLIST)
 class _Route:
     """How one stream's PutRecords requests are sent: what the SDK sent for its first."""
 
-    __slots__ = ("headers", "host", "region", "service", "url")
+    __slots__ = ("_cbor", "headers", "host", "region", "service", "url")
 
     def __init__(self, url: str, host: str, headers: dict[str, str], region: str, service: str):
         self.url = url
@@ -388,6 +388,15 @@ class _Route:
         self.headers = headers
         self.region = region
         self.service = service
+        self._cbor: _Route | None = None
+
+    def cbor(self) -> _Route:
+        """This route with CBOR's content type (made once)."""
+        if self._cbor is None:
+            headers = {k: v for k, v in self.headers.items() if k.lower() != "content-type"}
+            headers["Content-Type"] = _cbor.CBOR_CONTENT_TYPE
+            self._cbor = _Route(self.url, self.host, headers, self.region, self.service)
+        return self._cbor
 
     def sign(
         self,
@@ -551,28 +560,22 @@ class _DirectPutRecords:
         if "cbor" not in str(headers.get("content-type", "")).lower():
             if status < 300:
                 raise _NotCbor(status)
-            return self._parse_list_shards(status, headers, content)
+            shape = self._client.meta.service_model.operation_model("ListShards").output_shape
+            raise self._sdk_error(self._parse(status, headers, content, shape), "ListShards")
         decoded = _cbor.load(content)
         if status < 300 and type(decoded) is dict:
             answer: dict[str, Any] = _without_nulls(decoded)
             answer["ResponseMetadata"] = _metadata(status, headers)
             return answer
+        raise self._cbor_error(decoded, status, headers, "ListShards")
+
+    def _cbor_error(
+        self, decoded: Any, status: int, headers: Mapping[str, str], operation: str
+    ) -> Exception:
+        """A CBOR error answer (``decoded``) as the SDK raises a JSON one."""
         read = _cbor.error_answer(decoded, status, headers)
         read["ResponseMetadata"] = _metadata(status, headers)
-        raise self._sdk_error(read, "ListShards")
-
-    def _parse_list_shards(
-        self, status: int, headers: Mapping[str, str], content: bytes
-    ) -> Mapping[str, Any]:
-        """A JSON error answer to a CBOR ListShards, raised as the SDK raises it."""
-        from botocore.parsers import create_parser
-
-        shape = self._client.meta.service_model.operation_model("ListShards").output_shape
-        read: dict[str, Any] = create_parser("json").parse(
-            {"status_code": status, "headers": headers, "body": content}, shape
-        )
-        read.setdefault("ResponseMetadata", {}).update(_metadata(status, headers))
-        raise self._sdk_error(read, "ListShards")
+        return self._sdk_error(read, operation)
 
     def _sdk_error(self, read: dict[str, Any], operation: str) -> Exception:
         """An error answer (``read`` as botocore's parser reads it) as the SDK raises it: the
@@ -641,18 +644,20 @@ class _DirectPutRecords:
             answer: dict[str, Any] = decoded if _well_formed(decoded) else {}
             answer["ResponseMetadata"] = _metadata(status, headers)
             return answer
-        read = _cbor.error_answer(decoded, status, headers)
-        read["ResponseMetadata"] = _metadata(status, headers)
-        raise self._sdk_error(read, "PutRecords")
+        raise self._cbor_error(decoded, status, headers, "PutRecords")
 
-    def _parse(self, status: int, headers: Mapping[str, str], content: bytes) -> dict[str, Any]:
-        """The response as botocore's JSON parser reads it (errors above all)."""
+    def _parse(
+        self, status: int, headers: Mapping[str, str], content: bytes, shape: Any = None
+    ) -> dict[str, Any]:
+        """The response as botocore's JSON parser reads it (errors above all), for PutRecords'
+        output unless ``shape`` says otherwise."""
         if self._parser is None:
             from botocore.parsers import create_parser
 
             self._parser = create_parser("json")
         parsed: dict[str, Any] = self._parser.parse(
-            {"status_code": status, "headers": headers, "body": content}, self._output_shape
+            {"status_code": status, "headers": headers, "body": content},
+            self._output_shape if shape is None else shape,
         )
         parsed.setdefault("ResponseMetadata", {}).update(_metadata(status, headers))
         return parsed
@@ -855,13 +860,6 @@ _PROBE_UNANSWERED: Final = frozenset(
 )
 
 
-def _with_cbor_type(route: _Route) -> _Route:
-    """``route`` with CBOR's content type."""
-    headers = {k: v for k, v in route.headers.items() if k.lower() != "content-type"}
-    headers["Content-Type"] = _cbor.CBOR_CONTENT_TYPE
-    return _Route(route.url, route.host, headers, route.region, route.service)
-
-
 def _endpoint(url: str) -> str:
     parts = urlsplit(url)
     return f"{parts.scheme}://{parts.netloc}"
@@ -913,20 +911,16 @@ class _BotocoreTransport:
         a payload that aiohttp does not warn about (:func:`_view_payload`). ``wire_protocol``:
         the PutRecords requests built here (every one after a stream's first) are JSON, CBOR,
         or (``"auto"``) CBOR where :class:`_CborProbe` finds the endpoint takes it, probing in
-        tasks that ``spawn(fn, *args)`` starts (without it, or without ``cbor2``, ``"auto"`` is
-        JSON)."""
+        tasks that ``spawn(fn, *args)`` starts (without it, ``"auto"`` is JSON)."""
         self._client = client
         self._cbor = wire_protocol == "cbor"
         self._probe = (
             _CborProbe(clock, spawn, probe_timeout)
-            if wire_protocol == "auto" and spawn is not None and _cbor.available()
+            if wire_protocol == "auto" and spawn is not None
             else None
         )
         # an endpoint answered a CBOR ListShards with a success in something else
         self._cbor_list_shards_refused = False
-        # per stream, its JSON route and the route of its CBOR requests (the same, with CBOR's
-        # content type)
-        self._cbor_routes: dict[str, tuple[_Route, _Route]] = {}
         self._bodies = _BodyBuffers()
         self._body_pieces = body_pieces
         self._aiohttp = aiohttp
@@ -981,13 +975,11 @@ class _BotocoreTransport:
     async def _put_records_direct(
         self, direct: _DirectPutRecords, route: _Route, stream: str, records: list[dict[str, Any]]
     ) -> Mapping[str, Any]:
-        cbor = self._cbor
         probe = self._probe
-        if probe is not None:
-            cbor = probe.takes_cbor(direct, self._cbor_route(stream, route), stream)
-        slot = self._bodies.take()
+        cbor = self._cbor or (probe is not None and probe.takes_cbor(direct, route.cbor(), stream))
         if cbor:
-            route = self._cbor_route(stream, route)
+            route = route.cbor()
+        slot = self._bodies.take()
         try:
             parameters = {**stream_parameters(stream), "Records": records}
             body = slot.write(
@@ -1019,15 +1011,6 @@ class _BotocoreTransport:
         self._direct = None
         return await self.put_records(stream, records)
 
-    def _cbor_route(self, stream: str, route: _Route) -> _Route:
-        """``route`` (what the SDK's JSON request showed) with CBOR's content type."""
-        known = self._cbor_routes.get(stream)
-        if known is not None and known[0] is route:
-            return known[1]
-        cbor_route = _with_cbor_type(route)
-        self._cbor_routes[stream] = (route, cbor_route)
-        return cbor_route
-
     async def list_shards(self, **kwargs: Any) -> Mapping[str, Any]:
         direct = self._direct
         if direct is None or not (self._cbor or self._probe is not None):
@@ -1037,9 +1020,10 @@ class _BotocoreTransport:
         # once the endpoint was found to take CBOR, by PutRecords' probe)
         key = _list_key(kwargs)
         route = direct.list_routes.get(key)
-        if route is not None and (self._cbor or self._probe_decided(route)):
+        probe = self._probe
+        if route is not None and (self._cbor or (probe is not None and probe.decided(route.url))):
             try:
-                return await direct.list_shards(_with_cbor_type(route), kwargs)
+                return await direct.list_shards(route.cbor(), kwargs)
             except Exception as exc:
                 if not isinstance(exc, _NotCbor) and not _signature_refused(exc):
                     raise
@@ -1065,9 +1049,6 @@ class _BotocoreTransport:
             if answered and sent and not self._cbor_list_shards_refused:
                 direct.learn_list_shards(key, sent[-1])
         return response
-
-    def _probe_decided(self, route: _Route) -> bool:
-        return self._probe is not None and self._probe.decided(route.url)
 
 
 @asynccontextmanager

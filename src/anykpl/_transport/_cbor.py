@@ -21,7 +21,6 @@ from typing import Any, Final
 
 __all__ = (
     "CBOR_CONTENT_TYPE",
-    "available",
     "error_answer",
     "load",
     "put_records_body_parts",
@@ -34,15 +33,6 @@ _TEXT: Final = 3 << 5
 _BYTES: Final = 2 << 5
 _ARRAY: Final = 4 << 5
 _MAP: Final = 5 << 5
-
-
-def available() -> bool:
-    """Whether ``cbor2``, which reads the answers, is installed."""
-    try:
-        import cbor2  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _head(major: int, length: int) -> bytes:

@@ -94,12 +94,8 @@ def _request_object(request: Request) -> dict[str, Any]:
     Raises the service's SerializationException."""
     if not _is_cbor(request):
         return _json_object(request.body)
-    try:
-        import cbor2
-    except ImportError:  # pragma: no cover - cbor2 comes with the emulator's extra
-        raise KinesisError(
-            400, "SerializationException", "this emulator cannot read CBOR: install cbor2"
-        ) from None
+    import cbor2
+
     try:
         payload = cbor2.loads(request.body)
     except Exception as exc:  # cbor2's decode errors, and what a malformed item raises
@@ -353,7 +349,7 @@ class EmulatorServer:
             return _json_response(
                 500,
                 {"__type": "InternalFailure", "message": f"emulator error: {exc!r}"},
-                "application/x-amz-json-1.1",
+                _JSON_TYPE,
             )
 
     async def _dispatch(self, request: Request) -> Response:
@@ -377,7 +373,6 @@ class EmulatorServer:
     def _record_size(self, request: Request, operation: str) -> Response:
         """CreateStream, UpdateMaxRecordSize and DescribeStreamSummary with the stream's
         maximum record size, which moto does not keep (see ``_record_size``)."""
-        json_type = "application/x-amz-json-1.1"
 
         def named_stream() -> Any:
             return find_stream(
@@ -395,9 +390,9 @@ class EmulatorServer:
                 size = check_size_in_kib(given)
             if size is not None and operation == "UpdateMaxRecordSize":
                 set_max_record_size(named_stream(), size)
-                return _json_response(200, {}, json_type)
+                return _json_response(200, {}, _JSON_TYPE)
         except KinesisError as exc:
-            return _json_response(exc.status, exc.body(), json_type)
+            return _json_response(exc.status, exc.body(), _JSON_TYPE)
         status, headers, body = self._moto(request)
         if status != 200:
             return status, headers, body
@@ -408,7 +403,7 @@ class EmulatorServer:
             return status, headers, body
         answer = json.loads(body)  # DescribeStreamSummary
         answer["StreamDescriptionSummary"]["MaxRecordSizeInKiB"] = max_record_size(stream) // 1024
-        return _json_response(200, answer, json_type)
+        return _json_response(200, answer, _JSON_TYPE)
 
     @staticmethod
     def _streams(account: str, region: str) -> Mapping[str, Any]:
