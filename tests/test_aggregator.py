@@ -246,6 +246,27 @@ def test_records_wait_for_the_shard_map_then_aggregate() -> None:
     assert kr.predicted_shard == SHARD
 
 
+def test_records_wait_for_the_shard_map_no_longer_than_their_ttl() -> None:
+    # a record_ttl shorter than the wait: out at the first expiration, to fail as expired
+    agg = make_aggregator(predict=lambda _: None)
+    first = make_record("a", deadline=1.0, expiration=2.0)
+    out: list[KinesisRecord] = []
+    assert agg.put(first, out)
+    assert agg.next_deadline == 2.0
+    # one that expires sooner (a retried record, say) brings the wait's end forward
+    assert agg.put(make_record("b", deadline=1.1, expiration=1.5), out)
+    assert agg.next_deadline == 1.5
+    assert not agg.put(make_record("c", deadline=1.2, expiration=3.0), out)
+    agg.flush_due(1.49, out)
+    assert out == []
+    agg.flush_due(1.5, out)
+    assert [kr.records[0].partition_key for kr in out] == ["a", "b", "c"]
+    assert agg.waiting_for_shard_map == 0
+    # the default TTL is past the wait: the wait is unchanged
+    agg.put(make_record("d", deadline=4.0), out)
+    assert agg.next_deadline == 4.0 + SHARD_MAP_WAIT
+
+
 def test_records_go_out_raw_when_the_shard_map_never_comes() -> None:
     agg = make_aggregator(predict=lambda _: None)
     record = make_record(deadline=1.0)

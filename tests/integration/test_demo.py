@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 import anykpl._commands.demo
@@ -371,12 +372,18 @@ async def test_producer_without_the_ca_refuses_the_self_signed_certificate(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     # the control: the two tests above pass only because of the bundle
-    from anykpl.errors import RecordFailedError
+    from anykpl._core._aggregator import SHARD_MAP_WAIT
+    from anykpl.errors import EXPIRED, RecordFailedError
 
     monkeypatch.delenv("AWS_CA_BUNDLE", raising=False)
-    with pytest.raises(RecordFailedError):
+    start = anyio.current_time()
+    with pytest.raises(RecordFailedError) as failed:
         await _put_one(_tls_config(self_signed_endpoint, record_ttl=1.0))
     assert "CERTIFICATE_VERIFY_FAILED" in caplog.text
+    # every ListShards fails: the record, waiting for the shard map, fails at its TTL, not
+    # after the longest wait for a map (its deadline and SHARD_MAP_WAIT)
+    assert failed.value.error_code == EXPIRED
+    assert anyio.current_time() - start < SHARD_MAP_WAIT
 
 
 # -- options ------------------------------------------------------------------------------

@@ -22,7 +22,9 @@ Where we differ, and why:
   burst of one-record Kinesis records that no limiter has seen, which a busy producer turns
   into thousands of throttled records in its first second (measured on the emulator: 5,000
   raw records and ~10,000 throttles before the first ListShards answered, 146 ms in). If the
-  map is still not ready when the wait ends, they go out raw, as in the KPL.
+  map is still not ready when the wait ends, they go out raw, as in the KPL. The wait ends
+  earlier when a waiting record's TTL passes (a short ``record_ttl``): out then, it fails as
+  expired, not a wait later.
 - With aggregation off we *still* predict the shard (and wait for the map), so the limiter
   applies (KPL issue #127).
 - ``put`` is synchronous and called from the intake (no channel message per user record); the
@@ -156,7 +158,12 @@ class Aggregator:
             self._unmapped.append(record)
             self.buffered_records += 1
             if len(self._unmapped) == 1:
-                self._unmapped_until = record.deadline + SHARD_MAP_WAIT
+                self._unmapped_until = min(record.deadline + SHARD_MAP_WAIT, record.expiration)
+                return True
+            if record.expiration < self._unmapped_until:
+                # no record waits past its TTL (a short record_ttl, an older retried record):
+                # out then, where it fails as expired rather than long after
+                self._unmapped_until = record.expiration
                 return True
             return False
         if not self.enabled:
