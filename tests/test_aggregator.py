@@ -247,23 +247,45 @@ def test_records_wait_for_the_shard_map_then_aggregate() -> None:
 
 
 def test_records_wait_for_the_shard_map_no_longer_than_their_ttl() -> None:
-    # a record_ttl shorter than the wait: out at the first expiration, to fail as expired
-    agg = make_aggregator(predict=lambda _: None)
+    # a record_ttl shorter than the wait: each goes at its expiration (to fail as expired),
+    # the others keep waiting
+    ready = False
+    agg = make_aggregator(predict=lambda _: SHARD if ready else None)
     first = make_record("a", deadline=1.0, expiration=2.0)
     out: list[KinesisRecord] = []
     assert agg.put(first, out)
     assert agg.next_deadline == 2.0
-    # one that expires sooner (a retried record, say) brings the wait's end forward
-    assert agg.put(make_record("b", deadline=1.1, expiration=1.5), out)
+    # one that expires sooner (a retried record, say) brings the wake-up forward
+    retried = make_record("b", deadline=1.1, expiration=1.5)
+    assert agg.put(retried, out)
     assert agg.next_deadline == 1.5
-    assert not agg.put(make_record("c", deadline=1.2, expiration=3.0), out)
+    assert not agg.put(make_record("c", deadline=1.2, expiration=30.0), out)
     agg.flush_due(1.49, out)
     assert out == []
     agg.flush_due(1.5, out)
-    assert [kr.records[0].partition_key for kr in out] == ["a", "b", "c"]
+    assert [kr.records for kr in out] == [[retried]]
+    assert out[0].predicted_shard is None
+    assert (agg.waiting_for_shard_map, agg.buffered_records) == (2, 2)
+    assert agg.next_deadline == 2.0
+    agg.flush_due(2.0, out)
+    assert [kr.records[0].partition_key for kr in out] == ["b", "a"]
+    assert agg.next_deadline == 1.0 + SHARD_MAP_WAIT  # the first one's wait, unchanged
+    ready = True  # the map comes: the one left goes by its shard (its deadline is past)
+    agg.flush_due(2.5, out)
     assert agg.waiting_for_shard_map == 0
-    # the default TTL is past the wait: the wait is unchanged
-    agg.put(make_record("d", deadline=4.0), out)
+    assert [(kr.records[0].partition_key, kr.predicted_shard) for kr in out[2:]] == [("c", SHARD)]
+
+
+def test_records_that_all_expire_waiting_for_the_shard_map_leave_no_wake_up() -> None:
+    agg = make_aggregator(predict=lambda _: None)
+    out: list[KinesisRecord] = []
+    agg.put(make_record("a", deadline=1.0, expiration=1.5), out)
+    agg.flush_due(1.5, out)
+    assert len(out) == 1
+    assert (agg.waiting_for_shard_map, agg.buffered_records) == (0, 0)
+    assert agg.next_deadline == math.inf
+    # the next record waits its own full wait
+    agg.put(make_record("b", deadline=4.0), out)
     assert agg.next_deadline == 4.0 + SHARD_MAP_WAIT
 
 

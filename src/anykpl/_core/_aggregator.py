@@ -22,9 +22,9 @@ Where we differ, and why:
   burst of one-record Kinesis records that no limiter has seen, which a busy producer turns
   into thousands of throttled records in its first second (measured on the emulator: 5,000
   raw records and ~10,000 throttles before the first ListShards answered, 146 ms in). If the
-  map is still not ready when the wait ends, they go out raw, as in the KPL. The wait ends
-  earlier when a waiting record's TTL passes (a short ``record_ttl``): out then, it fails as
-  expired, not a wait later.
+  map is still not ready when the wait ends, they go out raw, as in the KPL. A record whose
+  TTL passes while it waits (a short ``record_ttl``, an older retried record) goes then, to
+  fail as expired at its TTL rather than at the wait's end; the others wait on.
 - With aggregation off we *still* predict the shard (and wait for the map), so the limiter
   applies (KPL issue #127).
 - ``put`` is synchronous and called from the intake (no channel message per user record); the
@@ -100,6 +100,9 @@ class Aggregator:
         # records waiting for the shard map, and when the first of them stops waiting
         self._unmapped: list[Record] = []
         self._unmapped_until = math.inf
+        # the first waiting record's deadline plus SHARD_MAP_WAIT: all go then, ready or not
+        # (``_unmapped_until`` is earlier when a waiting record expires before)
+        self._unmapped_wait_end = math.inf
         # ListShards failed for good (shard_map_failed): records without a shard go out raw
         # at once instead of waiting for a map that will not come
         self.map_unavailable = False
@@ -158,11 +161,11 @@ class Aggregator:
             self._unmapped.append(record)
             self.buffered_records += 1
             if len(self._unmapped) == 1:
-                self._unmapped_until = min(record.deadline + SHARD_MAP_WAIT, record.expiration)
+                self._unmapped_wait_end = record.deadline + SHARD_MAP_WAIT
+                self._unmapped_until = min(self._unmapped_wait_end, record.expiration)
                 return True
             if record.expiration < self._unmapped_until:
-                # no record waits past its TTL (a short record_ttl, an older retried record):
-                # out then, where it fails as expired rather than long after
+                # no record waits past its TTL (a short record_ttl, an older retried record)
                 self._unmapped_until = record.expiration
                 return True
             return False
@@ -235,8 +238,23 @@ class Aggregator:
         """Aggregate the records that waited for the shard map if it is ready now; send them
         raw if it is not and their wait is over (or ``force``)."""
         waiting = self._unmapped
-        if self.predict(waiting[0].hash_key) is None and not (force or now >= self._unmapped_until):
-            return
+        if self.predict(waiting[0].hash_key) is None and not force:
+            if now < self._unmapped_until:
+                return
+            if now < self._unmapped_wait_end:
+                # a record's TTL passed before the wait's end: it goes, to fail as expired
+                # now rather than at the wait's end; the others keep waiting
+                self._unmapped = [r for r in waiting if r.expiration > now]
+                self._unmapped_until = (
+                    min([self._unmapped_wait_end] + [r.expiration for r in self._unmapped])
+                    if self._unmapped
+                    else math.inf
+                )
+                for record in waiting:
+                    if record.expiration <= now:
+                        self.buffered_records -= 1
+                        out.append(KinesisRecord.single(record))
+                return
         self._unmapped = []
         self._unmapped_until = math.inf
         self.buffered_records -= len(waiting)
@@ -255,7 +273,7 @@ class Aggregator:
         self.map_unavailable = True
         if not self._unmapped:
             return False
-        self._unmapped_until = -math.inf
+        self._unmapped_until = self._unmapped_wait_end = -math.inf
         return True
 
     def shard_map_ready(self) -> None:
