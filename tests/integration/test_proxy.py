@@ -162,8 +162,8 @@ async def test_a_proxy_that_refuses_the_credentials_fails_the_records_clearly(
     moto_endpoint: str, make_stream: Any
 ) -> None:
     """A wrong proxy password is a failed attempt with the proxy's 407 in its history, and an
-    end a few seconds on (the record first waits for a shard map, whose ListShards the proxy
-    refuses too), not a hang."""
+    end at its TTL (the record first waits for a shard map, whose ListShards the proxy refuses
+    too, then goes once), not a hang."""
     stream = make_stream(1)
     with _proxy("ops:right") as proxy:
         port = proxy.server_address[1]
@@ -179,7 +179,8 @@ async def test_a_proxy_that_refuses_the_credentials_fails_the_records_clearly(
                 await producer.put_record(stream, b"x", "k")
             took = anyio.current_time() - started
         assert proxy.refused >= 1
-    # no hang: the shard map's wait (5 s, its ListShards refused too), then one attempt
+    # no hang: the wait for the shard map (its ListShards refused too) ends at the record's
+    # TTL, then one attempt
     assert took < 10.0
     attempts = caught.value.result.attempts
     assert attempts
