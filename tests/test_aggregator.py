@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from anykpl._core import _wire
 from anykpl._core._aggregator import SHARD_MAP_WAIT, Aggregator
+from anykpl._core._limiter import EXPIRY_SCAN_INTERVAL
 from anykpl._core._records import KinesisRecord, Record, partition_key_hash
 from anykpl._core._shard_queue import FAIR_QUANTUM
 
@@ -247,8 +248,8 @@ def test_records_wait_for_the_shard_map_then_aggregate() -> None:
 
 
 def test_records_wait_for_the_shard_map_no_longer_than_their_ttl() -> None:
-    # a record_ttl shorter than the wait: each goes at its expiration (to fail as expired),
-    # the others keep waiting
+    # a record_ttl shorter than the wait: each fails as expired when its TTL passes (unsent:
+    # take_expired), the others keep waiting
     ready = False
     agg = make_aggregator(predict=lambda _: SHARD if ready else None)
     first = make_record("a", deadline=1.0, expiration=2.0)
@@ -261,19 +262,34 @@ def test_records_wait_for_the_shard_map_no_longer_than_their_ttl() -> None:
     assert agg.next_deadline == 1.5
     assert not agg.put(make_record("c", deadline=1.2, expiration=30.0), out)
     agg.flush_due(1.49, out)
-    assert out == []
+    assert (out, agg.take_expired()) == ([], [])
     agg.flush_due(1.5, out)
-    assert [kr.records for kr in out] == [[retried]]
-    assert out[0].predicted_shard is None
+    assert out == []
+    assert agg.take_expired() == [retried]
+    assert agg.take_expired() == []
     assert (agg.waiting_for_shard_map, agg.buffered_records) == (2, 2)
     assert agg.next_deadline == 2.0
     agg.flush_due(2.0, out)
-    assert [kr.records[0].partition_key for kr in out] == ["b", "a"]
+    assert (out, agg.take_expired()) == ([], [first])
     assert agg.next_deadline == 1.0 + SHARD_MAP_WAIT  # the first one's wait, unchanged
     ready = True  # the map comes: the one left goes by its shard (its deadline is past)
     agg.flush_due(2.5, out)
-    assert agg.waiting_for_shard_map == 0
-    assert [(kr.records[0].partition_key, kr.predicted_shard) for kr in out[2:]] == [("c", SHARD)]
+    assert agg.waiting_for_shard_map == agg.buffered_records == 0
+    assert [(kr.records[0].partition_key, kr.predicted_shard) for kr in out] == [("c", SHARD)]
+
+
+def test_records_expiring_one_by_one_wake_the_aggregator_at_most_every_scan_interval() -> None:
+    agg = make_aggregator(predict=lambda _: None)
+    out: list[KinesisRecord] = []
+    records = [make_record(f"k{i}", deadline=1.0, expiration=2.0 + i * 0.01) for i in range(50)]
+    for record in records:
+        agg.put(record, out)
+    agg.flush_due(2.0, out)
+    assert agg.take_expired() == records[:1]
+    assert agg.next_deadline == 2.0 + EXPIRY_SCAN_INTERVAL
+    agg.flush_due(2.0 + EXPIRY_SCAN_INTERVAL, out)
+    assert agg.take_expired() == records[1:26]
+    assert out == []
 
 
 def test_records_that_all_expire_waiting_for_the_shard_map_leave_no_wake_up() -> None:
@@ -281,12 +297,47 @@ def test_records_that_all_expire_waiting_for_the_shard_map_leave_no_wake_up() ->
     out: list[KinesisRecord] = []
     agg.put(make_record("a", deadline=1.0, expiration=1.5), out)
     agg.flush_due(1.5, out)
-    assert len(out) == 1
+    assert (out, len(agg.take_expired())) == ([], 1)
     assert (agg.waiting_for_shard_map, agg.buffered_records) == (0, 0)
     assert agg.next_deadline == math.inf
     # the next record waits its own full wait
     agg.put(make_record("b", deadline=4.0), out)
     assert agg.next_deadline == 4.0 + SHARD_MAP_WAIT
+
+
+def test_at_the_waits_end_expired_records_are_not_sent_raw() -> None:
+    agg = make_aggregator(predict=lambda _: None)
+    out: list[KinesisRecord] = []
+    old = make_record("a", deadline=1.0, expiration=1.0 + SHARD_MAP_WAIT)
+    young = make_record("b", deadline=1.0)
+    agg.put(old, out)
+    agg.put(young, out)
+    agg.flush_due(1.0 + SHARD_MAP_WAIT, out)
+    assert [kr.records for kr in out] == [[young]]
+    assert agg.take_expired() == [old]
+    assert agg.buffered_records == 0
+
+
+def test_a_shard_map_that_fails_for_good_mid_wait_releases_every_waiting_record() -> None:
+    agg = make_aggregator(predict=lambda _: None)
+    out: list[KinesisRecord] = []
+    record = make_record("a", deadline=1.0, expiration=30.0)
+    agg.put(record, out)
+    assert agg.shard_map_failed()
+    agg.flush_due(0.5, out)
+    assert [kr.records for kr in out] == [[record]]
+    assert agg.take_expired() == []
+
+
+def test_failing_everything_takes_the_expired_records_not_yet_taken() -> None:
+    agg = make_aggregator(predict=lambda _: None)
+    out: list[KinesisRecord] = []
+    expired, waiting = make_record("a", deadline=1.0, expiration=1.5), make_record("b")
+    agg.put(expired, out)
+    agg.put(waiting, out)
+    agg.flush_due(1.5, out)
+    assert sorted(r.partition_key for r in agg.take_all_records()) == ["a", "b"]
+    assert agg.take_expired() == []
 
 
 def test_records_go_out_raw_when_the_shard_map_never_comes() -> None:

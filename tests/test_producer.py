@@ -29,6 +29,7 @@ from anykpl import (
 )
 from anykpl._core._collector import Collector
 from anykpl._core._intake import CHECKPOINT_EVERY
+from anykpl._core._limiter import EXPIRY_SCAN_INTERVAL
 from anykpl._core._limits import MAX_HASH_KEY as MAX_HASH
 from anykpl._core._wire import deaggregate
 from anykpl._runtime._spool import Spool
@@ -992,6 +993,28 @@ class TestOnMockClock:
             # (the warm-up record may have made shard 3's limiter too)
             assert "shardId-000000000000" in stream.rates
             assert set(stream.token_levels) == set(stream.rates)
+
+    async def test_a_record_waiting_for_a_failing_shard_map_expires_at_its_ttl_unsent(
+        self,
+    ) -> None:
+        fake = FakeKinesis()
+        fake.list_shards_errors = [client_error("InternalFailure", 500)] * 1000
+        async with Producer(transport=fake, **fast(record_ttl=1.0)) as producer:
+            start = anyio.current_time()
+            with pytest.raises(errors.RecordFailedError) as info:
+                await producer.put_record(STREAM, b"x", partition_key="k")
+            # at its TTL (within the Limiter's scan interval), not at the wait's end
+            assert 1.0 <= anyio.current_time() - start <= 1.0 + EXPIRY_SCAN_INTERVAL
+            (attempt,) = info.value.result.attempts
+            assert attempt.error_code == errors.EXPIRED
+            assert attempt.error_message is not None
+            assert "ListShards failed: InternalFailure" in attempt.error_message
+            assert fake.requests == []  # never sent
+            # the map comes (at ListShards' next try): records are delivered again
+            fake.list_shards_errors = []
+            await anyio.sleep(60.0)
+            assert (await producer.put_record(STREAM, b"y", partition_key="k")).success
+        assert [len(r) for r in fake.requests] == [1]
 
     @pytest.mark.timeout(15)
     async def test_aggregation_off_is_still_rate_limited(self) -> None:

@@ -23,8 +23,9 @@ Where we differ, and why:
   into thousands of throttled records in its first second (measured on the emulator: 5,000
   raw records and ~10,000 throttles before the first ListShards answered, 146 ms in). If the
   map is still not ready when the wait ends, they go out raw, as in the KPL. A record whose
-  TTL passes while it waits (a short ``record_ttl``, an older retried record) goes then, to
-  fail as expired at its TTL rather than at the wait's end; the others wait on.
+  TTL passes while it waits (a short ``record_ttl``, an older retried record) fails as expired
+  then (within ``EXPIRY_SCAN_INTERVAL``, as in the Limiter), unsent, rather than at the wait's
+  end; the others wait on.
 - With aggregation off we *still* predict the shard (and wait for the map), so the limiter
   applies (KPL issue #127).
 - ``put`` is synchronous and called from the intake (no channel message per user record); the
@@ -39,6 +40,7 @@ import math
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
+from ._limiter import EXPIRY_SCAN_INTERVAL
 from ._records import KinesisRecord, Record
 from ._shard_queue import FAIR_QUANTUM
 from ._wire import AggregateBuilder
@@ -108,6 +110,8 @@ class Aggregator:
         self.map_unavailable = False
         # a flush came while records waited for the shard map
         self._flush_when_released = False
+        # records whose TTL passed while they waited for the shard map (take_expired)
+        self.expired: list[Record] = []
 
     def __repr__(self) -> str:
         return f"<Aggregator {len(self._open)} open aggregate(s) {self.buffered_records} records>"
@@ -236,27 +240,38 @@ class Aggregator:
 
     def _release_unmapped(self, now: float, out: list[KinesisRecord], force: bool) -> None:
         """Aggregate the records that waited for the shard map if it is ready now; send them
-        raw if it is not and their wait is over (or ``force``)."""
+        raw if it is not and their wait is over (or ``force``); those whose TTL has passed
+        while the map is not ready go to :attr:`expired` instead."""
         waiting = self._unmapped
-        if self.predict(waiting[0].hash_key) is None and not force:
+        mapped = self.predict(waiting[0].hash_key) is not None
+        if not mapped and not force:
             if now < self._unmapped_until:
                 return
             if now < self._unmapped_wait_end:
-                # a record's TTL passed before the wait's end: it goes, to fail as expired
-                # now rather than at the wait's end; the others keep waiting
+                # a record's TTL passed before the wait's end: it fails as expired now (see
+                # take_expired), not at the wait's end; the others keep waiting
                 self._unmapped = [r for r in waiting if r.expiration > now]
+                self._expire_waiting(waiting, now)
+                # the next look at most every EXPIRY_SCAN_INTERVAL, as the Limiter's scan
+                # (not one wake-up per record when their TTLs pass one by one)
                 self._unmapped_until = (
-                    min([self._unmapped_wait_end] + [r.expiration for r in self._unmapped])
+                    min(
+                        self._unmapped_wait_end,
+                        max(
+                            now + EXPIRY_SCAN_INTERVAL,
+                            min([r.expiration for r in self._unmapped]),
+                        ),
+                    )
                     if self._unmapped
                     else math.inf
                 )
-                for record in waiting:
-                    if record.expiration <= now:
-                        self.buffered_records -= 1
-                        out.append(KinesisRecord.single(record))
                 return
         self._unmapped = []
         self._unmapped_until = math.inf
+        if not mapped:
+            # out raw, unless their TTL has passed: those are not sent past it
+            self._expire_waiting(waiting, now)
+            waiting = [r for r in waiting if r.expiration > now]
         self.buffered_records -= len(waiting)
         for record in waiting:
             shard = record.predicted_shard = self.predict(record.hash_key)
@@ -264,6 +279,19 @@ class Aggregator:
                 out.append(KinesisRecord.single(record))
             else:
                 self.put(record, out)
+
+    def _expire_waiting(self, waiting: list[Record], now: float) -> None:
+        """Move the records of ``waiting`` whose TTL has passed to :attr:`expired`."""
+        for record in waiting:
+            if record.expiration <= now:
+                self.buffered_records -= 1
+                self.expired.append(record)
+
+    def take_expired(self) -> list[Record]:
+        """The records whose TTL passed while they waited for the shard map, since the last
+        call: the caller fails them as expired (they are not sent)."""
+        expired, self.expired = self.expired, []
+        return expired
 
     def shard_map_failed(self) -> bool:
         """The map will not come (ListShards failed for good, a missing stream): records
@@ -360,8 +388,10 @@ class Aggregator:
         """Remove and return every buffered user record (used when failing everything)."""
         records = [r for agg in self._open.values() for r in agg.records]
         records.extend(self._unmapped)
+        records.extend(self.expired)
         self._unmapped = []
         self._unmapped_until = math.inf
+        self.expired = []
         self._open.clear()
         self._deadlines.clear()
         self.buffered_records = 0

@@ -642,6 +642,16 @@ class Retrier:
             self._fail(kr.records, attempt, kr.predicted_shard)
         self._log_failures()
 
+    def expire_unsent(self, records: Sequence[Record], now: float, cause: str | None) -> None:
+        """Fail user records whose TTL passed while they waited for the shard map (they were
+        never sent); ``cause``: ListShards' last error, if it failed."""
+        message = "Expiration reached while waiting for the shard map"
+        if cause is not None:
+            message = f"{message} (ListShards failed: {cause})"
+        attempt = AttemptRecord(now, now, False, errors.EXPIRED, message)
+        self._fail(records, attempt, None)
+        self._log_failures()
+
     def _retry(
         self,
         records: Sequence[Record],

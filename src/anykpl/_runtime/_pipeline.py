@@ -232,6 +232,9 @@ class Pipeline:
         self.retrier_in: MemoryObjectReceiveStream[Outcome]
         self.retrier_send, self.retrier_in = anyio.create_memory_object_stream[Outcome](math.inf)
         self._refresh_event = anyio.Event()
+        # ListShards' last error while the map is not ready ("code: message"), for the records
+        # that expire waiting for it
+        self._shard_map_error: str | None = None
         # Admission by what the stream's shards can deliver (``max_outstanding_time``): each
         # shard's backlog limit lives in the intake, planned again by the Limiter's task every
         # BACKLOG_INTERVAL (see update_backlog_limit).
@@ -590,7 +593,9 @@ class Pipeline:
 
     def _shard_map_failed(self, exc: BaseException) -> bool:
         """ListShards failed; returns whether to try again on its own (after the backoff)."""
-        code, _ = error_code(exc)
+        code, message = error_code(exc)
+        # told to the records whose TTL passes while they wait for the map
+        self._shard_map_error = f"{code}: {message}"
         if errors.is_retriable(code):
             # what waits for the map's next try keeps waiting, unless it expires before
             self._settle_held(give_up_before=anyio.current_time() + self.shard_map.backoff)
@@ -616,6 +621,7 @@ class Pipeline:
                 self.aggregator_send.send_nowait(due)
 
     def _shard_map_ready(self) -> None:
+        self._shard_map_error = None
         self._settle_held()
         self.aggregator.shard_map_ready()
         if self._place_unplaced is not None:
@@ -668,6 +674,11 @@ class Pipeline:
                     # records a flush found waiting for the shard map went now: flush them too
                     aggregator.flush_all(out)
                     flush = True
+                if aggregator.expired:
+                    # their TTL passed while they waited for the shard map: failed, unsent
+                    self.retrier.expire_unsent(
+                        aggregator.take_expired(), anyio.current_time(), self._shard_map_error
+                    )
                 if out:
                     self.limiter_send.send_nowait(out)
                 if flush:
