@@ -318,6 +318,39 @@ def test_at_the_waits_end_expired_records_are_not_sent_raw() -> None:
     assert agg.buffered_records == 0
 
 
+def test_a_map_ready_between_looks_does_not_aggregate_a_record_past_its_ttl() -> None:
+    # (its aggregate would expire with it: an aggregate expires at its first record's TTL)
+    ready = False
+    agg = make_aggregator(predict=lambda _: SHARD if ready else None)
+    out: list[KinesisRecord] = []
+    old = make_record("a", deadline=1.0, expiration=1.1)
+    young = make_record("b", deadline=1.2, expiration=30.0)
+    agg.put(old, out)
+    agg.put(young, out)
+    ready = True
+    agg.flush_due(1.15, out)  # ready, and the first one's TTL has passed since the last look
+    assert agg.take_expired() == [old]
+    assert agg.queue_depths() == {SHARD: 1}
+    agg.flush_due(1.2, out)
+    (kr,) = out
+    assert (kr.records, kr.expiration) == ([young], 30.0)
+
+
+def test_a_flush_does_not_aggregate_a_record_past_its_ttl() -> None:
+    ready = False
+    agg = make_aggregator(predict=lambda _: SHARD if ready else None)
+    out: list[KinesisRecord] = []
+    old, young = make_record("a", expiration=1.1), make_record("b", expiration=30.0)
+    agg.put(old, out)
+    agg.put(young, out)
+    agg.flush_all(out, 1.0)  # the map is not ready: both keep waiting
+    assert (out, agg.take_expired(), agg.waiting_for_shard_map) == ([], [], 2)
+    ready = True
+    agg.flush_all(out, 1.15)
+    assert agg.take_expired() == [old]
+    assert [kr.records for kr in out] == [[young]]
+
+
 def test_a_shard_map_that_fails_for_good_mid_wait_releases_every_waiting_record() -> None:
     agg = make_aggregator(predict=lambda _: None)
     out: list[KinesisRecord] = []

@@ -999,7 +999,8 @@ class TestOnMockClock:
     ) -> None:
         fake = FakeKinesis()
         fake.list_shards_errors = [client_error("InternalFailure", 500)] * 1000
-        async with Producer(transport=fake, **fast(record_ttl=1.0)) as producer:
+        options = fast(record_ttl=1.0, record_max_buffered_time=2.0)
+        async with Producer(transport=fake, **options) as producer:
             start = anyio.current_time()
             with pytest.raises(errors.RecordFailedError) as info:
                 await producer.put_record(STREAM, b"x", partition_key="k")
@@ -1013,7 +1014,11 @@ class TestOnMockClock:
             # the map comes (at ListShards' next try): records are delivered again
             fake.list_shards_errors = []
             await anyio.sleep(60.0)
+            start = anyio.current_time()
             assert (await producer.put_record(STREAM, b"y", partition_key="k")).success
+            # at once: the stream is idle (no answer had to come to say so), it does not wait
+            # out record_max_buffered_time
+            assert anyio.current_time() - start < 1.0
         assert [len(r) for r in fake.requests] == [1]
 
     @pytest.mark.timeout(15)

@@ -240,8 +240,8 @@ class Aggregator:
 
     def _release_unmapped(self, now: float, out: list[KinesisRecord], force: bool) -> None:
         """Aggregate the records that waited for the shard map if it is ready now; send them
-        raw if it is not and their wait is over (or ``force``); those whose TTL has passed
-        while the map is not ready go to :attr:`expired` instead."""
+        raw if it is not and their wait is over (or ``force``); those whose TTL has passed go
+        to :attr:`expired` instead."""
         waiting = self._unmapped
         mapped = self.predict(waiting[0].hash_key) is not None
         if not mapped and not force:
@@ -268,10 +268,10 @@ class Aggregator:
                 return
         self._unmapped = []
         self._unmapped_until = math.inf
-        if not mapped:
-            # out raw, unless their TTL has passed: those are not sent past it
-            self._expire_waiting(waiting, now)
-            waiting = [r for r in waiting if r.expiration > now]
+        # those whose TTL has passed (since the last look) are not sent: raw, they would go
+        # past it; aggregated, they would take their aggregate's records down with them
+        self._expire_waiting(waiting, now)
+        waiting = [r for r in waiting if r.expiration > now]
         self.buffered_records -= len(waiting)
         for record in waiting:
             shard = record.predicted_shard = self.predict(record.hash_key)
@@ -319,15 +319,16 @@ class Aggregator:
             if self._open.get(agg.key) is agg and agg.deadline == deadline:
                 out.append(self._seal(agg))
 
-    def flush_all(self, out: list[KinesisRecord]) -> None:
-        """Seal every open aggregate (a manual flush).
+    def flush_all(self, out: list[KinesisRecord], now: float = -math.inf) -> None:
+        """Seal every open aggregate (a manual flush) at ``now``.
 
-        Records waiting for the shard map go only if it is ready now; otherwise they keep
+        Records waiting for the shard map go only if it is ready now (those past their TTL at
+        ``now`` to :attr:`expired`); otherwise they keep
         waiting for it (until their own wait ends, see :meth:`flush_due`). Forcing them out
         raw sent every record of a submit-then-flush burst at start-up unaggregated and past
         the limiter (measured: 3,000 records in one go, 2,000 of them throttled)."""
         if self._unmapped:
-            self._release_unmapped(-math.inf, out, force=False)
+            self._release_unmapped(now, out, force=False)
             # still waiting: the flush is theirs too, once they go (see deferred_flush_due)
             self._flush_when_released = bool(self._unmapped)
         for agg in list(self._open.values()):

@@ -649,7 +649,7 @@ class Pipeline:
                 send_now = message is SEND_NOW
                 unmapped = aggregator.waiting_for_shard_map
                 if message is FLUSH:
-                    aggregator.flush_all(out)
+                    aggregator.flush_all(out, anyio.current_time())
                 elif isinstance(message, list):  # retries
                     for record in message:
                         aggregator.put(record, out)
@@ -672,13 +672,20 @@ class Pipeline:
                 flush = message is FLUSH
                 if aggregator.deferred_flush_due():
                     # records a flush found waiting for the shard map went now: flush them too
-                    aggregator.flush_all(out)
+                    aggregator.flush_all(out, anyio.current_time())
                     flush = True
                 if aggregator.expired:
                     # their TTL passed while they waited for the shard map: failed, unsent
                     self.retrier.expire_unsent(
                         aggregator.take_expired(), anyio.current_time(), self._shard_map_error
                     )
+                    if (
+                        self.adaptive_batching
+                        and not self.in_flight
+                        and not aggregator.waiting_for_shard_map
+                    ):
+                        # no answer will come to say the stream is idle (nothing was sent)
+                        self._idle()
                 if out:
                     self.limiter_send.send_nowait(out)
                 if flush:
