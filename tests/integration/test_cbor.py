@@ -214,28 +214,22 @@ async def test_kinesis_mock_stores_what_anykpl_sends_in_cbor(
 ) -> None:
     """kinesis-mock (npm ``kinesis-local``), an independent implementation that speaks Kinesis's
     CBOR protocol, stores every record anykpl sends it in CBOR as it was put."""
-    missing = interop_servers.missing_tools()
-    if missing:
-        pytest.skip(
-            f"kinesis-mock is installed from npm: {' and '.join(missing)} not found on PATH"
-        )
-    prefix = interop_servers.install()
-    with interop_servers.run("kinesis-mock", prefix, tmp_path) as server:
+    with endpoint_of("kinesis-mock", tmp_path) as url:
         stream = f"cbor-{uuid.uuid4().hex[:8]}"
-        client = boto3.client("kinesis", region_name=REGION, endpoint_url=server.url, **CREDENTIALS)
+        client = boto3.client("kinesis", region_name=REGION, endpoint_url=url, **CREDENTIALS)
         client.create_stream(StreamName=stream, ShardCount=2)
         client.get_waiter("stream_exists").wait(
             StreamName=stream, WaiterConfig={"Delay": 0.1, "MaxAttempts": 200}
         )
         items = workload(800)
         config = ProducerConfig(
-            region=REGION, endpoint_url=server.url, wire_protocol="cbor", **CREDENTIALS
+            region=REGION, endpoint_url=url, wire_protocol="cbor", **CREDENTIALS
         )
         async with Producer(config) as producer:
             results = await put_workload(producer, stream, items)
         assert all(result.success for result in results)
         assert cbor_bodies[0] >= 1  # requests went in CBOR
-        assert read_back(server.url, stream) == Counter((k, d) for k, d, _ in items)
+        assert read_back(url, stream) == Counter((k, d) for k, d, _ in items)
 
 
 def test_cbor_needs_cbor2(monkeypatch: pytest.MonkeyPatch) -> None:
