@@ -10,7 +10,15 @@ import pytest
 
 from anykpl._core import _limits
 from anykpl._core._aggregator import Aggregator
-from anykpl._core._intake import RESERVE, Intake, StreamIntake, offset_clock
+from anykpl._core._intake import (
+    COMPACT_BYTES,
+    COMPACT_RECORDS,
+    RESERVE,
+    Intake,
+    OutstandingRecords,
+    StreamIntake,
+    offset_clock,
+)
 from anykpl._core._records import Record
 from anykpl._core._shard_map import ShardMap
 from anykpl._runtime._producer import _backend_clock
@@ -180,6 +188,63 @@ def test_the_oldest_outstanding_record_is_the_first_admitted_of_those_left() -> 
     assert intake.oldest_arrival() == 12.0
     intake.finish([records[2]], True)
     assert intake.oldest_arrival() is None
+
+
+def _record(size: int = 100) -> Record:
+    return Record("s", "k", b"x" * (size - 1), 1, None, 0.0, 0.0, 0.0, size)
+
+
+def _end(outstanding: OutstandingRecords, records: list[Record], left: int) -> None:
+    """Resolve ``records`` and count them out, as Intake.finish does."""
+    for record in records:
+        record.resolve(True)
+    outstanding.ended(len(records), sum(r.size for r in records), left)
+
+
+def test_outstanding_records_give_the_pending_ones_oldest_first() -> None:
+    outstanding = OutstandingRecords()
+    assert not outstanding and len(outstanding) == 0 and outstanding.oldest() is None
+    records = [_record() for _ in range(5)]
+    for record in records:
+        outstanding.add(record)
+    assert len(outstanding) == 5 and outstanding.oldest() is records[0]
+    _end(outstanding, [records[0], records[3]], 300)
+    assert len(outstanding) == 3
+    assert list(outstanding) == [records[1], records[2], records[4]]
+    assert outstanding.oldest() is records[1]
+    _end(outstanding, [records[1], records[2], records[4]], 0)
+    assert not outstanding and list(outstanding) == [] and outstanding.oldest() is None
+
+
+def test_outstanding_records_keep_few_of_the_ended_ones() -> None:
+    """Ended records are dropped once they outnumber the pending ones by COMPACT_RECORDS:
+    memory stays bounded by what is outstanding, however many records pass."""
+    outstanding = OutstandingRecords()
+    pending: list[Record] = []
+    for _ in range(20):
+        batch = [_record() for _ in range(500)]
+        for record in batch:
+            outstanding.add(record)
+        pending.extend(batch)
+        ended, pending = pending[:450], pending[450:]
+        _end(outstanding, ended, 100 * len(pending))
+        assert len(outstanding) == len(pending)
+        assert len(outstanding._records) <= 2 * len(pending) + COMPACT_RECORDS
+    assert list(outstanding) == pending
+
+
+def test_outstanding_records_drop_ended_ones_that_hold_many_bytes() -> None:
+    outstanding = OutstandingRecords()
+    small = [_record() for _ in range(10)]
+    big = _record(COMPACT_BYTES)
+    for record in [*small, big]:
+        outstanding.add(record)
+    _end(outstanding, [big], 1000)  # one ended record of COMPACT_BYTES: kept for now
+    assert len(outstanding._records) == 11
+    another = _record(1000)
+    outstanding.add(another)
+    _end(outstanding, [another], 1000)  # past half the outstanding bytes and COMPACT_BYTES
+    assert outstanding._records == small
 
 
 def test_an_empty_shard_always_takes_one_record_of_any_size() -> None:
