@@ -203,17 +203,22 @@ def _end(outstanding: OutstandingRecords, records: list[Record], left: int) -> N
 
 def test_outstanding_records_give_the_pending_ones_oldest_first() -> None:
     outstanding = OutstandingRecords()
-    assert not outstanding and len(outstanding) == 0 and outstanding.oldest() is None
+    assert not outstanding
+    assert len(outstanding) == 0
+    assert outstanding.oldest() is None
     records = [_record() for _ in range(5)]
     for record in records:
         outstanding.add(record)
-    assert len(outstanding) == 5 and outstanding.oldest() is records[0]
+    assert len(outstanding) == 5
+    assert outstanding.oldest() is records[0]
     _end(outstanding, [records[0], records[3]], 300)
     assert len(outstanding) == 3
     assert list(outstanding) == [records[1], records[2], records[4]]
     assert outstanding.oldest() is records[1]
     _end(outstanding, [records[1], records[2], records[4]], 0)
-    assert not outstanding and list(outstanding) == [] and outstanding.oldest() is None
+    assert not outstanding
+    assert list(outstanding) == []
+    assert outstanding.oldest() is None
 
 
 def test_outstanding_records_keep_few_of_the_ended_ones() -> None:
@@ -245,6 +250,26 @@ def test_outstanding_records_drop_ended_ones_that_hold_many_bytes() -> None:
     outstanding.add(another)
     _end(outstanding, [another], 1000)  # past half the outstanding bytes and COMPACT_BYTES
     assert outstanding._records == small
+
+
+def test_given_partition_keys_are_remembered_and_random_ones_are_not() -> None:
+    intake = _intake()
+    first = intake.make_record("s", b"x", "device-1", None)
+    again = intake.make_record("s", b"y", "device-1", None)
+    assert first.key_facts is not None
+    assert again.key_facts is first.key_facts
+    assert first.hash_key == again.hash_key == hash_of("device-1")
+    assert (first.size, again.size) == (9, 9)
+    random = intake.make_record("s", b"x", None, None)
+    assert random.key_facts is not None
+    assert random.hash_key == hash_of(random.partition_key)
+    assert list(intake.key_cache) == ["device-1"]
+    # an explicit hash key places the record: no facts, nothing remembered
+    placed = intake.make_record("s", b"x", "ключ", 42)
+    assert placed.key_facts is None
+    assert placed.hash_key == 42
+    assert placed.size == 1 + len("ключ".encode())
+    assert list(intake.key_cache) == ["device-1"]
 
 
 def test_an_empty_shard_always_takes_one_record_of_any_size() -> None:

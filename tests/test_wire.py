@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import math
 from collections.abc import Sequence
 
 import pytest
@@ -21,10 +22,12 @@ from anykpl._core._wire import (
     MAGIC,
     AggregateBuilder,
     DecodedRecord,
+    KeyFacts,
     deaggregate,
     decode_aggregate,
     encode_aggregate,
     is_aggregated,
+    key_table_entry,
 )
 from anykpl.errors import AggregationFormatError
 
@@ -607,3 +610,92 @@ def test_add_within_agrees_with_size_with(
         assert added == (predicted <= limit)
         assert builder.size == (predicted if added else before)
         assert builder.size == len(builder.serialize())
+
+
+# --- keys the producer's key cache knows (add_key_within) -----------------------------------
+
+
+def facts_of(key: str) -> KeyFacts:
+    encoded = key.encode()
+    return KeyFacts(0, len(encoded), key_table_entry(encoded))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    records=st.lists(
+        st.tuples(st.integers(0, 3), st.sampled_from(["a", "bb", "ключ", "k" * 200])).flatmap(
+            lambda t: st.tuples(st.just(t[0]), st.just(t[1]), st.binary(max_size=300))
+        ),
+        max_size=40,
+    ),
+    limit=st.integers(20, 3000),
+)
+def test_keys_known_by_their_facts_aggregate_as_the_kpl_does(
+    records: list[tuple[int, str, bytes]], limit: int
+) -> None:
+    """Records spread over up to four builders in turn, each key's facts shared by all: every
+    aggregate decodes to its own records and is as big as it says; while no key goes to more
+    than two aggregates, each is byte for byte what the KPL builds (keys de-duplicated) and
+    takes exactly the records that fit."""
+    facts: dict[str, KeyFacts] = {}
+    builders = [AggregateBuilder() for _ in range(4)]
+    references = [AggregateBuilder() for _ in range(4)]  # by the keys' text: exact de-dup
+    kept: list[list[Entry]] = [[] for _ in range(4)]
+    exact = all(len({w for w, p, _ in records if p == pk}) <= 2 for _, pk, _ in records)
+    for which, pk, data in records:
+        builder = builders[which]
+        before = builder.size
+        added = builder.add_key_within(facts.setdefault(pk, facts_of(pk)), data, limit)
+        assert builder.size == len(builder.serialize())
+        assert builder.size <= limit if added else builder.size == before
+        if exact:
+            assert added == references[which].add_within(pk, None, data, limit)
+            assert builder.size == references[which].size
+        if added:
+            kept[which].append((pk, None, data))
+    for builder, entries_kept in zip(builders, kept, strict=True):
+        serialized = builder.serialize()
+        assert decode_aggregate(serialized) == as_decoded(entries_kept)
+        if exact:
+            assert serialized == encode_aggregate(entries_kept)
+
+
+def test_a_key_put_to_two_aggregates_in_turn_keeps_one_entry_in_each() -> None:
+    key = facts_of("device-1")
+    first, second = AggregateBuilder(), AggregateBuilder()
+    for n in range(3):
+        assert first.add_key_within(key, b"%d" % n, math.inf)
+        assert second.add_key_within(key, b"%d" % n, math.inf)
+    for builder in (first, second):
+        message = messages_pb2.AggregatedRecord()
+        message.ParseFromString(protobuf_of(builder.serialize()))
+        assert list(message.partition_key_table) == ["device-1"]
+        assert [r.partition_key_index for r in message.records] == [0, 0, 0]
+    # a third aggregate in the rotation: each decodes right, a key may repeat in a table
+    third = AggregateBuilder()
+    for _ in range(3):
+        for builder in (first, second, third):
+            assert builder.add_key_within(key, b"x", math.inf)
+    for builder, count in ((first, 6), (second, 6), (third, 3)):
+        decoded = decode_aggregate(builder.serialize())
+        assert [r.partition_key for r in decoded] == ["device-1"] * count
+
+
+def test_a_key_that_does_not_fit_is_not_taken_into_the_table() -> None:
+    key = facts_of("k" * 100)
+    builder = AggregateBuilder()
+    assert not builder.add_key_within(key, b"x" * 50, AGGREGATION_OVERHEAD + 100)
+    assert builder.size == AGGREGATION_OVERHEAD
+    assert key.table == 0
+    assert builder.add_key_within(key, b"x" * 50, math.inf)
+    assert decode_aggregate(builder.serialize()) == as_decoded([("k" * 100, None, b"x" * 50)])
+
+
+def test_a_key_added_by_its_text_and_by_its_facts_decodes_the_same() -> None:
+    builder = AggregateBuilder()
+    assert builder.add_within("a", None, b"1", math.inf)
+    assert builder.add_key_within(facts_of("a"), b"2", math.inf)
+    assert builder.add_within("a", "5", b"3", math.inf)
+    assert decode_aggregate(builder.serialize()) == as_decoded(
+        [("a", None, b"1"), ("a", None, b"2"), ("a", "5", b"3")]
+    )

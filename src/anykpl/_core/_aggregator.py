@@ -177,10 +177,15 @@ class Aggregator:
             out.append(KinesisRecord.single(record))
             return False
         pk, ehk, data = record.partition_key, record.explicit_hash_key, record.data
+        facts = record.key_facts
         tenant = record.tenant
         key: str | tuple[str, str] = shard if tenant is None else (shard, tenant)
         agg = self._open.get(key)
-        if agg is None or not agg.builder.add_within(pk, ehk, data, agg.limit):
+        if agg is None or not (
+            agg.builder.add_within(pk, ehk, data, agg.limit)
+            if facts is None
+            else agg.builder.add_key_within(facts, data, agg.limit)
+        ):
             # no open aggregate, or the record would push it past the limit: start the next
             limit = (
                 self.max_size - len(pk.encode())
@@ -193,7 +198,11 @@ class Aggregator:
                 # bigger aggregate holds the round until the shard has its whole size)
                 limit -= self.max_size - FAIR_QUANTUM
             fresh = _OpenAggregate(shard, key, limit)
-            if not fresh.builder.add_within(pk, ehk, data, limit):
+            if not (
+                fresh.builder.add_within(pk, ehk, data, limit)
+                if facts is None
+                else fresh.builder.add_key_within(facts, data, limit)
+            ):
                 # too big to share an aggregate even alone: out on its own, raw, after the open
                 # aggregate (sealed first so that records of one key keep their order)
                 if agg is not None:

@@ -39,6 +39,7 @@ from . import _limits
 from ._aggregator import Aggregator
 from ._records import BatchCounter, KinesisRecord, Record, ShardBacklog, partition_key_hash
 from ._shard_map import ShardMap
+from ._wire import KeyFacts, key_table_entry
 
 __all__ = (
     "CHECKPOINT_EVERY",
@@ -182,7 +183,7 @@ class Intake:
         self.outstanding_bytes = 0
         # partition key -> (hash key, UTF-8 length): IoT-style workloads reuse keys, and an
         # MD5 costs more than the dictionary lookup
-        self.key_cache: dict[str, tuple[int, int]] = {}
+        self.key_cache: dict[str, KeyFacts] = {}
         # the durable spool (``spool_dir``): every admitted record is appended to it
         self.spool: SpoolStore | None = None
         # while records recovered from the spool are admitted, new records wait (they go first)
@@ -282,7 +283,8 @@ class Intake:
             raise errors.RecordTypeError(f"stream must be a str, not {type(stream).__name__}")
         payload = data if type(data) is bytes else _as_bytes(data)
         key: str
-        if partition_key is None:
+        random_key = partition_key is None
+        if random_key:
             key = os.urandom(16).hex()
         elif type(partition_key) is not str:
             raise errors.RecordTypeError(
@@ -295,26 +297,30 @@ class Intake:
                     f"partition_key must be 1..{_limits.MAX_PARTITION_KEY_LENGTH} characters, "
                     f"got {len(key)}"
                 )
-        ehk: str | None = None
         if explicit_hash_key is None:
-            cached = self.key_cache.get(key)
-            if cached is None:
-                cached = _key_facts(key)
-                if len(self.key_cache) >= KEY_CACHE_LIMIT:
-                    self.key_cache.clear()
-                self.key_cache[key] = cached
-            hash_key, key_size = cached
-        else:
-            key_size = _key_facts(key)[1]
-            hash_key = _parse_explicit_hash_key(explicit_hash_key)
-            ehk = str(hash_key)
-        size = len(payload) + key_size
+            facts = self.key_cache.get(key)
+            if facts is None:
+                facts = _key_facts(key)
+                if not random_key:  # a random key comes once: not kept
+                    if len(self.key_cache) >= KEY_CACHE_LIMIT:
+                        self.key_cache.clear()
+                    self.key_cache[key] = facts
+            size = len(payload) + facts.size
+            self._check_size(size)
+            record = Record(stream, key, payload, facts.hash_key, None, 0.0, 0.0, 0.0, size)
+            record.key_facts = facts
+            return record
+        size = len(payload) + _key_length(key)
+        hash_key = _parse_explicit_hash_key(explicit_hash_key)
+        self._check_size(size)
+        return Record(stream, key, payload, hash_key, str(hash_key), 0.0, 0.0, 0.0, size)
+
+    def _check_size(self, size: int) -> None:
         if size > self.max_record_size:
             raise errors.InvalidRecordError(
                 f"record is {size} bytes (data + partition key), over the maximum of "
                 f"{self.max_record_size} (max_user_record_size)"
             )
-        return Record(stream, key, payload, hash_key, ehk, 0.0, 0.0, 0.0, size)
 
     def has_room(self, record: Record, stream: StreamIntake, recovered: bool = False) -> bool:
         """Whether ``record`` fits now: under the producer's caps, the reserve of them kept
@@ -671,13 +677,22 @@ def offset_clock(base: Callable[[], float], offset: float) -> Callable[[], float
     return clock
 
 
-def _key_facts(partition_key: str) -> tuple[int, int]:
-    """(hash key, UTF-8 length) of a partition key."""
+def _encoded_key(partition_key: str) -> bytes:
     try:
-        encoded = partition_key.encode()
+        return partition_key.encode()
     except UnicodeEncodeError as exc:
         raise errors.InvalidRecordError(f"partition_key is not valid Unicode: {exc}") from None
-    return partition_key_hash(encoded), len(encoded)
+
+
+def _key_facts(partition_key: str) -> KeyFacts:
+    """A partition key's hash key, UTF-8 length and key table entry."""
+    encoded = _encoded_key(partition_key)
+    return KeyFacts(partition_key_hash(encoded), len(encoded), key_table_entry(encoded))
+
+
+def _key_length(partition_key: str) -> int:
+    """A partition key's UTF-8 length."""
+    return len(partition_key) if partition_key.isascii() else len(_encoded_key(partition_key))
 
 
 def _unpack_batch_record(item: object) -> tuple[object, object, object]:

@@ -27,7 +27,7 @@ from typing import Any, Final, Protocol
 from .. import errors
 from .._compat import mypyc_attr
 from ._results import Attempt, RecordResult
-from ._wire import AggregateBuilder
+from ._wire import AggregateBuilder, KeyFacts
 
 __all__ = (
     "Attempt",
@@ -276,6 +276,7 @@ class Record:
         "expiration",
         "explicit_hash_key",
         "hash_key",
+        "key_facts",
         "last_attempt",
         "on_done",
         "partition_key",
@@ -312,6 +313,9 @@ class Record:
         # data + UTF-8 partition key: what the record counts towards the limits
         self.size = len(data) + len(partition_key.encode()) if size is None else size
         self.predicted_shard: str | None = None
+        # its partition key's facts from the producer's key cache (Intake.make_record), for
+        # the aggregator; None for a record with an explicit hash key
+        self.key_facts: KeyFacts | None = None
         self.shard_id: str | None = None
         self.sequence_number: str | None = None
         self.sub_sequence_number: int | None = None

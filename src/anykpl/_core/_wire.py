@@ -40,7 +40,10 @@ Where we differ from ``kinesis_record.cc``, and why:
   ``remove_last``. :meth:`AggregateBuilder.size_with` predicts the exact size before the add,
   so nothing is ever added that has to be removed again, and there is no ``remove_last``.
 * Key tables are de-duplicated in first-seen order, as ``KeySet`` does, but without reference
-  counts: those only serve ``remove_last``.
+  counts: those only serve ``remove_last``. The producer's records find their key's index
+  through the key cache's :class:`KeyFacts` rather than a table per aggregate; a key that
+  goes to three aggregates or more in turn (three streams, three tenants on one shard) may
+  then appear more than once in a table, which decodes the same.
 * Tags are never written (the KPL does not write them either); the decoder validates them and
   drops them.
 
@@ -51,11 +54,13 @@ The decoder is strict where the KCL is lenient; see :func:`decode_aggregate` and
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
+from .._compat import mypyc_attr
 from ..errors import AggregationFormatError
 
 __all__ = (
@@ -63,10 +68,12 @@ __all__ = (
     "MAGIC",
     "AggregateBuilder",
     "DecodedRecord",
+    "KeyFacts",
     "deaggregate",
     "decode_aggregate",
     "encode_aggregate",
     "is_aggregated",
+    "key_table_entry",
     "unpack",
 )
 
@@ -155,6 +162,59 @@ def _record_header(pk_index: int, ehk_index: int | None, data_len: int) -> bytes
     return _TAG_RECORDS + _encode_varint(len(inner) + data_len) + inner
 
 
+def _plain_header(pk_index: int, data_len: int) -> bytes:
+    """The header of a record without an explicit hash key (see ``_header_cache``)."""
+    cache_key = data_len << 32 | pk_index  # an index is far below 2**32
+    found = _header_cache.get(cache_key)
+    if found is None:
+        try:
+            tail = _PARTITION_KEY_INDEX_FIELD[pk_index] + _DATA_FIELD[data_len]
+            found = _RECORD_FIELD[len(tail) + data_len] + tail
+        except IndexError:
+            found = _record_header(pk_index, None, data_len)
+        if len(_header_cache) >= _HEADER_CACHE_LIMIT:
+            _header_cache.clear()
+        _header_cache[cache_key] = found
+    return found
+
+
+def key_table_entry(encoded: bytes) -> bytes:
+    """A partition key's entry in an aggregate's key table (tag, length, UTF-8 bytes)."""
+    try:
+        return _PARTITION_KEY_ENTRY_PREFIX[len(encoded)] + encoded
+    except IndexError:
+        return _TAG_PARTITION_KEY_TABLE + _encode_varint(len(encoded)) + encoded
+
+
+#: Every AggregateBuilder's token: unique in the process and never reused (an object's id may
+#: be), so that a KeyFacts naming a builder's token can only mean that builder.
+_builder_tokens: Final = itertools.count(1)
+
+
+@mypyc_attr(acyclic=True)
+class KeyFacts:
+    """One partition key as the producer's key cache remembers it: its hash key, its UTF-8
+    length, its entry in an aggregate's key table, and the last two aggregates whose tables
+    took it, with its index in each (their builders' tokens; 0: none).
+
+    :meth:`AggregateBuilder.add_key_within` finds the key's index in its own table from these,
+    with no dictionary lookup, and appends the entry, encoded once per key, when its table does
+    not hold the key yet. Two, so that a key put to two streams (or for two tenants) in turn
+    keeps one entry in each aggregate. Acyclic (compiled build): numbers and bytes only.
+    """
+
+    __slots__ = ("entry", "hash_key", "index", "other_index", "other_table", "size", "table")
+
+    def __init__(self, hash_key: int, size: int, entry: bytes) -> None:
+        self.hash_key = hash_key
+        self.size = size
+        self.entry = entry
+        self.table = 0
+        self.index = 0
+        self.other_table = 0
+        self.other_index = 0
+
+
 def _key_entry_size(key: str) -> int:
     """Bytes a new key table entry adds: tag, length varint, UTF-8 bytes."""
     n = len(key) if key.isascii() else len(key.encode("utf-8"))
@@ -170,9 +230,19 @@ class AggregateBuilder:
     :meth:`serialize`. The exact protobuf length is kept as a running total.
     """
 
-    __slots__ = ("_ehk_indices", "_ehk_table", "_parts", "_pk_indices", "_pk_table", "_size")
+    __slots__ = (
+        "_ehk_indices",
+        "_ehk_table",
+        "_parts",
+        "_pk_indices",
+        "_pk_table",
+        "_size",
+        "_token",
+    )
 
     def __init__(self) -> None:
+        # what KeyFacts name this builder by (add_key_within)
+        self._token: int = next(_builder_tokens)
         self._pk_indices: dict[str, int] = {}
         self._ehk_indices: dict[str, int] = {}
         # Encoded table entries (tag + length + UTF-8), in first-seen order.
@@ -236,18 +306,7 @@ class AggregateBuilder:
         data_len = len(data)
         ehk_entry = None
         if explicit_hash_key is None:
-            cache_key = data_len << 32 | pk_index  # an index is far below 2**32
-            found = _header_cache.get(cache_key)
-            if found is None:
-                try:
-                    tail = _PARTITION_KEY_INDEX_FIELD[pk_index] + _DATA_FIELD[data_len]
-                    found = _RECORD_FIELD[len(tail) + data_len] + tail
-                except IndexError:
-                    found = _record_header(pk_index, None, data_len)
-                if len(_header_cache) >= _HEADER_CACHE_LIMIT:
-                    _header_cache.clear()
-                _header_cache[cache_key] = found
-            header = found
+            header = _plain_header(pk_index, data_len)
         else:
             ehk_index = self._ehk_indices.get(explicit_hash_key)
             if ehk_index is None:
@@ -283,6 +342,43 @@ class AggregateBuilder:
             assert explicit_hash_key is not None
             self._ehk_indices[explicit_hash_key] = len(self._ehk_table)
             self._ehk_table.append(ehk_entry)
+        parts = self._parts
+        parts.append(header)
+        parts.append(data)
+        self._size = size
+        return True
+
+    def add_key_within(self, key: KeyFacts, data: bytes, limit: float) -> bool:
+        """:meth:`add_within` for a record with no explicit hash key whose partition key the
+        producer's key cache knows as ``key``: its index in this aggregate's key table comes
+        from ``key``, and a key new to the table is appended as ``key`` has it encoded.
+
+        A key added by :meth:`add_within` (by its text) is not known to this method, nor the
+        other way round: a builder fed both ways may hold such a key twice in its table, which
+        decodes the same.
+        """
+        token = self._token
+        new_key = False
+        if key.table == token:
+            pk_index = key.index
+        elif key.other_table == token:
+            pk_index = key.other_index
+        else:
+            pk_index = len(self._pk_table)
+            new_key = True
+        data_len = len(data)
+        header = _plain_header(pk_index, data_len)
+        size = self._size + len(header) + data_len
+        if new_key:
+            size += len(key.entry)
+        if size + AGGREGATION_OVERHEAD > limit:
+            return False
+        if new_key:
+            self._pk_table.append(key.entry)
+            key.other_table = key.table
+            key.other_index = key.index
+            key.table = token
+            key.index = pk_index
         parts = self._parts
         parts.append(header)
         parts.append(data)
