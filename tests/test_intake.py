@@ -11,7 +11,6 @@ import pytest
 from anykpl._core import _limits
 from anykpl._core._aggregator import Aggregator
 from anykpl._core._intake import (
-    COMPACT_BYTES,
     COMPACT_RECORDS,
     RESERVE,
     Intake,
@@ -194,11 +193,12 @@ def _record(size: int = 100) -> Record:
     return Record("s", "k", b"x" * (size - 1), 1, None, 0.0, 0.0, 0.0, size)
 
 
-def _end(outstanding: OutstandingRecords, records: list[Record], left: int) -> None:
+def _end(outstanding: OutstandingRecords, records: list[Record]) -> None:
     """Resolve ``records`` and count them out, as Intake.finish does."""
     for record in records:
+        outstanding.remove(record)
         record.resolve(True)
-    outstanding.ended(len(records), sum(r.size for r in records), left)
+    outstanding.close_up()
 
 
 def test_outstanding_records_give_the_pending_ones_oldest_first() -> None:
@@ -211,19 +211,23 @@ def test_outstanding_records_give_the_pending_ones_oldest_first() -> None:
         outstanding.add(record)
     assert len(outstanding) == 5
     assert outstanding.oldest() is records[0]
-    _end(outstanding, [records[0], records[3]], 300)
+    _end(outstanding, [records[0], records[3]])
     assert len(outstanding) == 3
     assert list(outstanding) == [records[1], records[2], records[4]]
     assert outstanding.oldest() is records[1]
-    _end(outstanding, [records[1], records[2], records[4]], 0)
+    _end(outstanding, [records[1], records[2], records[4]])
     assert not outstanding
     assert list(outstanding) == []
     assert outstanding.oldest() is None
+    outstanding.remove(records[1])  # ended already: nothing happens
+    outstanding.remove(_record())  # never added: nothing happens
+    assert len(outstanding) == 0
 
 
-def test_outstanding_records_keep_few_of_the_ended_ones() -> None:
-    """Ended records are dropped once they outnumber the pending ones by COMPACT_RECORDS:
-    memory stays bounded by what is outstanding, however many records pass."""
+def test_outstanding_records_hold_no_ended_record_and_few_empty_slots() -> None:
+    """An ended record's slot is emptied at once (the list keeps nothing that ended alive),
+    and the empty slots are closed up once they outnumber the pending records by
+    COMPACT_RECORDS: the list stays within twice what is pending and that many."""
     outstanding = OutstandingRecords()
     pending: list[Record] = []
     for _ in range(20):
@@ -232,24 +236,13 @@ def test_outstanding_records_keep_few_of_the_ended_ones() -> None:
             outstanding.add(record)
         pending.extend(batch)
         ended, pending = pending[:450], pending[450:]
-        _end(outstanding, ended, 100 * len(pending))
+        _end(outstanding, ended)
         assert len(outstanding) == len(pending)
+        assert not any(r in ended for r in outstanding._records if r is not None)
         assert len(outstanding._records) <= 2 * len(pending) + COMPACT_RECORDS
+        assert outstanding.oldest() is pending[0]
     assert list(outstanding) == pending
-
-
-def test_outstanding_records_drop_ended_ones_that_hold_many_bytes() -> None:
-    outstanding = OutstandingRecords()
-    small = [_record() for _ in range(10)]
-    big = _record(COMPACT_BYTES)
-    for record in [*small, big]:
-        outstanding.add(record)
-    _end(outstanding, [big], 1000)  # one ended record of COMPACT_BYTES: kept for now
-    assert len(outstanding._records) == 11
-    another = _record(1000)
-    outstanding.add(another)
-    _end(outstanding, [another], 1000)  # past half the outstanding bytes and COMPACT_BYTES
-    assert outstanding._records == small
+    assert [r.outstanding_slot for r in pending] == [outstanding._records.index(r) for r in pending]
 
 
 def test_given_partition_keys_are_remembered_and_random_ones_are_not() -> None:

@@ -617,7 +617,7 @@ def test_add_within_agrees_with_size_with(
 
 def facts_of(key: str) -> KeyFacts:
     encoded = key.encode()
-    return KeyFacts(0, len(encoded), key_table_entry(encoded))
+    return KeyFacts(key, 0, len(encoded), key_table_entry(encoded))
 
 
 @settings(max_examples=60, deadline=None)
@@ -658,6 +658,11 @@ def test_keys_known_by_their_facts_aggregate_as_the_kpl_does(
         assert decode_aggregate(serialized) == as_decoded(entries_kept)
         if exact:
             assert serialized == encode_aggregate(entries_kept)
+        # whatever the rotation, a key is in a table at most twice
+        message = messages_pb2.AggregatedRecord()
+        message.ParseFromString(protobuf_of(serialized))
+        table = list(message.partition_key_table)
+        assert all(table.count(pk) <= 2 for pk in table)
 
 
 def test_a_key_put_to_two_aggregates_in_turn_keeps_one_entry_in_each() -> None:
@@ -671,14 +676,19 @@ def test_a_key_put_to_two_aggregates_in_turn_keeps_one_entry_in_each() -> None:
         message.ParseFromString(protobuf_of(builder.serialize()))
         assert list(message.partition_key_table) == ["device-1"]
         assert [r.partition_key_index for r in message.records] == [0, 0, 0]
-    # a third aggregate in the rotation: each decodes right, a key may repeat in a table
-    third = AggregateBuilder()
-    for _ in range(3):
-        for builder in (first, second, third):
+    # a third aggregate in the rotation, and a fourth: each decodes right, and the older
+    # aggregates take the key once more at most (looked up by its text from then on), not
+    # once per record
+    third, fourth = AggregateBuilder(), AggregateBuilder()
+    for _ in range(50):
+        for builder in (first, second, third, fourth):
             assert builder.add_key_within(key, b"x", math.inf)
-    for builder, count in ((first, 6), (second, 6), (third, 3)):
+    for builder, count in ((first, 53), (second, 53), (third, 50), (fourth, 50)):
         decoded = decode_aggregate(builder.serialize())
         assert [r.partition_key for r in decoded] == ["device-1"] * count
+        message = messages_pb2.AggregatedRecord()
+        message.ParseFromString(protobuf_of(builder.serialize()))
+        assert len(message.partition_key_table) <= 2
 
 
 def test_a_key_that_does_not_fit_is_not_taken_into_the_table() -> None:

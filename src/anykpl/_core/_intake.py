@@ -43,7 +43,6 @@ from ._wire import KeyFacts, key_table_entry
 
 __all__ = (
     "CHECKPOINT_EVERY",
-    "COMPACT_BYTES",
     "COMPACT_RECORDS",
     "KEY_CACHE_LIMIT",
     "RESERVE",
@@ -67,11 +66,9 @@ CHECKPOINT_EVERY: Final = 128
 #: come) are admitted, so a shard that holds nothing yet always finds room.
 RESERVE: Final = 0.2
 
-#: :class:`OutstandingRecords` drops its ended records once they are more than this many
-#: besides as many as are outstanding, or hold more than this many bytes besides half of what
-#: is outstanding.
+#: :class:`OutstandingRecords` closes up the slots of ended records once they are more than
+#: this many besides as many as are pending.
 COMPACT_RECORDS: Final = 1024
-COMPACT_BYTES: Final = 1 << 20
 
 
 class OutstandingRecords:
@@ -80,24 +77,24 @@ class OutstandingRecords:
     ever hangs). Iterating gives the records still pending, oldest first; ``len`` is how many
     there are.
 
-    A list that records are appended to when admitted and left in when they end (they are
-    counted out); the ended ones are dropped in one pass once they outnumber the pending ones
-    by :data:`COMPACT_RECORDS`, or hold more than half the outstanding bytes and
-    :data:`COMPACT_BYTES`. Each record thus costs an append and a share of a copy, where a
-    dictionary, taken in order of admission and emptied from its oldest end, cost 0.3 us or
-    more per record once it held tens of thousands (a large, sparse table). Memory: the ended
-    records kept are bounded by the rules above.
+    A list: a record is appended when admitted (``Record.outstanding_slot`` is its place) and
+    its slot emptied when it ends, so the list holds no ended record; the empty slots are
+    closed up in one pass once they outnumber the pending records by
+    :data:`COMPACT_RECORDS`. Each record thus costs an append, a store and a share of a copy,
+    where a dictionary, taken in order of admission and emptied from its oldest end, cost
+    0.3 us or more per record once it held tens of thousands (a large, sparse table).
     """
 
-    __slots__ = ("_ended", "_ended_bytes", "_records", "count")
+    __slots__ = ("_empty", "_head", "_records", "count")
 
     def __init__(self) -> None:
-        self._records: list[Record] = []
-        # pending records in ``_records``
+        self._records: list[Record | None] = []
+        # pending records (the filled slots)
         self.count = 0
-        # ended records still in ``_records``, and their bytes
-        self._ended = 0
-        self._ended_bytes = 0
+        # empty slots in ``_records``
+        self._empty = 0
+        # no pending record before this slot
+        self._head = 0
 
     def __len__(self) -> int:
         return self.count
@@ -107,32 +104,46 @@ class OutstandingRecords:
 
     def __iter__(self) -> Iterator[Record]:
         """The pending records, oldest first (a snapshot: they may end meanwhile)."""
-        return iter([record for record in self._records if not record.done()])
+        return iter([record for record in self._records if record is not None])
 
     def add(self, record: Record) -> None:
         """``record`` was admitted."""
-        self._records.append(record)
+        records = self._records
+        record.outstanding_slot = len(records)
+        records.append(record)
         self.count += 1
 
-    def ended(self, count: int, nbytes: int, outstanding_bytes: int) -> None:
-        """``count`` of the records (``nbytes`` in all) ended; ``outstanding_bytes`` are
-        still outstanding."""
-        self.count -= count
-        ended = self._ended = self._ended + count
-        ended_bytes = self._ended_bytes = self._ended_bytes + nbytes
-        if (
-            ended > self.count + COMPACT_RECORDS
-            or ended_bytes > (outstanding_bytes >> 1) + COMPACT_BYTES
-        ):
-            self._records = [record for record in self._records if not record.done()]
-            self._ended = self._ended_bytes = 0
+    def remove(self, record: Record) -> None:
+        """``record`` ended (once; a record never added is ignored)."""
+        slot = record.outstanding_slot
+        records = self._records
+        if 0 <= slot < len(records) and records[slot] is record:
+            records[slot] = None
+            record.outstanding_slot = -1
+            self.count -= 1
+            self._empty += 1
+
+    def close_up(self) -> None:
+        """Close up the empty slots if they are many (after records ended)."""
+        if self._empty > self.count + COMPACT_RECORDS:
+            kept: list[Record | None] = []
+            for record in self._records:
+                if record is not None:
+                    record.outstanding_slot = len(kept)
+                    kept.append(record)
+            self._records = kept
+            self._empty = 0
+            self._head = 0
 
     def oldest(self) -> Record | None:
         """The pending record admitted first, ``None`` when none is."""
         if not self.count:
             return None
-        for record in self._records:
-            if not record.done():
+        records = self._records
+        for slot in range(self._head, len(records)):
+            record = records[slot]
+            if record is not None:
+                self._head = slot
                 return record
         return None
 
@@ -480,6 +491,7 @@ class Intake:
         released = count = 0
         for record in records:
             if not record.done():  # still pending: resolve exactly once
+                self.outstanding.remove(record)
                 size = record.size
                 released += size
                 count += 1
@@ -496,7 +508,7 @@ class Intake:
                         spool.finished(segment, success)
                 record.resolve(success)
         self.outstanding_bytes -= released
-        self.outstanding.ended(count, released, self.outstanding_bytes)
+        self.outstanding.close_up()
         self.on_finish()
         return count, released
 
@@ -687,7 +699,9 @@ def _encoded_key(partition_key: str) -> bytes:
 def _key_facts(partition_key: str) -> KeyFacts:
     """A partition key's hash key, UTF-8 length and key table entry."""
     encoded = _encoded_key(partition_key)
-    return KeyFacts(partition_key_hash(encoded), len(encoded), key_table_entry(encoded))
+    return KeyFacts(
+        partition_key, partition_key_hash(encoded), len(encoded), key_table_entry(encoded)
+    )
 
 
 def _key_length(partition_key: str) -> int:

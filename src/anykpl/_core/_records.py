@@ -279,6 +279,7 @@ class Record:
         "key_facts",
         "last_attempt",
         "on_done",
+        "outstanding_slot",
         "partition_key",
         "predicted_shard",
         "sequence_number",
@@ -336,6 +337,8 @@ class Record:
         self.batch: BatchCounter | None = None
         # the shard backlog it was admitted into (Intake.enqueue), None until then
         self.backlog: ShardBacklog | None = None
+        # its place in the producer's outstanding records (OutstandingRecords), -1: none
+        self.outstanding_slot = -1
 
     def __repr__(self) -> str:
         state = ("pending", "succeeded", "failed")[self._state]

@@ -193,19 +193,31 @@ _builder_tokens: Final = itertools.count(1)
 
 @mypyc_attr(acyclic=True)
 class KeyFacts:
-    """One partition key as the producer's key cache remembers it: its hash key, its UTF-8
+    """One partition key as the producer's key cache remembers it: its text, hash key, UTF-8
     length, its entry in an aggregate's key table, and the last two aggregates whose tables
-    took it, with its index in each (their builders' tokens; 0: none).
+    took it, with its index in each (their builders' tokens, which grow with each builder;
+    0: none).
 
     :meth:`AggregateBuilder.add_key_within` finds the key's index in its own table from these,
     with no dictionary lookup, and appends the entry, encoded once per key, when its table does
     not hold the key yet. Two, so that a key put to two streams (or for two tenants) in turn
-    keeps one entry in each aggregate. Acyclic (compiled build): numbers and bytes only.
+    keeps one entry in each aggregate; with more in turn, the older aggregates look the key up
+    by its text. Acyclic (compiled build): numbers, strings and bytes only.
     """
 
-    __slots__ = ("entry", "hash_key", "index", "other_index", "other_table", "size", "table")
+    __slots__ = (
+        "entry",
+        "hash_key",
+        "index",
+        "key",
+        "other_index",
+        "other_table",
+        "size",
+        "table",
+    )
 
-    def __init__(self, hash_key: int, size: int, entry: bytes) -> None:
+    def __init__(self, key: str, hash_key: int, size: int, entry: bytes) -> None:
+        self.key = key
         self.hash_key = hash_key
         self.size = size
         self.entry = entry
@@ -353,9 +365,11 @@ class AggregateBuilder:
         producer's key cache knows as ``key``: its index in this aggregate's key table comes
         from ``key``, and a key new to the table is appended as ``key`` has it encoded.
 
-        A key added by :meth:`add_within` (by its text) is not known to this method, nor the
-        other way round: a builder fed both ways may hold such a key twice in its table, which
-        decodes the same.
+        When two aggregates opened after this one hold the key (it goes to three aggregates or
+        more in turn: three streams, three tenants of one shard), the key is looked up by its
+        text (:meth:`add_within`) instead, so this table holds it at most twice, once from
+        each way: a key added by :meth:`add_within` is not known to this method, nor the other
+        way round, and a table may hold such a key twice, which decodes the same.
         """
         token = self._token
         new_key = False
@@ -363,6 +377,8 @@ class AggregateBuilder:
             pk_index = key.index
         elif key.other_table == token:
             pk_index = key.other_index
+        elif key.table > token and key.other_table > token:
+            return self.add_within(key.key, None, data, limit)
         else:
             pk_index = len(self._pk_table)
             new_key = True
