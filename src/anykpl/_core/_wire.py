@@ -42,8 +42,9 @@ Where we differ from ``kinesis_record.cc``, and why:
 * Key tables are de-duplicated in first-seen order, as ``KeySet`` does, but without reference
   counts: those only serve ``remove_last``. The producer's records find their key's index
   through the key cache's :class:`KeyFacts` rather than a table per aggregate; a key that
-  goes to three aggregates or more in turn (three streams, three tenants on one shard) may
-  then appear more than once in a table, which decodes the same.
+  goes to three aggregates or more in turn (three streams, three tenants on one shard) is
+  looked up by its text in the older ones, which may then hold it twice (once each way),
+  which decodes the same.
 * Tags are never written (the KPL does not write them either); the decoder validates them and
   drops them.
 
