@@ -192,8 +192,9 @@ class Intake:
         # every admitted record until it is terminal: the producer's safety net
         self.outstanding = OutstandingRecords()
         self.outstanding_bytes = 0
-        # partition key -> (hash key, UTF-8 length): IoT-style workloads reuse keys, and an
-        # MD5 costs more than the dictionary lookup
+        # partition key -> its KeyFacts (hash key, UTF-8 length, key table entry, the
+        # aggregates that hold it): IoT-style workloads reuse keys, and an MD5 costs more
+        # than the dictionary lookup
         self.key_cache: dict[str, KeyFacts] = {}
         # the durable spool (``spool_dir``): every admitted record is appended to it
         self.spool: SpoolStore | None = None
