@@ -176,19 +176,13 @@ class Aggregator:
         if not self.enabled:
             out.append(KinesisRecord.single(record))
             return False
-        pk, ehk, data = record.partition_key, record.explicit_hash_key, record.data
-        facts = record.key_facts
         tenant = record.tenant
         key: str | tuple[str, str] = shard if tenant is None else (shard, tenant)
         agg = self._open.get(key)
-        if agg is None or not (
-            agg.builder.add_within(pk, ehk, data, agg.limit)
-            if facts is None
-            else agg.builder.add_key_within(facts, data, agg.limit)
-        ):
+        if agg is None or not _add(agg.builder, record, agg.limit):
             # no open aggregate, or the record would push it past the limit: start the next
             limit = (
-                self.max_size - len(pk.encode())
+                self.max_size - len(record.partition_key.encode())
                 if self.container_key_from_records
                 else self._constant_limit
             )
@@ -198,11 +192,7 @@ class Aggregator:
                 # bigger aggregate holds the round until the shard has its whole size)
                 limit -= self.max_size - FAIR_QUANTUM
             fresh = _OpenAggregate(shard, key, limit)
-            if not (
-                fresh.builder.add_within(pk, ehk, data, limit)
-                if facts is None
-                else fresh.builder.add_key_within(facts, data, limit)
-            ):
+            if not _add(fresh.builder, record, limit):
                 # too big to share an aggregate even alone: out on its own, raw, after the open
                 # aggregate (sealed first so that records of one key keep their order)
                 if agg is not None:
@@ -404,3 +394,15 @@ class Aggregator:
         self._deadlines.clear()
         self.buffered_records = 0
         return records
+
+
+def _add(builder: AggregateBuilder, record: Record, limit: float) -> bool:
+    """Add ``record`` to ``builder`` if the aggregate stays within ``limit``: by its partition
+    key's facts from the key cache, or by the key's text (a record with an explicit hash key,
+    or one made without the cache)."""
+    facts = record.key_facts
+    if facts is None:
+        return builder.add_within(
+            record.partition_key, record.explicit_hash_key, record.data, limit
+        )
+    return builder.add_key_within(facts, record.data, limit)

@@ -99,9 +99,6 @@ class OutstandingRecords:
     def __len__(self) -> int:
         return self.count
 
-    def __bool__(self) -> bool:
-        return self.count > 0
-
     def __iter__(self) -> Iterator[Record]:
         """The pending records, oldest first (a snapshot: they may end meanwhile)."""
         return iter([record for record in self._records if record is not None])
@@ -322,7 +319,7 @@ class Intake:
             record = Record(stream, key, payload, facts.hash_key, None, 0.0, 0.0, 0.0, size)
             record.key_facts = facts
             return record
-        size = len(payload) + _key_length(key)
+        size = len(payload) + len(_encoded_key(key))
         hash_key = _parse_explicit_hash_key(explicit_hash_key)
         self._check_size(size)
         return Record(stream, key, payload, hash_key, str(hash_key), 0.0, 0.0, 0.0, size)
@@ -703,11 +700,6 @@ def _key_facts(partition_key: str) -> KeyFacts:
     return KeyFacts(
         partition_key, partition_key_hash(encoded), len(encoded), key_table_entry(encoded)
     )
-
-
-def _key_length(partition_key: str) -> int:
-    """A partition key's UTF-8 length."""
-    return len(partition_key) if partition_key.isascii() else len(_encoded_key(partition_key))
 
 
 def _unpack_batch_record(item: object) -> tuple[object, object, object]:

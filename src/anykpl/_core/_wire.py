@@ -310,11 +310,7 @@ class AggregateBuilder:
         pk_index = self._pk_indices.get(partition_key)
         pk_entry = None
         if pk_index is None:
-            encoded = partition_key.encode()
-            try:
-                pk_entry = _PARTITION_KEY_ENTRY_PREFIX[len(encoded)] + encoded
-            except IndexError:
-                pk_entry = _TAG_PARTITION_KEY_TABLE + _encode_varint(len(encoded)) + encoded
+            pk_entry = key_table_entry(partition_key.encode())
             pk_index = len(self._pk_table)
         data_len = len(data)
         ehk_entry = None
