@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,54 @@ async def test_a_missing_profile_is_reported_as_before() -> None:
             max_pool_connections=1,
         ):
             pass  # pragma: no cover
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "proxy", "environment", "uses_tls"),
+    [
+        (None, None, {}, True),  # AWS itself
+        ("https://kinesis.example", None, {}, True),
+        ("http://127.0.0.1:4567", None, {}, False),
+        ("HTTP://127.0.0.1:4567", None, {}, False),
+        ("http://127.0.0.1:4567", "https://proxy.example:3128", {}, True),
+        ("http://127.0.0.1:4567", None, {"HTTP_PROXY": "https://proxy.example:3128"}, True),
+        (
+            "http://127.0.0.1:4567",
+            None,
+            {"HTTP_PROXY": "https://proxy.example:3128", "NO_PROXY": "127.0.0.1"},
+            False,
+        ),
+    ],
+)
+def test_certificate_settings_apply_where_a_connection_may_be_tls(
+    endpoint: str | None,
+    proxy: str | None,
+    environment: dict[str, str],
+    uses_tls: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only a plain-HTTP endpoint reached without a proxy (from the settings or the
+    environment, as botocore finds it) makes no TLS connection at all."""
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.lower(), raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    assert anykpl._transport._aws._uses_tls(endpoint, proxy) is uses_tls
+
+
+@pytest.mark.parametrize("name", ["endpoints", "partitions", "kinesis/2013-12-02/service-2"])
+def test_data_files_read_as_botocore_reads_them(name: str) -> None:
+    """The shared loader reads botocore's data files into plain dicts (faster than botocore's
+    OrderedDicts): the same content, in the same order."""
+    _session(None)
+    shared = anykpl._transport._aws._loaders[None]
+    own = Loader()
+    path = next(
+        os.path.join(base, name)
+        for base in own.search_paths
+        if own.file_loader.exists(os.path.join(base, name))
+    )
+    ours, theirs = shared.file_loader.load_file(path), own.file_loader.load_file(path)
+    assert type(ours) is dict
+    assert json.dumps(ours) == json.dumps(theirs)  # keys in the same order, all the way down

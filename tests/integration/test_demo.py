@@ -387,6 +387,47 @@ async def test_producer_without_the_ca_refuses_the_self_signed_certificate(
     assert anyio.current_time() - start < SHARD_MAP_WAIT
 
 
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_plain_http_endpoint_reads_no_certificate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over plain HTTP (an emulator, a local gateway) there is no certificate to check: the
+    CA bundle is not read (the client opens without loading one), so a bundle that is not
+    PEM at all does not stand in the way. The same bundle fails an https endpoint: see the
+    next test."""
+    from anykpl.emulator import spawn
+
+    monkeypatch.delenv("AWS_CA_BUNDLE", raising=False)
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    bundle = tmp_path / "not-a-bundle.pem"
+    bundle.write_text("not a certificate\n")
+    with spawn(streams={TLS_STREAM: 1}) as endpoint:
+        assert endpoint.startswith("http://")
+        result = await _put_one(_tls_config(endpoint, ca_bundle=str(bundle)))
+    assert result.shard_id == "shardId-000000000000"
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_an_https_endpoint_reads_the_certificate_bundle(
+    self_signed_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the control: the bundle that plain HTTP never reads is read, and refused, over TLS (when
+    # the client opens under trio, httpx's; at the first request under asyncio, aiohttp's)
+    import ssl
+
+    from anykpl.errors import RecordFailedError
+
+    monkeypatch.delenv("AWS_CA_BUNDLE", raising=False)
+    bundle = tmp_path / "not-a-bundle.pem"
+    bundle.write_text("not a certificate\n")
+    with pytest.raises((RecordFailedError, ssl.SSLError)) as failed:
+        await _put_one(_tls_config(self_signed_endpoint, ca_bundle=str(bundle), record_ttl=1.0))
+    assert "NO_CERTIFICATE_OR_CRL_FOUND" in str(failed.value)
+
+
 # -- options ------------------------------------------------------------------------------
 
 

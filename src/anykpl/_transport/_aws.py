@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gzip
+import json
 import os
 import socket
 import struct
@@ -24,7 +26,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any, overload
+from typing import Any, Final, overload
 
 # Imported with anykpl, not when a producer opens: these imports take 0.2-0.4 s (aiohttp,
 # botocore), and inside ``async with Producer(...)`` they would stall a running service's event
@@ -32,7 +34,8 @@ from typing import Any, overload
 # session (trio's HTTP client) when httpx is installed.
 from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
-from botocore.loaders import Loader, create_loader
+from botocore.loaders import JSONFileLoader, Loader, create_loader
+from botocore.utils import get_environ_proxies
 
 if "trio" in sys.modules:
     # A trio program (it imported trio): httpx, trio's HTTP client here, builds its transport
@@ -96,10 +99,26 @@ def create_client(
         aws_secret_access_key=config.aws_secret_access_key,
         aws_session_token=config.aws_session_token,
         # None hands the choice to botocore's chain (AWS_CA_BUNDLE, the profile's ca_bundle)
-        verify=config.ca_bundle if config.verify_certificate else False,
+        verify=(
+            config.ca_bundle
+            if config.verify_certificate and _uses_tls(endpoint_url, config.proxy_url)
+            else False
+        ),
         config=AioConfig(**options),
     )
     return client
+
+
+def _uses_tls(endpoint_url: str | None, proxy_url: str | None) -> bool:
+    """Whether a client of ``endpoint_url`` may make a TLS connection. Not to a plain
+    ``http://`` endpoint (an emulator, a local gateway) reached without a proxy: there the
+    certificate settings have nothing to check, and leaving them off spares opening the
+    client the loading of the CA bundle (20 ms, in a worker thread that the opening waits
+    for). With a proxy, from the settings or the environment, the proxy's own connection
+    may be TLS, checked with the same settings."""
+    if endpoint_url is None or not endpoint_url.lower().startswith("http://"):
+        return True
+    return proxy_url is not None or bool(get_environ_proxies(endpoint_url))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,6 +250,7 @@ def _session(profile: str | None) -> AioSession:
             # "is there a service X" for X alone
             loader = create_loader(data_path)
             loader.__class__ = _SharedLoader
+            loader.file_loader = _JSONFiles()
             _loaders[data_path] = loader
     session.register_component("data_loader", loader)
     return session
@@ -242,6 +262,25 @@ class _SharedLoader(Loader):  # type: ignore[misc]  # botocore has no types
 
     def list_available_services(self, type_name: str) -> Sequence[str]:
         return _AvailableServices(self, type_name)
+
+
+class _JSONFiles(JSONFileLoader):  # type: ignore[misc]  # botocore has no types
+    """botocore's reader of its JSON data files, reading objects into plain dicts. botocore
+    reads them into OrderedDicts (a hook called for every object), which made endpoints.json
+    (1.2 MB, read by every first client of a process) take 20 ms instead of 6; a dict keeps the
+    order as well, and nothing reads these data as anything but mappings."""
+
+    def load_file(self, file_path: str) -> Any:
+        for extension, open_file in _JSON_FILES:
+            path = file_path + extension
+            if os.path.isfile(path):
+                with open_file(path, "rb") as file:
+                    return json.loads(file.read().decode("utf-8"))
+        return None
+
+
+#: how botocore's data files may be stored, in the order its loader tries them
+_JSON_FILES: Final = ((".json", open), (".json.gz", gzip.open))
 
 
 class _AvailableServices(Sequence[str]):
