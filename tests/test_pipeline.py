@@ -193,6 +193,49 @@ async def test_with_nothing_in_flight_records_go_at_once_and_gather_while_one_is
 
 
 @pytest.mark.autojump
+@pytest.mark.parametrize(
+    ("every", "firehose"), [(0.0005, True), (0.01, False)], ids=["firehose", "trickle"]
+)
+async def test_a_firehose_request_lingers_and_a_trickle_goes_at_once(
+    every: float, firehose: bool
+) -> None:
+    """An endpoint that answers in a millisecond (virtual time). A firehose (records of
+    25,000 B every 0.5 ms, 50 MB/s) sends a request each time the one in flight returns no
+    more: its requests linger up to the fill horizon (25 ms), so a tenth of a second takes a
+    handful of requests, not one per round trip. A trickle (one every 10 ms) still goes at
+    once."""
+    fake = FakeKinesis()
+    fake.delay = 0.001
+    count = 200 if firehose else 20
+    finished = Finished(count)
+    pipeline = pipeline_for(
+        fake, finished, record_max_buffered_time=0.1, record_ttl=600.0, rate_limit=1e9
+    )
+    async with anyio.create_task_group() as tg:
+        pipeline.start(tg, guard)
+        await _map_ready(pipeline)
+        started = anyio.current_time()
+        for i in range(count):
+            record(pipeline, f"key-{i}", bytes(25_000))
+            await anyio.sleep(every)
+        with anyio.fail_after(5):
+            await finished.all_done.wait()
+        took = anyio.current_time() - started
+        pipeline.stop()
+    waits = [r.last_attempt.start - r.arrival for r, _ in finished.records if r.last_attempt]
+    if firehose:
+        # 0.1 s of records: a few short requests while the pace is first measured, then one
+        # per fill horizon (25 ms) or per shard's 256 KiB (without lingering: 42 requests)
+        assert len(fake.requests) <= 12, [len(request) for request in fake.requests]
+        assert took < 0.1 + 0.025 + 0.01
+        assert max(waits) < 0.025 + 0.01
+    else:
+        # a request per record or two, each sent within a round trip of its admission
+        assert len(fake.requests) >= count - 2
+        assert max(waits) < 0.003
+
+
+@pytest.mark.autojump
 async def test_records_behind_a_record_waiting_for_tokens_keep_gathering() -> None:
     """A stream whose Limiter holds records for tokens is not idle: records that come
     meanwhile gather in their aggregate (sending them early would only spend the shard's

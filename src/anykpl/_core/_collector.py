@@ -27,6 +27,11 @@ __all__ = ("Collector",)
 
 COLLECTOR_EXTENSION_CAP = 0.05
 COLLECTOR_EXTENSION_RATIO = 0.2
+#: seconds over which the pace of the records put is measured (two such windows)
+PACE_WINDOW = 0.05
+#: a lingering request goes when nothing came for this many times the mean time between its
+#: records
+LINGER_GAPS = 4.0
 
 
 class Collector:
@@ -50,7 +55,19 @@ class Collector:
         self._records: list[KinesisRecord] = []
         self._size = 0
         self._shard_bytes: dict[str | None, int] = {}
+        # when the open request goes at the latest: its records' earliest deadline (``_due``),
+        # or sooner while it lingers (``linger``)
         self.deadline = math.inf
+        self._due = math.inf
+        # when the open request took its first record, and its latest
+        self._first_at = math.inf
+        self._last_at = -math.inf
+        # the pace records come at (see pace): the bytes put since the current window of
+        # PACE_WINDOW seconds started (those put at its start not counted), and the pace over
+        # the window before it
+        self._window_start = -math.inf
+        self._window_bytes = 0
+        self._previous_pace = 0.0
 
     def __repr__(self) -> str:
         return f"<Collector {len(self._records)} record(s) {self._size} bytes>"
@@ -62,18 +79,34 @@ class Collector:
         """Add ``records``; append any full requests to ``out``."""
         floor = now + self.extension
         shard_limit = _limits.COLLECTOR_SHARD_FLUSH_BYTES
+        if now >= self._window_start + PACE_WINDOW:
+            # a new window, from these records; the one before counts if it was just before
+            if now < self._window_start + 2 * PACE_WINDOW:
+                self._previous_pace = self._window_bytes / (now - self._window_start)
+            else:
+                self._previous_pace = 0.0
+            self._window_start = now
+            self._window_bytes = 0
+        else:
+            for kr in records:
+                self._window_bytes += kr.size
         for kr in records:
             if self._records and (
                 len(self._records) >= self.max_count or self._size + kr.size > self.max_size
             ):
                 out.append(self._take())
+            if not self._records:
+                self._first_at = now
+            self._last_at = now
             self._records.append(kr)
             self._size += kr.size
             deadline = kr.deadline if kr.deadline > floor else floor
             if deadline > kr.expiration:
                 deadline = kr.expiration
-            if deadline < self.deadline:
-                self.deadline = deadline
+            if deadline < self._due:
+                self._due = deadline
+                if deadline < self.deadline:
+                    self.deadline = deadline
             shard = kr.predicted_shard
             buffered = self._shard_bytes.get(shard, 0) + kr.size
             self._shard_bytes[shard] = buffered
@@ -83,6 +116,43 @@ class Collector:
                 or self._size >= self.max_size
             ):
                 out.append(self._take())
+
+    def pace(self, now: float) -> float:
+        """Bytes per second put lately: since the current window started, with the window
+        before it (each ``PACE_WINDOW`` seconds) if that one was just before."""
+        span = now - self._window_start
+        if span >= 2 * PACE_WINDOW:
+            return 0.0
+        if span <= 0.0:
+            return self._previous_pace
+        if self._previous_pace:
+            return (self._window_bytes + self._previous_pace * PACE_WINDOW) / (span + PACE_WINDOW)
+        return self._window_bytes / span
+
+    def linger(self, now: float, horizon: float, firehose_bytes: int) -> bool:
+        """Whether the open request, which nothing in flight could carry, should keep
+        gathering instead of going now: while records come as a firehose's do (``pace`` would
+        put at least ``firehose_bytes`` in it within ``horizon``), for at most ``horizon``
+        after its first record, and for at most ``LINGER_GAPS`` times the mean time between
+        records after its latest (a burst that ends goes soon after). A limit or a deadline
+        still sends it sooner. Sets :attr:`deadline` to when it goes if nothing more comes."""
+        count = len(self._records)
+        if not count:
+            return False
+        pace = self.pace(now)
+        if pace * horizon < firehose_bytes:
+            return False
+        until = self._first_at + horizon
+        # the mean time between records, at the pace as of the latest (not one that falls
+        # while nothing comes)
+        latest_pace = self.pace(self._last_at)
+        gap = LINGER_GAPS * self._size / count / (latest_pace if latest_pace > 0.0 else pace)
+        if self._last_at + gap < until:
+            until = self._last_at + gap
+        if until <= now:
+            return False
+        self.deadline = until if until < self._due else self._due
+        return True
 
     def flush_due(self, now: float, out: list[list[KinesisRecord]]) -> None:
         if self._records and self.deadline <= now:
@@ -97,5 +167,6 @@ class Collector:
         self._records = []
         self._size = 0
         self._shard_bytes.clear()
-        self.deadline = math.inf
+        self.deadline = self._due = math.inf
+        self._first_at = math.inf
         return records

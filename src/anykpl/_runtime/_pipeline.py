@@ -264,6 +264,7 @@ class Pipeline:
         self._send_now_horizon = 0.0  # for the next SEND_NOW (see _idle)
         self._gathering = False  # the last SEND_NOW left aggregates gathering on purpose
         self._fill_horizon = FILL_HORIZON * config.record_max_buffered_time
+        self._firehose_bytes = 2 * config.aggregation_max_size
         if self.adaptive_batching:
             self.intake.send_now = self._send_now
             self.intake.idle = True
@@ -757,8 +758,14 @@ class Pipeline:
                         self._collector_held = True
                     else:
                         collector.flush_due(now, out)
-                if self.adaptive_batching and not self.in_flight and not out:
-                    # nothing in flight could carry these records: they go now
+                if (
+                    self.adaptive_batching
+                    and not self.in_flight
+                    and not out
+                    and not collector.linger(now, self._fill_horizon, self._firehose_bytes)
+                ):
+                    # nothing in flight could carry these records: they go now (a firehose's
+                    # gather a little longer: a request costs more than the records it carries)
                     collector.flush(out)
                     if send_now and not out and not self._gathering:
                         # nothing to send after all: idle, unless more came meanwhile (what
