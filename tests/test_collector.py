@@ -199,7 +199,7 @@ def test_flush_of_an_empty_collector_sends_nothing() -> None:
 # -- lingering: a firehose's request gathers a little longer (adaptive batching) -----------
 
 HORIZON = 0.025  # the fill horizon: a quarter of record_max_buffered_time 0.1
-FIREHOSE = 2 * 51_200  # two full aggregates within the horizon: a firehose's pace
+AGGREGATE = 51_200  # aggregation_max_size: two full ones within the horizon, a firehose's pace
 
 
 def _stream_in(
@@ -220,13 +220,13 @@ def test_a_firehose_request_lingers_until_the_horizon_after_its_first_record() -
     out: list[list[KinesisRecord]] = []
     last = _stream_in(collector, out, 10.0, 0.001, 5)  # 50 MB/s
     assert out == []
-    assert collector.linger(last, HORIZON, FIREHOSE)
+    assert collector.linger(last, HORIZON, AGGREGATE)
     # if nothing more comes, it goes about four mean gaps (1 ms each) after its latest record
     assert last + 0.002 < collector.deadline < last + 0.008
     # more keeps coming: it keeps gathering, up to the horizon after its first record
     last = _stream_in(collector, out, last + 0.001, 0.001, 20)
     assert out == []
-    assert collector.linger(last, HORIZON, FIREHOSE)
+    assert collector.linger(last, HORIZON, AGGREGATE)
     assert collector.deadline == pytest.approx(10.0 + HORIZON)
     collector.flush_due(10.0 + HORIZON - 0.0001, out)
     assert out == []
@@ -235,7 +235,7 @@ def test_a_firehose_request_lingers_until_the_horizon_after_its_first_record() -
     assert len(out[0]) == 25
     # and the horizon is the end of lingering
     _stream_in(collector, out, 10.026, 0.001, 26)
-    assert not collector.linger(10.026 + HORIZON, HORIZON, FIREHOSE)
+    assert not collector.linger(10.026 + HORIZON, HORIZON, AGGREGATE)
 
 
 def test_a_request_lingers_no_longer_than_its_records_deadlines() -> None:
@@ -244,7 +244,7 @@ def test_a_request_lingers_no_longer_than_its_records_deadlines() -> None:
     collector.put([make_kinesis_record(size=50_000, deadline=9.9925)], 9.99, out)
     collector.put([make_kinesis_record(size=50_000, deadline=10.05)], 9.991, out)
     # lingering would last until 9.995 (four 1 ms gaps after the latest record)
-    assert collector.linger(9.991, HORIZON, FIREHOSE)
+    assert collector.linger(9.991, HORIZON, AGGREGATE)
     assert collector.deadline == 9.9925
 
 
@@ -254,7 +254,7 @@ def test_a_slow_stream_does_not_linger() -> None:
     collector = make_collector()
     out: list[list[KinesisRecord]] = []
     last = _stream_in(collector, out, 10.0, 0.015, 3)  # 3.3 MB/s
-    assert not collector.linger(last, HORIZON, FIREHOSE)
+    assert not collector.linger(last, HORIZON, AGGREGATE)
     assert collector.deadline == pytest.approx(10.1)  # its first record's
 
 
@@ -262,20 +262,33 @@ def test_lingering_ends_once_the_records_stop_coming() -> None:
     collector = make_collector()
     out: list[list[KinesisRecord]] = []
     last = _stream_in(collector, out, 10.0, 0.001, 5)
-    assert not collector.linger(last + 0.012, HORIZON, FIREHOSE)  # four gaps have passed
-    assert not collector.linger(10.0 + HORIZON, HORIZON, FIREHOSE)  # the horizon has passed
+    assert not collector.linger(last + 0.012, HORIZON, AGGREGATE)  # four gaps have passed
+    assert not collector.linger(10.0 + HORIZON, HORIZON, AGGREGATE)  # the horizon has passed
 
 
 def test_a_lingering_request_still_goes_at_a_limit() -> None:
     collector = make_collector(max_count=10)
     out: list[list[KinesisRecord]] = []
     last = _stream_in(collector, out, 10.0, 0.0001, 9)
-    assert collector.linger(last, HORIZON, FIREHOSE)
+    assert collector.linger(last, HORIZON, AGGREGATE)
     _stream_in(collector, out, last + 0.0001, 0.0001, 1)
     assert len(out) == 1
     assert len(out[0]) == 10
     assert collector.deadline == math.inf  # the next request has nothing yet
 
 
+def test_a_fast_stream_of_small_aggregates_does_not_linger() -> None:
+    """A busy service's records go in the small aggregates its round trips seal (what came
+    while the last request was in flight): however fast they come, they go at once."""
+    collector = make_collector()
+    out: list[list[KinesisRecord]] = []
+    now = 10.0
+    for n in range(40):
+        now = 10.0 + n * 0.0001
+        collector.put([make_kinesis_record(size=20_000, deadline=now + 0.1)], now, out)
+    assert collector.pace(now) * HORIZON > 2 * AGGREGATE
+    assert not collector.linger(now, HORIZON, AGGREGATE)
+
+
 def test_an_empty_collector_does_not_linger() -> None:
-    assert not make_collector().linger(1.0, HORIZON, FIREHOSE)
+    assert not make_collector().linger(1.0, HORIZON, AGGREGATE)

@@ -129,18 +129,20 @@ class Collector:
             return (self._window_bytes + self._previous_pace * PACE_WINDOW) / (span + PACE_WINDOW)
         return self._window_bytes / span
 
-    def linger(self, now: float, horizon: float, firehose_bytes: int) -> bool:
+    def linger(self, now: float, horizon: float, aggregate_size: int) -> bool:
         """Whether the open request, which nothing in flight could carry, should keep
-        gathering instead of going now: while records come as a firehose's do (``pace`` would
-        put at least ``firehose_bytes`` in it within ``horizon``), for at most ``horizon``
-        after its first record, and for at most ``LINGER_GAPS`` times the mean time between
-        records after its latest (a burst that ends goes soon after). A limit or a deadline
-        still sends it sooner. Sets :attr:`deadline` to when it goes if nothing more comes."""
+        gathering instead of going now: while records come as a firehose's do, full
+        aggregates (on average at least half of ``aggregate_size``, where a service's records
+        go in the small aggregates its round trips seal) at a pace that would put two of
+        them in it within ``horizon``; for at most ``horizon`` after its first record, and for
+        at most ``LINGER_GAPS`` times the mean time between records after its latest (a burst
+        that ends goes soon after). A limit or a deadline still sends it sooner. Sets
+        :attr:`deadline` to when it goes if nothing more comes."""
         count = len(self._records)
-        if not count:
+        if not count or 2 * self._size < count * aggregate_size:
             return False
         pace = self.pace(now)
-        if pace * horizon < firehose_bytes:
+        if pace * horizon < 2 * aggregate_size:
             return False
         until = self._first_at + horizon
         # the mean time between records, at the pace as of the latest (not one that falls

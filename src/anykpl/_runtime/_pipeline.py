@@ -264,7 +264,6 @@ class Pipeline:
         self._send_now_horizon = 0.0  # for the next SEND_NOW (see _idle)
         self._gathering = False  # the last SEND_NOW left aggregates gathering on purpose
         self._fill_horizon = FILL_HORIZON * config.record_max_buffered_time
-        self._firehose_bytes = 2 * config.aggregation_max_size
         if self.adaptive_batching:
             self.intake.send_now = self._send_now
             self.intake.idle = True
@@ -762,7 +761,9 @@ class Pipeline:
                     self.adaptive_batching
                     and not self.in_flight
                     and not out
-                    and not collector.linger(now, self._fill_horizon, self._firehose_bytes)
+                    and not collector.linger(
+                        now, self._fill_horizon, self.config.aggregation_max_size
+                    )
                 ):
                     # nothing in flight could carry these records: they go now (a firehose's
                     # gather a little longer: a request costs more than the records it carries)
