@@ -137,6 +137,8 @@ async def test_a_missing_profile_is_reported_as_before() -> None:
             {"HTTP_PROXY": "https://proxy.example:3128", "NO_PROXY": "127.0.0.1"},
             False,
         ),
+        ("http://127.0.0.1:4567", None, {"NO_PROXY": "example.com"}, False),
+        ("http://127.0.0.1:4567", None, {"ALL_PROXY": "https://proxy.example:3128"}, True),
     ],
 )
 def test_certificate_settings_apply_where_a_connection_may_be_tls(

@@ -235,7 +235,7 @@ def test_a_firehose_request_lingers_until_the_horizon_after_its_first_record() -
     assert len(out[0]) == 25
     # and the horizon is the end of lingering
     _stream_in(collector, out, 10.026, 0.001, 26)
-    assert not collector.linger(10.026 + HORIZON, HORIZON, AGGREGATE)
+    assert not collector.linger(10.026 + HORIZON + 0.0001, HORIZON, AGGREGATE)
 
 
 def test_a_request_lingers_no_longer_than_its_records_deadlines() -> None:

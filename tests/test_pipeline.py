@@ -227,9 +227,10 @@ async def test_a_firehose_request_lingers_and_a_trickle_goes_at_once(
         # 0.1 s of records: a few short requests while the pace is first measured, then one
         # per fill horizon (25 ms) or per shard's 256 KiB (without lingering: 85 requests)
         assert len(fake.requests) <= 16, [len(request) for request in fake.requests]
-        # a record waits at most a horizon in its aggregate and another in its request
-        assert took < 0.1 + 2 * 0.025 + 0.01
-        assert max(waits) < 2 * 0.025 + 0.01
+        # lingering never takes a record past its deadline: record_max_buffered_time after
+        # its admission, extended to 20 ms after it reached the Collector (as in the KPL)
+        assert max(waits) <= 0.1 + 0.02
+        assert took <= 0.1 + 0.1 + 0.02
     else:
         # a request per record or two, each sent within a round trip of its admission
         assert len(fake.requests) >= count - 2

@@ -118,7 +118,11 @@ def _uses_tls(endpoint_url: str | None, proxy_url: str | None) -> bool:
     may be TLS, checked with the same settings."""
     if endpoint_url is None or not endpoint_url.lower().startswith("http://"):
         return True
-    return proxy_url is not None or bool(get_environ_proxies(endpoint_url))
+    if proxy_url is not None:
+        return True
+    # (NO_PROXY alone comes back as the key "no": no proxy)
+    proxies = get_environ_proxies(endpoint_url)
+    return any(proxies.get(scheme) for scheme in ("http", "https", "all"))
 
 
 # ---------------------------------------------------------------------------------------------
