@@ -13,7 +13,10 @@ Mirrors aws/kinesis/core/collector.h and put_records_request.h, the Reducer's se
 
 Where we differ: like the aggregator, the size limit is checked before adding (the request is
 sent first if the record would not fit), which bounds it without the Reducer's sort-and-trim;
-a record larger than the request limit goes out alone.
+a record larger than the request limit goes out alone. With adaptive batching, the pipeline
+sends the open request as soon as nothing of the stream is in flight, unless it holds a
+firehose's full aggregates: then it lingers up to the fill horizon (:meth:`Collector.linger`,
+docs/batching.md).
 """
 
 from __future__ import annotations
