@@ -264,6 +264,9 @@ class Pipeline:
         self._send_now_horizon = 0.0  # for the next SEND_NOW (see _idle)
         self._gathering = False  # the last SEND_NOW left aggregates gathering on purpose
         self._fill_horizon = FILL_HORIZON * config.record_max_buffered_time
+        # how long the stream's last PutRecords request took (not yet known: as long as one
+        # may), for lingering: only where requests come back within the fill horizon
+        self._last_request_time = math.inf
         if self.adaptive_batching:
             self.intake.send_now = self._send_now
             self.intake.idle = True
@@ -761,8 +764,14 @@ class Pipeline:
                     self.adaptive_batching
                     and not self.in_flight
                     and not out
-                    and not collector.linger(
-                        now, self._fill_horizon, self.config.aggregation_max_size
+                    and not (
+                        # a fast endpoint (requests come back within the fill horizon): on a
+                        # slow path requests gather while in flight, and a bigger one would
+                        # only take longer to cross it
+                        self._last_request_time < self._fill_horizon
+                        and collector.linger(
+                            now, self._fill_horizon, self.config.aggregation_max_size
+                        )
                     )
                 ):
                     # nothing in flight could carry these records: they go now (a firehose's
@@ -821,6 +830,8 @@ class Pipeline:
                 now = anyio.current_time()
                 if outcome is not None and not isinstance(outcome, Control):
                     self.in_flight -= 1
+                    # answered or not, how long the stream's last request took (lingering)
+                    self._last_request_time = outcome.end - outcome.start
                     retrier.handle(outcome, now)
                     if self.intake.path_waits and self.plan_path(now) and self.on_room:
                         # records wait for what the path has proven: this answer proved more
