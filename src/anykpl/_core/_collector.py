@@ -82,7 +82,9 @@ class Collector:
         """Add ``records``; append any full requests to ``out``."""
         floor = now + self.extension
         shard_limit = _limits.COLLECTOR_SHARD_FLUSH_BYTES
-        if now >= self._window_start + PACE_WINDOW:
+        # records put at the start of a window are not counted in its pace
+        counted = now < self._window_start + PACE_WINDOW
+        if not counted:
             # a new window, from these records; the one before counts if it was just before
             if now < self._window_start + 2 * PACE_WINDOW:
                 self._previous_pace = self._window_bytes / (now - self._window_start)
@@ -90,10 +92,9 @@ class Collector:
                 self._previous_pace = 0.0
             self._window_start = now
             self._window_bytes = 0
-        else:
-            for kr in records:
-                self._window_bytes += kr.size
         for kr in records:
+            if counted:
+                self._window_bytes += kr.size
             if self._records and (
                 len(self._records) >= self.max_count or self._size + kr.size > self.max_size
             ):
