@@ -238,6 +238,36 @@ async def test_a_firehose_request_lingers_and_a_trickle_goes_at_once(
 
 
 @pytest.mark.autojump
+@pytest.mark.parametrize("size", [25_000, 2_000], ids=["big", "small"])
+async def test_the_end_of_a_burst_goes_once_its_records_stop_coming(size: int) -> None:
+    """A firehose's aggregates and request gather up to the fill horizon (25 ms); when its
+    records stop coming, what gathers goes once the stream has been quiet for a quarter of
+    that (6.25 ms), not at the horizon's end. An endpoint that answers in a millisecond
+    (virtual time); records of 25,000 B or of 2,000 B (many to an aggregate) every 0.1 ms."""
+    fake = FakeKinesis()
+    fake.delay = 0.001
+    count = 400
+    finished = Finished(count)
+    pipeline = pipeline_for(
+        fake, finished, record_max_buffered_time=0.1, record_ttl=600.0, rate_limit=1e9
+    )
+    async with anyio.create_task_group() as tg:
+        pipeline.start(tg, guard)
+        await _map_ready(pipeline)
+        for i in range(count):
+            record(pipeline, f"key-{i}", bytes(size))
+            await anyio.sleep(0.0001)
+        last = anyio.current_time()  # (less the last 0.1 ms sleep)
+        with anyio.fail_after(5):
+            await finished.all_done.wait()
+        tail = anyio.current_time() - last
+        pipeline.stop()
+    # quiet 6.25 ms after the last record, then a request or two of a round trip each
+    assert tail <= 0.00625 + 0.004, tail
+    assert all(success for _, success in finished.records)
+
+
+@pytest.mark.autojump
 async def test_records_behind_a_record_waiting_for_tokens_keep_gathering() -> None:
     """A stream whose Limiter holds records for tokens is not idle: records that come
     meanwhile gather in their aggregate (sending them early would only spend the shard's
