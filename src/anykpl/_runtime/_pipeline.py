@@ -762,12 +762,17 @@ class Pipeline:
         def linger(now: float) -> bool:
             # Collector.linger, on a fast endpoint (requests come back within the fill
             # horizon): on a slow path requests gather while in flight, and a bigger one would
-            # only take longer to cross it
+            # only take longer to cross it. Until the stream is quiet (as the Aggregator's
+            # task sees it); while aggregates gather, that task ends the lingering when the
+            # stream goes quiet, by sending them with a SEND_NOW behind: this request going
+            # first would hold them back a round trip.
+            quiet_at = (
+                math.inf
+                if self._gathering or self.limiter.queued
+                else self.intake.last_arrival + self._quiet
+            )
             return self._last_request_time < self._fill_horizon and collector.linger(
-                now,
-                self._fill_horizon,
-                self.config.aggregation_max_size,
-                self.intake.last_arrival + self._quiet,
+                now, self._fill_horizon, self.config.aggregation_max_size, quiet_at
             )
 
         async with self.collector_in, self.sender_send:
