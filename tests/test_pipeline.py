@@ -204,24 +204,9 @@ async def test_a_firehose_request_lingers_and_a_trickle_goes_at_once(
     more: its requests linger up to the fill horizon (25 ms), so a tenth of a second takes a
     handful of requests, not one per round trip. A trickle (one every 10 ms) still goes at
     once."""
-    fake = FakeKinesis()
-    fake.delay = 0.001
     count = 200 if firehose else 20
-    finished = Finished(count)
-    pipeline = pipeline_for(
-        fake, finished, record_max_buffered_time=0.1, record_ttl=600.0, rate_limit=1e9
-    )
-    async with anyio.create_task_group() as tg:
-        pipeline.start(tg, guard)
-        await _map_ready(pipeline)
-        started = anyio.current_time()
-        for i in range(count):
-            record(pipeline, f"key-{i}", bytes(25_000))
-            await anyio.sleep(every)
-        with anyio.fail_after(5):
-            await finished.all_done.wait()
-        took = anyio.current_time() - started
-        pipeline.stop()
+    fake, finished, tail = await _burst(0.001, count, 25_000, lambda i: every)
+    took = count * every + tail
     waits = [r.last_attempt.start - r.arrival for r, _ in finished.records if r.last_attempt]
     if firehose:
         # 0.1 s of records: a few short requests while the pace is first measured, then one
