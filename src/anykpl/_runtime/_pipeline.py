@@ -651,23 +651,16 @@ class Pipeline:
         async with self.aggregator_in, self.limiter_send:
             while True:
                 deadline = aggregator.next_deadline
-                if self._gathering and not self.in_flight and not self.limiter.queued:
+                if self._gathering and not self.in_flight:
                     # a firehose's aggregates gather: they go when its records stop coming
-                    # (the same conditions as ``quiet`` below, or this would wake at once,
-                    # again and again)
-                    quiet_at = self.intake.last_arrival + self._quiet
-                    if quiet_at < deadline:
-                        deadline = quiet_at
+                    deadline = min(deadline, self._quiet_at())
                 self.intake.wake_at = deadline
                 message = await _receive_until(self.aggregator_in, deadline)
                 if message is END:
                     return
                 out: list[KinesisRecord] = []
                 now = anyio.current_time()
-                # (not while records wait for the Limiter's tokens: a stream at its capacity
-                # pauses between its records without having ended, and what it sends early
-                # only spends record tokens)
-                quiet = now >= self.intake.last_arrival + self._quiet and not self.limiter.queued
+                quiet = now >= self._quiet_at()
                 # SEND_NOW, or the stream went quiet while aggregates gathered with nothing in
                 # flight (the end of a burst: no SEND_NOW comes for them before the horizon)
                 send_now = message is SEND_NOW or (quiet and self._gathering and not self.in_flight)
@@ -755,6 +748,13 @@ class Pipeline:
                 if messages and messages[-1] is END:
                     return
 
+    def _quiet_at(self) -> float:
+        """When the stream is quiet if no user record comes before (adaptive batching: what
+        gathers goes then); never while records wait for the Limiter's tokens (a stream at
+        its capacity pauses between its records without having ended, and what it sends early
+        only spends record tokens)."""
+        return math.inf if self.limiter.queued else self.intake.last_arrival + self._quiet
+
     async def _run_collector(self) -> None:
         collector = self.collector
         queued = self.sender_send.statistics
@@ -766,11 +766,7 @@ class Pipeline:
             # task sees it); while aggregates gather, that task ends the lingering when the
             # stream goes quiet, by sending them with a SEND_NOW behind: this request going
             # first would hold them back a round trip.
-            quiet_at = (
-                math.inf
-                if self._gathering or self.limiter.queued
-                else self.intake.last_arrival + self._quiet
-            )
+            quiet_at = math.inf if self._gathering else self._quiet_at()
             return self._last_request_time < self._fill_horizon and collector.linger(
                 now, self._fill_horizon, self.config.aggregation_max_size, quiet_at
             )
