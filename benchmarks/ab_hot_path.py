@@ -8,6 +8,7 @@ median of the per-round ratios. ::
 
     git worktree add /tmp/base 3309ce8
     python benchmarks/ab_hot_path.py /tmp/base/src --rounds 10
+    python benchmarks/ab_hot_path.py /tmp/base/src --await-each   # the idiomatic loop
     python benchmarks/ab_hot_path.py /tmp/base/src --option adaptive=False \
         --option retry_budget=None
 """
@@ -47,7 +48,11 @@ def load_base(src: Path) -> ModuleType:
 
 
 async def run(
-    package: ModuleType, records: int, aggregation: bool, options: dict[str, Any]
+    package: ModuleType,
+    records: int,
+    aggregation: bool,
+    options: dict[str, Any],
+    await_each: bool = False,
 ) -> float:
     data = b"x" * 100
     keys = [f"device-{i}" for i in range(2000)]
@@ -56,6 +61,15 @@ async def run(
     ) as producer:
         await producer.put_record("bench", data, partition_key="warm-up")
         cpu0 = time.process_time()
+        if await_each:
+            # the idiomatic loop: a submit per record, then an await on every handle
+            handles = [
+                await producer.submit("bench", data, partition_key=keys[i % 2000])
+                for i in range(records)
+            ]
+            for handle in handles:
+                await handle
+            return (time.process_time() - cpu0) / records
         window: deque[Any] = deque()
         for i in range(records):
             window.append(await producer.submit("bench", data, partition_key=keys[i % 2000]))
@@ -74,6 +88,11 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=100_000)
     parser.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     parser.add_argument("--no-aggregation", dest="aggregation", action="store_false")
+    parser.add_argument(
+        "--await-each",
+        action="store_true",
+        help="the idiomatic loop: submit every record, then await every handle (held meanwhile)",
+    )
     parser.add_argument(
         "--option",
         action="append",
@@ -95,7 +114,13 @@ def main() -> None:
             order.reverse()
         cpu = {
             package.__name__: anyio.run(
-                run, package, args.records, args.aggregation, opts, backend=args.backend
+                run,
+                package,
+                args.records,
+                args.aggregation,
+                opts,
+                args.await_each,
+                backend=args.backend,
             )
             for package, opts in order
         }
@@ -104,7 +129,8 @@ def main() -> None:
         base_cpu.append(theirs)
         ratios.append(mine / theirs)
     print(
-        f"{args.backend}, aggregation {'on' if args.aggregation else 'off'}, options {options}: "
+        f"{args.backend}, aggregation {'on' if args.aggregation else 'off'}, "
+        f"{'submit then await each' if args.await_each else 'window'}, options {options}: "
         f"this {statistics.median(this_cpu) * 1e6:.2f} µs, base "
         f"{statistics.median(base_cpu) * 1e6:.2f} µs per record (medians of {args.rounds}); "
         f"per-round ratio this/base: median {statistics.median(ratios):.3f}, "

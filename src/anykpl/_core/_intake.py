@@ -104,7 +104,7 @@ class OutstandingRecords:
         return iter([record for record in self._records if record is not None])
 
     def add(self, record: Record) -> None:
-        """``record`` was admitted."""
+        """``record`` was admitted (:meth:`Intake.enqueue_at` does the same inline)."""
         records = self._records
         record.outstanding_slot = len(records)
         records.append(record)
@@ -219,10 +219,16 @@ class Intake:
         :raises: as :meth:`make_record` and :meth:`enqueue`.
         """
         record = self.make_record(stream, data, partition_key, explicit_hash_key)
-        if self.checkpoint_due(stream_intake) or not self.has_room(record, stream_intake):
+        # checkpoint_due and enqueue, inline (two calls less per record)
+        since = self.since_checkpoint + 1
+        if (
+            since >= CHECKPOINT_EVERY
+            or not stream_intake.shard_map.ready
+            or not self.has_room(record, stream_intake)
+        ):
             return None
-        self.since_checkpoint += 1
-        self.enqueue(stream_intake, record)
+        self.since_checkpoint = since
+        self.enqueue_at(stream_intake, record, self.clock())
         return record
 
     def make_records(
@@ -273,7 +279,8 @@ class Intake:
         """Whether the next admission that needs no wait should yield to the event loop first:
         every :data:`CHECKPOINT_EVERY` admissions, and always while the stream's shard map is
         not ready (ListShards must not wait behind a caller that never yields). The caller
-        counts admissions in ``since_checkpoint`` and sets it to 0 when it yields."""
+        counts admissions in ``since_checkpoint`` and sets it to 0 when it yields.
+        :meth:`admit_now` makes the same test inline."""
         return self.since_checkpoint + 1 >= CHECKPOINT_EVERY or not stream_intake.shard_map.ready
 
     def make_record(
@@ -315,7 +322,8 @@ class Intake:
                         self.key_cache.clear()
                     self.key_cache[key] = facts
             size = len(payload) + facts.size
-            self._check_size(size)
+            if size > self.max_record_size:
+                self._check_size(size)
             record = Record(stream, key, payload, facts.hash_key, None, 0.0, 0.0, 0.0, size)
             record.key_facts = facts
             return record
@@ -471,7 +479,12 @@ class Intake:
         record.deadline = deadline if deadline < expiration else expiration
         record.expiration = expiration
         size = record.size
-        self.outstanding.add(record)
+        # OutstandingRecords.add, inline (one call less per record)
+        outstanding = self.outstanding
+        slots = outstanding._records
+        record.outstanding_slot = len(slots)
+        slots.append(record)
+        outstanding.count += 1
         self.outstanding_bytes += size
         if not backlog.outstanding_records:
             self.active_backlogs += 1
