@@ -279,6 +279,39 @@ async def test_pauses_inside_a_firehose_do_not_end_its_batches() -> None:
 
 
 @pytest.mark.autojump
+@pytest.mark.parametrize("waiting", [True, False], ids=["callers-wait", "control"])
+async def test_a_stream_whose_callers_wait_for_room_is_not_quiet(waiting: bool) -> None:
+    """A stream whose callers wait for room for its records (``Admission.wait``) has not
+    ended its burst, however long since its last record: its records come as room does, and
+    what gathers keeps gathering up to the fill horizon. (Quiet, the starved ones of three
+    producers sharing a shard sent early and lost their share of it.) The control: with no
+    caller waiting, what gathers goes once the stream is quiet (6.25 ms)."""
+    fake = FakeKinesis()
+    fake.delay = 0.001
+    finished = Finished(400)
+    pipeline = pipeline_for(
+        fake, finished, record_max_buffered_time=0.1, record_ttl=600.0, rate_limit=1e9
+    )
+    async with anyio.create_task_group() as tg:
+        pipeline.start(tg, guard)
+        await _map_ready(pipeline)
+        for i in range(400):
+            record(pipeline, f"key-{i}", bytes(2_000))
+            await anyio.sleep(0.0001)
+        pipeline.intake.admissions_waiting = int(waiting)
+        await anyio.sleep(0.012)  # past the quiet time, within the fill horizon
+        gathering = pipeline.aggregator.open_aggregates
+        pipeline.intake.admissions_waiting = 0
+        with anyio.fail_after(5):
+            await finished.all_done.wait()
+        pipeline.stop()
+    if waiting:
+        assert gathering, "what gathered went while callers waited for room"
+    else:
+        assert not gathering
+
+
+@pytest.mark.autojump
 async def test_records_behind_a_record_waiting_for_tokens_keep_gathering() -> None:
     """A stream whose Limiter holds records for tokens is not idle: records that come
     meanwhile gather in their aggregate (sending them early would only spend the shard's

@@ -38,9 +38,14 @@ async def test_each_stream_runs_with_its_own_settings(
     # one Kinesis record per user record where aggregation is off for the stream ...
     assert len(raw_records) == 200
     assert not any(bytes(r["Data"][:4]) == MAGIC for r in raw_records)
-    # ... aggregates where it is on (the producer's default)
+    # ... aggregates where it is on (the producer's default). A record alone in its aggregate
+    # goes out plain, as the KPL sends it: on a busy machine the loop of submits can outlast
+    # the records' deadline (record_max_buffered_time), and the last record of a shard's
+    # aggregate may be the only one in it.
     assert len(aggregated_records) < 20
-    assert all(bytes(r["Data"][:4]) == MAGIC for r in aggregated_records)
+    plain = [r for r in aggregated_records if bytes(r["Data"][:4]) != MAGIC]
+    assert len(plain) <= 4, (len(plain), len(aggregated_records))
+    assert len(aggregated_records) - len(plain) >= 2  # an aggregate on each shard at least
     assert check_read_back(raw_contents, {u: s for u, s in sent.items() if u % 2}) == Counter(
         u for u in sent if u % 2
     )

@@ -608,6 +608,9 @@ class StreamIntake:
         # when the latest of them was admitted (adaptive batching: a firehose's aggregates and
         # request stop gathering once its records stop coming, see the pipeline's QUIET)
         self.last_arrival = -math.inf
+        # callers waiting for room for a record of this stream (Admission.wait): a stream whose
+        # callers wait for room has not ended its burst, however long since its last record
+        self.admissions_waiting = 0
         # the earliest deadline the Aggregator's task was told of (it plans its own wake-ups
         # from there on)
         self.wake_at = math.inf

@@ -752,8 +752,12 @@ class Pipeline:
         """When the stream is quiet if no user record comes before (adaptive batching: what
         gathers goes then); never while records wait for the Limiter's tokens (a stream at
         its capacity pauses between its records without having ended, and what it sends early
-        only spends record tokens)."""
-        return math.inf if self.limiter.queued else self.intake.last_arrival + self._quiet
+        only spends record tokens), nor while callers wait for room for its records (their
+        records come as room does)."""
+        intake = self.intake
+        if self.limiter.queued or intake.admissions_waiting:
+            return math.inf
+        return intake.last_arrival + self._quiet
 
     async def _run_collector(self) -> None:
         collector = self.collector
