@@ -266,37 +266,6 @@ def test_lingering_ends_once_the_records_stop_coming() -> None:
     assert not collector.linger(10.0 + HORIZON, HORIZON, AGGREGATE)  # the horizon has passed
 
 
-def test_lingering_ends_when_the_stream_goes_quiet_and_is_asked_again_then() -> None:
-    """The caller passes when the stream counts as quiet if no user record comes (its latest
-    admission plus the quiet time): lingering ends there, and is asked again then. Records
-    that came meanwhile (still in their aggregates) extend it; none end it."""
-    collector = make_collector()
-    out: list[list[KinesisRecord]] = []
-    last = _stream_in(collector, out, 10.0, 0.001, 20)
-    assert collector.linger(last, HORIZON, AGGREGATE, quiet_at=last + 0.001)
-    assert collector.deadline == pytest.approx(last + 0.001)  # before four gaps (4 ms)
-    # asked again at that deadline: user records came meanwhile, the request lingers on
-    assert collector.linger(last + 0.001, HORIZON, AGGREGATE, quiet_at=last + 0.002)
-    assert collector.deadline == pytest.approx(last + 0.002)
-    # none came: it goes
-    assert not collector.linger(last + 0.002, HORIZON, AGGREGATE, quiet_at=last + 0.002)
-
-
-def test_a_request_past_its_records_deadline_does_not_linger() -> None:
-    # asked again once a record's deadline has passed (lingering would last to 10.008, four
-    # 1 ms gaps after the latest record): it goes, rather than lingering with a deadline
-    # behind it (which its task would wake for at once, again and again)
-    collector = make_collector(extend_deadlines=False)
-    out: list[list[KinesisRecord]] = []
-    for n in range(5):
-        now = 10.0 + n * 0.001
-        deadline = 10.0042 if n == 0 else now + 0.1
-        collector.put([make_kinesis_record(size=50_000, deadline=deadline)], now, out)
-    assert collector.linger(10.004, HORIZON, AGGREGATE)
-    assert collector.deadline == 10.0042
-    assert not collector.linger(10.0045, HORIZON, AGGREGATE)
-
-
 def test_a_lingering_request_still_goes_at_a_limit() -> None:
     collector = make_collector(max_count=10)
     out: list[list[KinesisRecord]] = []

@@ -204,9 +204,24 @@ async def test_a_firehose_request_lingers_and_a_trickle_goes_at_once(
     more: its requests linger up to the fill horizon (25 ms), so a tenth of a second takes a
     handful of requests, not one per round trip. A trickle (one every 10 ms) still goes at
     once."""
+    fake = FakeKinesis()
+    fake.delay = 0.001
     count = 200 if firehose else 20
-    fake, finished, tail = await _burst(0.001, count, 25_000, lambda i: every)
-    took = count * every + tail
+    finished = Finished(count)
+    pipeline = pipeline_for(
+        fake, finished, record_max_buffered_time=0.1, record_ttl=600.0, rate_limit=1e9
+    )
+    async with anyio.create_task_group() as tg:
+        pipeline.start(tg, guard)
+        await _map_ready(pipeline)
+        started = anyio.current_time()
+        for i in range(count):
+            record(pipeline, f"key-{i}", bytes(25_000))
+            await anyio.sleep(every)
+        with anyio.fail_after(5):
+            await finished.all_done.wait()
+        took = anyio.current_time() - started
+        pipeline.stop()
     waits = [r.last_attempt.start - r.arrival for r, _ in finished.records if r.last_attempt]
     if firehose:
         # 0.1 s of records: a few short requests while the pace is first measured, then one
@@ -220,95 +235,6 @@ async def test_a_firehose_request_lingers_and_a_trickle_goes_at_once(
         # a request per record or two, each sent within a round trip of its admission
         assert len(fake.requests) >= count - 2
         assert max(waits) < 0.003
-
-
-async def _burst(
-    round_trip: float, count: int, size: int, gap: Callable[[int], float]
-) -> tuple[FakeKinesis, Finished, float]:
-    """``count`` records of ``size`` bytes, record ``i`` followed by ``gap(i)`` seconds,
-    against an endpoint that answers in ``round_trip`` (virtual time), with the limits off:
-    the requests, the finished records and how long after the last record all were done."""
-    fake = FakeKinesis()
-    fake.delay = round_trip
-    finished = Finished(count)
-    pipeline = pipeline_for(
-        fake, finished, record_max_buffered_time=0.1, record_ttl=600.0, rate_limit=1e9
-    )
-    async with anyio.create_task_group() as tg:
-        pipeline.start(tg, guard)
-        await _map_ready(pipeline)
-        for i in range(count):
-            record(pipeline, f"key-{i}", bytes(size))
-            await anyio.sleep(gap(i))
-        last = anyio.current_time()  # (less the last gap)
-        with anyio.fail_after(5):
-            await finished.all_done.wait()
-        tail = anyio.current_time() - last
-        pipeline.stop()
-    assert all(success for _, success in finished.records)
-    return fake, finished, tail
-
-
-@pytest.mark.autojump
-@pytest.mark.parametrize("size", [25_000, 2_000], ids=["big", "small"])
-@pytest.mark.parametrize("round_trip", [0.001, 0.004])
-async def test_the_end_of_a_burst_goes_once_its_records_stop_coming(
-    size: int, round_trip: float
-) -> None:
-    """A firehose's aggregates and request gather up to the fill horizon (25 ms); when its
-    records stop coming, what gathers goes once the stream has been quiet for a quarter of
-    that (6.25 ms), not at the horizon's end, in one request. An endpoint that answers in 1
-    or 4 ms; records of 25,000 B (an aggregate each: the open request lingers) or of 2,000 B
-    (many to an aggregate: aggregates gather) every 0.1 ms."""
-    _, _, tail = await _burst(round_trip, 400, size, lambda i: 0.0001)
-    # quiet 6.25 ms after the last record, then one request: a round trip, not two (a request
-    # in flight then returns first: 1.55 ms later in some of trio's orders of the tasks)
-    assert tail <= 0.00625 + round_trip + 0.002, tail
-
-
-@pytest.mark.autojump
-async def test_pauses_inside_a_firehose_do_not_end_its_batches() -> None:
-    """The pauses a firehose makes while the event loop runs the stages (3-5 ms here,
-    compiled) are shorter than the quiet time (6.25 ms): its aggregates keep gathering and its
-    requests lingering, as without pauses. Records of 2,000 B every 0.1 ms, with a 4 ms pause
-    after every 50, against a 1 ms endpoint."""
-    fake, _, _ = await _burst(0.001, 1000, 2_000, lambda i: 0.004 if i % 50 == 49 else 0.0001)
-    # 2 MB in 0.18 s: 11 requests here; with a quiet time shorter than the pauses (3.75 ms),
-    # each pause ends the batches: 40
-    assert len(fake.requests) <= 20, len(fake.requests)
-
-
-@pytest.mark.autojump
-@pytest.mark.parametrize("waiting", [True, False], ids=["callers-wait", "control"])
-async def test_a_stream_whose_callers_wait_for_room_is_not_quiet(waiting: bool) -> None:
-    """A stream whose callers wait for room for its records (``Admission.wait``) has not
-    ended its burst, however long since its last record: its records come as room does, and
-    what gathers keeps gathering up to the fill horizon. (Quiet, the starved ones of three
-    producers sharing a shard sent early and lost their share of it.) The control: with no
-    caller waiting, what gathers goes once the stream is quiet (6.25 ms)."""
-    fake = FakeKinesis()
-    fake.delay = 0.001
-    finished = Finished(400)
-    pipeline = pipeline_for(
-        fake, finished, record_max_buffered_time=0.1, record_ttl=600.0, rate_limit=1e9
-    )
-    async with anyio.create_task_group() as tg:
-        pipeline.start(tg, guard)
-        await _map_ready(pipeline)
-        for i in range(400):
-            record(pipeline, f"key-{i}", bytes(2_000))
-            await anyio.sleep(0.0001)
-        pipeline.intake.admissions_waiting = int(waiting)
-        await anyio.sleep(0.012)  # past the quiet time, within the fill horizon
-        gathering = pipeline.aggregator.open_aggregates
-        pipeline.intake.admissions_waiting = 0
-        with anyio.fail_after(5):
-            await finished.all_done.wait()
-        pipeline.stop()
-    if waiting:
-        assert gathering, "what gathered went while callers waited for room"
-    else:
-        assert not gathering
 
 
 @pytest.mark.autojump

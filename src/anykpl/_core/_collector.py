@@ -133,19 +133,15 @@ class Collector:
             return (self._window_bytes + self._previous_pace * PACE_WINDOW) / (span + PACE_WINDOW)
         return self._window_bytes / span
 
-    def linger(
-        self, now: float, horizon: float, aggregate_size: int, quiet_at: float = math.inf
-    ) -> bool:
+    def linger(self, now: float, horizon: float, aggregate_size: int) -> bool:
         """Whether the open request, which nothing in flight could carry, should keep
         gathering instead of going now: while records come as a firehose's do, full
         aggregates (on average at least half of ``aggregate_size``, where a service's records
         go in the small aggregates its round trips seal) at a pace that would put two of
         them in it within ``horizon``; for at most ``horizon`` after its first record, and for
         at most ``LINGER_GAPS`` times the mean time between records after its latest (a burst
-        that ends goes soon after), and not past ``quiet_at`` (when the stream counts as quiet
-        if no user record comes before: the caller asks again then, and the request keeps
-        lingering if records came meanwhile). A limit or a deadline still sends it sooner.
-        Sets :attr:`deadline` to when it goes if nothing more comes."""
+        that ends goes soon after). A limit or a deadline still sends it sooner. Sets
+        :attr:`deadline` to when it goes if nothing more comes."""
         count = len(self._records)
         if not count or 2 * self._size < count * aggregate_size:
             return False
@@ -159,13 +155,9 @@ class Collector:
         gap = LINGER_GAPS * self._size / count / (latest_pace if latest_pace > 0.0 else pace)
         if self._last_at + gap < until:
             until = self._last_at + gap
-        if quiet_at < until:
-            until = quiet_at
-        if self._due < until:
-            until = self._due
         if until <= now:
             return False
-        self.deadline = until
+        self.deadline = until if until < self._due else self._due
         return True
 
     def flush_due(self, now: float, out: list[list[KinesisRecord]]) -> None:

@@ -605,12 +605,6 @@ class StreamIntake:
         self.path_waits = False
         self.unplaced = ShardBacklog(None, math.inf, math.inf)
         self.received = 0  # user records admitted for this stream
-        # when the latest of them was admitted (adaptive batching: a firehose's aggregates and
-        # request stop gathering once its records stop coming, see the pipeline's QUIET)
-        self.last_arrival = -math.inf
-        # callers waiting for room for a record of this stream (Admission.wait): a stream whose
-        # callers wait for room has not ended its burst, however long since its last record
-        self.admissions_waiting = 0
         # the earliest deadline the Aggregator's task was told of (it plans its own wake-ups
         # from there on)
         self.wake_at = math.inf
@@ -674,7 +668,6 @@ class StreamIntake:
             # fails fast; ListShards is tried again now records come (after its backoff)
             self.shard_map.refresh_requested = True
             self.request_refresh()
-        self.last_arrival = record.arrival
         sealed = self._sealed
         if aggregator.put_placed(record, sealed) and record.deadline < self.wake_at:
             self.wake_at = record.deadline

@@ -92,7 +92,6 @@ class Admission:
         limit = math.inf if timeout is None else max(0.0, timeout - waited)
         self.waits += 1
         self.waiting += 1
-        stream.admissions_waiting += 1
         try:
             with anyio.fail_after(limit):
                 while not intake.has_room(record, stream, recovered):
@@ -109,6 +108,5 @@ class Admission:
             ) from None
         finally:
             self.waiting -= 1
-            stream.admissions_waiting -= 1
         if self._closed:
             raise self._not_open()

@@ -65,12 +65,6 @@ RATIO_SAMPLES = 100
 #: within this share of ``record_max_buffered_time`` at the pace it has been filling keeps
 #: gathering (until then at the latest); the others go at once.
 FILL_HORIZON = 0.25
-#: ... and a stream whose user records stopped coming for this share of the fill horizon is
-#: quiet (a burst has ended): what was left gathering, in the Aggregator and in a lingering
-#: request, goes then, not at the horizon's end. Pauses inside a firehose, while the event
-#: loop runs the stages, measured 3-5 ms compiled and up to 10 ms pure; with the defaults
-#: this is 6.25 ms.
-QUIET = 0.25
 
 
 class Control(Enum):
@@ -270,7 +264,6 @@ class Pipeline:
         self._send_now_horizon = 0.0  # for the next SEND_NOW (see _idle)
         self._gathering = False  # the last SEND_NOW left aggregates gathering on purpose
         self._fill_horizon = FILL_HORIZON * config.record_max_buffered_time
-        self._quiet = QUIET * self._fill_horizon
         # how long the stream's last PutRecords request took (not yet known: as long as one
         # may), for lingering: only where requests come back within the fill horizon
         self._last_request_time = math.inf
@@ -651,19 +644,12 @@ class Pipeline:
         async with self.aggregator_in, self.limiter_send:
             while True:
                 deadline = aggregator.next_deadline
-                if self._gathering and not self.in_flight:
-                    # a firehose's aggregates gather: they go when its records stop coming
-                    deadline = min(deadline, self._quiet_at())
                 self.intake.wake_at = deadline
                 message = await _receive_until(self.aggregator_in, deadline)
                 if message is END:
                     return
                 out: list[KinesisRecord] = []
-                now = anyio.current_time()
-                quiet = now >= self._quiet_at()
-                # SEND_NOW, or the stream went quiet while aggregates gathered with nothing in
-                # flight (the end of a burst: no SEND_NOW comes for them before the horizon)
-                send_now = message is SEND_NOW or (quiet and self._gathering and not self.in_flight)
+                send_now = message is SEND_NOW
                 unmapped = aggregator.waiting_for_shard_map
                 if message is FLUSH:
                     aggregator.flush_all(out, anyio.current_time())
@@ -683,8 +669,6 @@ class Pipeline:
                     send_now = True
                 if send_now:
                     horizon, self._send_now_horizon = self._send_now_horizon, 0.0
-                    if quiet:
-                        horizon = 0.0  # no more records are coming to fill them
                     self._gathering = aggregator.seal_all(
                         out, self.limiter.waiting_lanes(), anyio.current_time(), horizon
                     )
@@ -748,33 +732,9 @@ class Pipeline:
                 if messages and messages[-1] is END:
                     return
 
-    def _quiet_at(self) -> float:
-        """When the stream is quiet if no user record comes before (adaptive batching: what
-        gathers goes then); never while records wait for the Limiter's tokens (a stream at
-        its capacity pauses between its records without having ended, and what it sends early
-        only spends record tokens), nor while callers wait for room for its records (their
-        records come as room does)."""
-        intake = self.intake
-        if self.limiter.queued or intake.admissions_waiting:
-            return math.inf
-        return intake.last_arrival + self._quiet
-
     async def _run_collector(self) -> None:
         collector = self.collector
         queued = self.sender_send.statistics
-
-        def linger(now: float) -> bool:
-            # Collector.linger, on a fast endpoint (requests come back within the fill
-            # horizon): on a slow path requests gather while in flight, and a bigger one would
-            # only take longer to cross it. Until the stream is quiet (as the Aggregator's
-            # task sees it); while aggregates gather, that task ends the lingering when the
-            # stream goes quiet, by sending them with a SEND_NOW behind: this request going
-            # first would hold them back a round trip.
-            quiet_at = math.inf if self._gathering else self._quiet_at()
-            return self._last_request_time < self._fill_horizon and collector.linger(
-                now, self._fill_horizon, self.config.aggregation_max_size, quiet_at
-            )
-
         async with self.collector_in, self.sender_send:
             while True:
                 # records past their deadline are held while a request already waits for the
@@ -798,11 +758,22 @@ class Pipeline:
                 if collector.deadline <= now:
                     if queued().current_buffer_used:
                         self._collector_held = True
-                    elif not (self.adaptive_batching and not self.in_flight and linger(now)):
-                        # (a lingering request whose stream's records kept coming, though
-                        # no Kinesis record reached it, lingers on)
+                    else:
                         collector.flush_due(now, out)
-                if self.adaptive_batching and not self.in_flight and not out and not linger(now):
+                if (
+                    self.adaptive_batching
+                    and not self.in_flight
+                    and not out
+                    and not (
+                        # a fast endpoint (requests come back within the fill horizon): on a
+                        # slow path requests gather while in flight, and a bigger one would
+                        # only take longer to cross it
+                        self._last_request_time < self._fill_horizon
+                        and collector.linger(
+                            now, self._fill_horizon, self.config.aggregation_max_size
+                        )
+                    )
+                ):
                     # nothing in flight could carry these records: they go now (a firehose's
                     # gather a little longer: a request costs more than the records it carries)
                     collector.flush(out)
