@@ -154,7 +154,7 @@ async def test_under_trio_a_done_record_checks_for_cancellation(
         monkeypatch.setattr(
             records_module,
             "_trio",
-            [_awaiting.public_trio_task(trio), trio, False],
+            [_awaiting.public_trio_task(trio), trio, False, None],
         )
     record = resolved_record()
     with anyio.CancelScope() as scope:
@@ -270,7 +270,7 @@ def test_trios_current_task_is_the_calling_threads_and_none_outside_trio() -> No
 
     import trio
 
-    slot: list[Any] = [None, None, False]
+    slot: list[Any] = [None, None, False, None]
     current_task = _awaiting.find_trio(slot)
     assert slot[0] is current_task
     assert current_task() is None  # this thread runs no trio

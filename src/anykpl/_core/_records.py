@@ -171,16 +171,19 @@ def _ready(record: Record) -> Generator[Any, None, RecordResult]:
 #: record, more than the rest of a record's path): under trio a cancellation check, as trio's
 #: own cheap operations do; under asyncio nothing, as a done ``asyncio.Future``. One such await
 #: in ``RESOLVED_YIELD_EVERY`` is a full checkpoint, so a loop over done handles lets other
-#: tasks run and, under asyncio, is cancelled within that many awaits.
-RESOLVED_YIELD_EVERY: Final = 64
+#: tasks run and, under asyncio, is cancelled within that many awaits: 256 awaits take 0.1-0.2
+#: ms, and a checkpoint among them is 2-3 % of their work (8-10 % among 64, compiled build).
+RESOLVED_YIELD_EVERY: Final = 256
 _resolved_awaits: Final = [0]
-#: trio's run context, once trio is imported: ``[current task, trio module, fast]``, the first a
-#: function giving the calling thread's trio task (``None`` outside trio). ``fast``: the
-#: cancellation check reads the task's cancel status directly, which is what
-#: ``trio.lowlevel.checkpoint_if_cancelled`` reads, without its coroutine and its second
-#: look-up of the task (0.2 µs against 0.8 µs per await, see the CHANGELOG); checked
-#: once against the trio installed, and the public function otherwise.
-_trio: Final[list[Any]] = [None, None, False]
+#: trio's run context, once trio is imported: ``[current task, trio module, fast, run
+#: context]``, the first a function giving the calling thread's trio task (``None`` outside
+#: trio). ``fast``: the cancellation check reads the task's cancel status directly, which is
+#: what ``trio.lowlevel.checkpoint_if_cancelled`` reads, without its coroutine and its second
+#: look-up of the task (0.2 µs against 0.8 µs per await, see the CHANGELOG); and it finds the
+#: task in trio's run context (the thread-local that ``current task`` reads) itself, without a
+#: call into that interpreted function. Checked once against the trio installed, and the
+#: public functions otherwise.
+_trio: Final[list[Any]] = [None, None, False, None]
 
 
 def resolved_checkpoint() -> Awaitable[None] | None:
@@ -197,11 +200,15 @@ def resolved_checkpoint() -> Awaitable[None] | None:
         if "trio" not in sys.modules:
             return None
         current_task = _waiting[0].find_trio(_trio)
-    task = current_task()  # a trio task: a guest run on asyncio too
+    if not _trio[2]:
+        if current_task() is None:
+            return None
+        return _trio[1].lowlevel.checkpoint_if_cancelled()  # type: ignore[no-any-return]
+    # what ``current_task`` does: this thread's values of the thread-local (a trio task: a
+    # guest run on asyncio too)
+    task = _trio[3].__dict__.get("task")
     if task is None:
         return None
-    if not _trio[2]:
-        return _trio[1].lowlevel.checkpoint_if_cancelled()  # type: ignore[no-any-return]
     if task._cancel_status.effectively_cancelled:
         return _trio[1].lowlevel.checkpoint()  # type: ignore[no-any-return]
     return None

@@ -81,20 +81,21 @@ checkpoint = anyio.lowlevel.checkpoint
 
 def find_trio(slot: list[Any]) -> Callable[[], Any]:
     """Look trio's run context up once, into ``slot`` (``_records._trio``: ``[current task,
-    trio module, fast]``), and return the first: a function giving the calling thread's trio
-    task, ``None`` outside trio."""
+    trio module, fast, run context]``), and return the first: a function giving the calling
+    thread's trio task, ``None`` outside trio. ``fast`` only where the run context is the
+    thread-local known here."""
     trio = sys.modules["trio"]
     try:
         from trio._core._run import GLOBAL_RUN_CONTEXT, CancelStatus
     except ImportError:  # another layout: the public check only, with trio's own test
-        slot[:] = [public_trio_task(trio), trio, False]
+        slot[:] = [public_trio_task(trio), trio, False, None]
         return slot[0]  # type: ignore[no-any-return]
     fast = hasattr(trio.lowlevel.Task, "_cancel_status") and hasattr(
         CancelStatus, "effectively_cancelled"
     )
     run_context: object = GLOBAL_RUN_CONTEXT
     if not isinstance(run_context, threading.local):  # not the layout known here either
-        slot[:] = [public_trio_task(trio), trio, False]
+        slot[:] = [public_trio_task(trio), trio, False, None]
         return slot[0]  # type: ignore[no-any-return]
 
     def current_task() -> Any:
@@ -102,7 +103,7 @@ def find_trio(slot: list[Any]) -> Callable[[], Any]:
         # (getattr with a default raised and caught one, 0.5 µs per await outside trio)
         return run_context.__dict__.get("task")
 
-    slot[:] = [current_task, trio, fast]
+    slot[:] = [current_task, trio, fast, run_context]
     return current_task
 
 
