@@ -81,8 +81,12 @@ def use_waiting(waiting: Waiting) -> None:
 
 
 # Final: the compiled build keeps these in C variables instead of looking them up in the
-# module's dictionary on every use (they are read once or more per record)
+# module's dictionary on every use (they are read once or more per record); an imported name
+# (``Attempt``) and a module's attribute (``sys.modules``) are such look-ups too
 _new_tuple: Final = tuple.__new__
+_Attempt: Final = Attempt
+_RecordResult: Final = RecordResult
+_modules: Final = sys.modules
 
 
 @mypyc_attr(acyclic=True)
@@ -197,7 +201,7 @@ def resolved_checkpoint() -> Awaitable[None] | None:
     _resolved_awaits[0] = count
     current_task = _trio[0]
     if current_task is None:
-        if "trio" not in sys.modules:
+        if "trio" not in _modules:
             return None
         current_task = _waiting[0].find_trio(_trio)
     if not _trio[2]:
@@ -410,7 +414,7 @@ class Record:
             delay = a.start - self.arrival
             duration = a.end - a.start
             attempt = _new_tuple(
-                Attempt,
+                _Attempt,
                 (
                     delay if delay > 0.0 else 0.0,
                     duration if duration > 0.0 else 0.0,
@@ -420,7 +424,7 @@ class Record:
                 ),
             )
             return _new_tuple(
-                RecordResult,
+                _RecordResult,
                 (True, self.shard_id, self.sequence_number, self.sub_sequence_number, (attempt,)),
             )
         attempts = []
