@@ -253,6 +253,27 @@ def test_an_answer_as_slow_as_a_stall_opens_nothing() -> None:
     assert window.window == 2 * MIN_WINDOW  # slow start
 
 
+def test_an_answer_opens_the_window_no_further_than_the_path_carries_in_the_stall_span() -> None:
+    window = NetworkWindow(request_timeout=2.0, read_timeout=1.0)  # stall span: 0.5 s
+    window.timed_out(0, 0.0, 4 * MB, 2.0)
+    # 50 KB answered after 0.45 s: the path carries 55.5 KB in the span, less than the window
+    window.sent(50_000, 3.0)
+    window.answered(50_000, 3.0, 3.45)
+    assert window.window == MIN_WINDOW
+    # two requests answered over 0.4 s: the pace is both of them; slow start opens by the
+    # second's bytes only as far as that pace carries in the span (80 KB / 0.4 s * 0.5 s)
+    window.sent(40_000, 4.0)
+    window.sent(40_000, 4.0)
+    window.answered(40_000, 4.0, 4.35)
+    assert window.window == MIN_WINDOW  # 40 KB over 0.35 s: 57 KB, less than it is
+    window.answered(40_000, 4.0, 4.4)
+    assert window.window == pytest.approx(100_000)
+    # a fast path opens by the answer's bytes, as before
+    window.sent(10_000, 5.0)
+    window.answered(10_000, 5.0, 5.01)
+    assert window.window == pytest.approx(110_000)
+
+
 def test_requests_sent_at_the_same_instant_are_each_in_flight() -> None:
     window = NetworkWindow(request_timeout=2.0, read_timeout=1.0)
     window.sent(KB, 0.0)
