@@ -110,9 +110,9 @@ def test_every_acknowledged_record_is_delivered_through_a_network_fault(
 def test_a_link_slower_than_what_is_offered_expires_at_most_one_percent(
     tmp_path: Path, endpoint: str, offered: list[str]
 ) -> None:
-    # Through 1 Mbit/s, which carries about 650 of these records a second. Time is scaled
-    # down: record_ttl of seconds, each request at most 2 s. What would take longer waits at
-    # submit.
+    # Through 1 Mbit/s, which carries about 650 of these records a second (850 in CBOR). Time
+    # is scaled down: record_ttl of seconds, each request at most 2 s. What would take longer
+    # waits at submit.
     results = run_faults(
         tmp_path,
         "--scenario",

@@ -39,17 +39,20 @@ for segments and ``request_timeout`` for the retransmission timer:
   and by about one request per round trip above it; past :data:`UNLIMITED_WINDOW` it is
   unlimited again. An answer that took :data:`STALL_FRACTION` of the read timeout or longer
   opens nothing: the requests in flight are as many as the path carries in time (a window
-  grown past that meets timeouts, each a cut and requests sent again). (A path whose round
-  trip alone is that long, cut once, keeps a small window: a path that slow is not a
-  healthy one.) Nor does an answer open it beyond what the path carries within that span
-  at the pace of the answers over its request's time (the bytes answered since the request
-  went, over the time it took): a larger window would be found stalled, and its newest
-  requests abandoned half sent. Measured with ``--scenario bandwidth`` (9,000 records of
-  100 B offered at once over 1 Mbit/s, ``record_ttl`` 6 s, request and connect timeouts
-  1 s; emulator, both backends, 4 runs each): without this bound the window doubled past
-  what the path carried, stalled about once a second, and half the records had an
-  abandoned attempt, 0-450 of them delivered twice, 670-810 records/s; with it, 810-830
-  records/s (one run 635), none delivered twice.
+  grown past that meets timeouts, each a cut and requests sent again). Nor does an answer
+  open it beyond what the path carries within that span at the pace of the answers over its
+  request's time (the bytes answered while the request was in flight, over the time it
+  took): on a slow link a larger window keeps its oldest request unanswered for the span
+  with too few answers meanwhile, a stall, and its newest requests are abandoned half sent.
+  The cost: one answer cannot tell latency from a queue, so a path whose round trip alone
+  is half that span or longer (a quarter of the read timeout: 1.5 s with the defaults),
+  cut once, keeps one request in flight until no request has waited for
+  :data:`RELEASE_AFTER` seconds; a path that slow is not a healthy one. Measured with
+  ``--scenario bandwidth`` (9,000 records of 100 B offered at once over 1 Mbit/s,
+  ``record_ttl`` 6 s, request and connect timeouts 1 s; emulator, both backends, 4 runs
+  each): without this bound the window doubled past what the path carried, stalled about
+  once a second, and half the records had an abandoned attempt, 0-450 of them delivered
+  twice, 670-810 records/s; with it, 810-830 records/s (one run 635), none delivered twice.
 - While nothing is answered, one request every :data:`PROBE_INTERVAL` seconds goes anyway (a
   black hole that lifts is found by the next probe, not by the requests stuck in it).
 - A window that has kept no request waiting and seen no timeout for :data:`RELEASE_AFTER`
@@ -245,8 +248,8 @@ class NetworkWindow:
             grown = window + (size if window < self.threshold else max(size * size / window, 1.0))
             if took > 0.0:
                 # no further than the path carries within the stall span at the pace of the
-                # answers over this request's time: a larger window would be found stalled, and
-                # its newest requests abandoned half sent
+                # answers over this request's time: on a slow link a larger window is what the
+                # stall rule cuts, and its newest requests are abandoned half sent
                 answers = takewhile(lambda answer: answer[0] > sent_at, reversed(self._answered))
                 pace = sum(answer[1] for answer in answers) / took
                 grown = min(grown, max(window, pace * self._stall_after))
