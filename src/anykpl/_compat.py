@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
-__all__ = ("build_kind", "mypyc_attr", "running_trio")
+__all__ = ("build_kind", "gc_untracker", "mypyc_attr", "running_trio")
 
 _T = TypeVar("_T")
 
@@ -26,6 +26,37 @@ else:
 
         def mypyc_attr(*attrs: object, **kwattrs: object) -> Callable[[_T], _T]:
             return lambda cls: cls
+
+
+def gc_untracker(sample: object) -> Callable[[object], None] | None:
+    """A function that tells the cyclic garbage collector to stop tracking an object of
+    ``sample``'s type, or ``None`` when there is nothing to do or no way to do it.
+
+    The compiled build declares its records acyclic (``mypyc_attr(acyclic=True)``): they are
+    not containers the collector tracks. A class of the pure package always is one, and a
+    producer's records, one per user record from submit to its result and for as long as the
+    caller keeps the handles, set off collections that walk everything the process holds: a
+    quarter to a third of a pure firehose's CPU (docs/benchmarks.md). The same records are
+    made untracked on CPython through its public C API (``PyObject_GC_UnTrack``, by
+    ``ctypes``), so the two builds treat them alike. ``None`` where ``sample`` is not tracked
+    (the compiled build) or where that API is not reachable (another interpreter).
+    """
+    import gc
+
+    if not gc.is_tracked(sample):
+        return None
+    try:
+        import ctypes
+
+        function = ctypes.PYFUNCTYPE(None, ctypes.py_object)(
+            ("PyObject_GC_UnTrack", ctypes.pythonapi)
+        )
+    except (ImportError, AttributeError, OSError):  # pragma: no cover - not CPython
+        return None
+    function(sample)
+    if gc.is_tracked(sample):  # pragma: no cover - an interpreter that ignores the call
+        return None
+    return function
 
 
 def build_kind() -> str:

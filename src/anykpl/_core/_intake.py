@@ -37,7 +37,14 @@ from typing import Any, Final, Protocol
 from .. import errors
 from . import _limits
 from ._aggregator import Aggregator
-from ._records import BatchCounter, KinesisRecord, Record, ShardBacklog, partition_key_hash
+from ._records import (
+    BatchCounter,
+    KinesisRecord,
+    Record,
+    ShardBacklog,
+    partition_key_hash,
+    untrack_record,
+)
 from ._shard_map import ShardMap
 from ._wire import KeyFacts, key_table_entry
 
@@ -326,11 +333,14 @@ class Intake:
                 self._check_size(size)
             record = Record(stream, key, payload, facts.hash_key, None, 0.0, 0.0, 0.0, size)
             record.key_facts = facts
-            return record
-        size = len(payload) + len(_encoded_key(key))
-        hash_key = _parse_explicit_hash_key(explicit_hash_key)
-        self._check_size(size)
-        return Record(stream, key, payload, hash_key, str(hash_key), 0.0, 0.0, 0.0, size)
+        else:
+            size = len(payload) + len(_encoded_key(key))
+            hash_key = _parse_explicit_hash_key(explicit_hash_key)
+            self._check_size(size)
+            record = Record(stream, key, payload, hash_key, str(hash_key), 0.0, 0.0, 0.0, size)
+        if untrack_record is not None:  # the pure package (see Record)
+            untrack_record(record)
+        return record
 
     def _check_size(self, size: int) -> None:
         if size > self.max_record_size:
@@ -710,9 +720,12 @@ def _encoded_key(partition_key: str) -> bytes:
 def _key_facts(partition_key: str) -> KeyFacts:
     """A partition key's hash key, UTF-8 length and key table entry."""
     encoded = _encoded_key(partition_key)
-    return KeyFacts(
+    facts = KeyFacts(
         partition_key, partition_key_hash(encoded), len(encoded), key_table_entry(encoded)
     )
+    if untrack_record is not None:  # acyclic, like a record, and as long-lived in the cache
+        untrack_record(facts)
+    return facts
 
 
 def _unpack_batch_record(item: object) -> tuple[object, object, object]:

@@ -25,7 +25,7 @@ from hashlib import md5
 from typing import Any, Final, Protocol
 
 from .. import errors
-from .._compat import mypyc_attr
+from .._compat import gc_untracker, mypyc_attr
 from ._results import Attempt, RecordResult
 from ._wire import AggregateBuilder, KeyFacts
 
@@ -267,8 +267,9 @@ _FAILED: Final = 2
 # numbers and AttemptRecords only, apart from three slots that may lead back to it, each
 # cleared when the record becomes terminal (``resolve`` clears ``_event`` and ``on_done``,
 # ``Intake.finish`` clears ``spool_segment``), so no cycle runs through a finished record; and
-# no subclass can add one (a compiled class takes no interpreted subclasses). The pure-Python
-# package keeps the record tracked: ``mypyc_attr`` does nothing at run time.
+# no subclass can add one (a compiled class takes no interpreted subclasses). In the pure-Python
+# package ``mypyc_attr`` does nothing at run time; there the intake makes each record it builds
+# untracked after the fact where the interpreter allows it (``untrack_record``, CPython).
 @mypyc_attr(acyclic=True)
 class Record:
     """A user record in the producer: what it is, where the pipeline has it, its attempts, and the
@@ -480,6 +481,12 @@ class Record:
                 # it runs inside the stage that resolves a whole batch: the other records of
                 # the batch must still be resolved
                 logger.exception("the completion hook of %r failed", self)
+
+
+#: Makes a record the intake built untracked by the cyclic garbage collector, as the compiled
+#: build's records are by construction (see above and ``gc_untracker``): ``None`` where there
+#: is nothing to do (the compiled build) or no way to do it (an interpreter other than CPython).
+untrack_record: Final = gc_untracker(Record("", "", b"", 0, None, 0.0, 0.0, 0.0))
 
 
 class KinesisRecord:
