@@ -4,6 +4,8 @@ rule of admission per shard, driven without an event loop."""
 from __future__ import annotations
 
 import math
+import random
+from collections.abc import Callable
 
 import anyio
 import pytest
@@ -18,7 +20,7 @@ from anykpl._core._intake import (
     StreamIntake,
     offset_clock,
 )
-from anykpl._core._records import Record
+from anykpl._core._records import KinesisRecord, Record
 from anykpl._core._shard_map import ShardMap
 from anykpl._runtime._producer import _backend_clock
 
@@ -74,7 +76,12 @@ SHARDS = 4
 
 
 def _stream(
-    intake: Intake, *, shard_records: float = math.inf, shard_bytes: float = math.inf
+    intake: Intake,
+    *,
+    shard_records: float = math.inf,
+    shard_bytes: float = math.inf,
+    max_count: int = 4294967295,
+    ship: Callable[[list[KinesisRecord]], object] = lambda sealed: None,
 ) -> StreamIntake:
     """A stream of SHARDS even shards whose map is READY, every shard's backlog limited to
     ``shard_records``/``shard_bytes``, and a limiter side that takes what is sealed."""
@@ -93,7 +100,7 @@ def _stream(
     aggregator = Aggregator(
         enabled=True,
         max_size=_limits.DEFAULT_MAX_RECORD_SIZE,
-        max_count=4294967295,
+        max_count=max_count,
         container_partition_key="a",
         predict=shard_map.shard_id,
     )
@@ -104,7 +111,7 @@ def _stream(
         max_buffered_time=0.1,
         record_ttl=30.0,
         backlog_time=15.0,
-        ship=lambda sealed: None,
+        ship=ship,
         wake=lambda: None,
         request_refresh=lambda: None,
     )
@@ -135,6 +142,74 @@ def _offer(intake: Intake, stream: StreamIntake, key: str, size: int = 1000) -> 
         return None
     intake.enqueue(stream, record)
     return record
+
+
+def test_admitting_through_the_common_case_changes_what_the_general_path_changes() -> None:
+    # Intake.admit_now takes the commonest records (a known key, a shard holding records, room
+    # under every limit, an open aggregate that takes it) in one call of its own; everything
+    # else goes through make_record, has_room and enqueue. Two intakes offered the same
+    # records, one only through the general path, end in the same state.
+    def run(fast: bool) -> tuple[object, ...]:
+        ticks = iter(range(1, 10**6))
+        sealed: list[KinesisRecord] = []
+        intake = Intake(
+            200, 10**9, _limits.DEFAULT_MAX_RECORD_SIZE, lambda: next(ticks) / 1000, lambda: None
+        )
+        stream = _stream(intake, shard_bytes=60_000, max_count=9, ship=sealed.extend)
+        rng = random.Random(3)
+        keys = [f"key-{n}" for n in range(12)]
+        admitted: list[Record | None] = []
+        for step in range(3_000):
+            key = rng.choice(keys)
+            data = b"%05d" % step + b"x" * rng.randrange(0, 3_000)
+            record = intake.admit_now(stream, "s", data, key, None) if fast else None
+            if record is None:
+                intake.since_checkpoint = 0  # the producer yields here
+                record = intake.make_record("s", data, key, None)
+                if intake.has_room(record, stream):
+                    intake.enqueue(stream, record)
+                else:
+                    record = None
+            admitted.append(record)
+            if step % 50 == 49:  # some of what is outstanding ends
+                intake.finish([r for r in admitted[-60:-20] if r is not None], True)
+        return (
+            [
+                None
+                if r is None
+                else (
+                    r.data,
+                    r.predicted_shard,
+                    r.backlog and r.backlog.shard,
+                    r.arrival,
+                    r.deadline,
+                    r.expiration,
+                    r.size,
+                    r.outstanding_slot,
+                    r.done(),
+                )
+                for r in admitted
+            ],
+            [(k.predicted_shard, k.data, k.deadline, k.expiration) for k in sealed],
+            sorted(
+                (a.shard, a.builder.serialize(), a.deadline, a.expiration, len(a.records))
+                for a in stream.aggregator._open.values()
+            ),
+            sorted(
+                (b.shard, b.outstanding_records, b.outstanding_bytes)
+                for b in stream.backlogs.values()
+            ),
+            (len(intake.outstanding), intake.outstanding_bytes, intake.active_backlogs),
+            (stream.outstanding_records, stream.outstanding_bytes, stream.received),
+            stream.aggregator.buffered_records,
+        )
+
+    general, fast = run(False), run(True)
+    assert fast == general
+    outcomes = general[0]
+    assert isinstance(outcomes, list)
+    assert 0 < sum(o is None for o in outcomes) < len(outcomes)  # some records had to wait
+    assert len(general[1]) > 100  # sealed by size and by count
 
 
 def test_a_hot_shards_backlog_never_makes_another_shards_record_wait() -> None:

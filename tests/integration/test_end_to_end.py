@@ -81,6 +81,22 @@ def make_sent(
     return Sent(uid, partition_key, explicit_hash_key, payload(uid, size))
 
 
+def sent_with_hash_keys(
+    count: int, prefix: str, *, keys: int, every: int, seed: int
+) -> dict[int, Sent]:
+    """``count`` records under ``keys`` partition keys (``prefix-N``), every ``every``-th with
+    an explicit hash key of its own (random, from ``seed``)."""
+    rng = random.Random(seed)
+    return {
+        uid: make_sent(
+            uid,
+            f"{prefix}-{uid % keys}",
+            explicit_hash_key=str(rng.randint(0, MAX_HASH_KEY)) if uid % every == 0 else None,
+        )
+        for uid in range(count)
+    }
+
+
 # -- reading the stream back --------------------------------------------------------------
 
 
@@ -555,15 +571,7 @@ async def test_aggregation_off_sends_every_record_raw_to_its_shard(
     make_stream: Any, kinesis_client: Any, producer_options: dict[str, Any]
 ) -> None:
     stream = make_stream(4)
-    rng = random.Random(7)
-    sent = {
-        uid: make_sent(
-            uid,
-            f"key-{uid % 700}",
-            explicit_hash_key=str(rng.randint(0, MAX_HASH_KEY)) if uid % 10 == 0 else None,
-        )
-        for uid in range(2000)
-    }
+    sent = sent_with_hash_keys(2000, "key", keys=700, every=10, seed=7)
     async with Producer(aggregation_enabled=False, **producer_options) as producer:
         handles = [
             await producer.submit(stream, s.data, s.partition_key, s.explicit_hash_key)
@@ -683,15 +691,7 @@ async def test_submit_many_delivers_every_record_with_its_own_key(
     make_stream: Any, kinesis_client: Any, producer_options: dict[str, Any]
 ) -> None:
     stream = make_stream(4)
-    rng = random.Random(11)
-    sent = {
-        uid: make_sent(
-            uid,
-            f"device-{uid % 500}",
-            explicit_hash_key=str(rng.randint(0, MAX_HASH_KEY)) if uid % 7 == 0 else None,
-        )
-        for uid in range(6000)
-    }
+    sent = sent_with_hash_keys(6000, "device", keys=500, every=7, seed=11)
     items = list(sent.values())
     async with Producer(**producer_options) as producer:
         batches: list[PendingBatch] = []
@@ -772,15 +772,7 @@ async def test_records_stay_out_of_the_garbage_collector_and_go_with_their_handl
     # (docs/benchmarks.md). What makes that safe: once a record is terminal, nothing but the
     # caller's handle refers to it, so it goes when the handle goes.
     stream = make_stream(2)
-    rng = random.Random(5)
-    sent = {
-        uid: make_sent(
-            uid,
-            f"key-{uid % 40}",
-            explicit_hash_key=str(rng.randint(0, MAX_HASH_KEY)) if uid % 5 == 0 else None,
-        )
-        for uid in range(400)
-    }
+    sent = sent_with_hash_keys(400, "key", keys=40, every=5, seed=5)
     async with Producer(**producer_options) as producer:
         handles = [
             await producer.submit(stream, s.data, s.partition_key, s.explicit_hash_key)

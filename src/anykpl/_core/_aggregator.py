@@ -43,7 +43,7 @@ from collections.abc import Set as AbstractSet
 from ._limiter import EXPIRY_SCAN_INTERVAL
 from ._records import KinesisRecord, Record
 from ._shard_queue import FAIR_QUANTUM
-from ._wire import AggregateBuilder
+from ._wire import AggregateBuilder, KeyFacts
 
 __all__ = ("SHARD_MAP_WAIT", "Aggregator")
 
@@ -217,6 +217,26 @@ class Aggregator:
             heapq.heappush(self._deadlines, (record.deadline, self._counter, agg))
             return True
         return False
+
+    def add_to_open(self, record: Record, facts: KeyFacts) -> bool:
+        """:meth:`put_placed`'s commonest case in one call: ``record`` (no tenant, under the
+        partition key ``facts`` describes) joins its shard's open aggregate, which takes it
+        without being sealed, and whose deadline and expiration it does not bring forward (it
+        came later than the aggregate's first record). ``False`` (nothing changed) for
+        anything else, which :meth:`put_placed` does."""
+        agg = self._open.get(record.predicted_shard)  # type: ignore[arg-type]
+        if (
+            agg is None
+            or self.map_unavailable
+            or record.deadline < agg.deadline
+            or record.expiration < agg.expiration
+            or len(agg.records) + 1 >= self.max_count
+            or not agg.builder.add_key_within(facts, record.data, agg.limit)
+        ):
+            return False
+        agg.records.append(record)
+        self.buffered_records += 1
+        return True
 
     def _seal(self, agg: _OpenAggregate) -> KinesisRecord:
         del self._open[agg.key]
