@@ -39,6 +39,9 @@ from .. import errors
 from . import _limits
 from ._aggregator import Aggregator
 from ._records import (
+    FAILED,
+    PENDING,
+    SUCCEEDED,
     BatchCounter,
     KinesisRecord,
     Record,
@@ -304,7 +307,7 @@ class Intake:
             size,
         )
         if untrack_record is not None:  # the pure package (see Record)
-            untrack_record(record)
+            untrack_record(id(record))
         record.key_facts = facts
         record.predicted_shard = backlog.shard
         record.backlog = backlog
@@ -426,7 +429,7 @@ class Intake:
             self._check_size(size)
             record = Record(stream, key, payload, hash_key, str(hash_key), 0.0, 0.0, 0.0, size)
         if untrack_record is not None:  # the pure package (see Record)
-            untrack_record(record)
+            untrack_record(id(record))
         return record
 
     def _check_size(self, size: int) -> None:
@@ -597,9 +600,18 @@ class Intake:
         and their bytes."""
         spool = self.spool if not self.keep_spooled else None
         released = count = 0
+        outstanding = self.outstanding
+        state = SUCCEEDED if success else FAILED
         for record in records:
-            if not record.done():  # still pending: resolve exactly once
-                self.outstanding.remove(record)
+            if record._state == PENDING:  # still pending: resolve exactly once
+                # OutstandingRecords.remove, inline (one call less per record)
+                slot = record.outstanding_slot
+                slots = outstanding._records
+                if 0 <= slot < len(slots) and slots[slot] is record:
+                    slots[slot] = None
+                    record.outstanding_slot = -1
+                    outstanding.count -= 1
+                    outstanding._empty += 1
                 size = record.size
                 released += size
                 count += 1
@@ -614,7 +626,10 @@ class Intake:
                     if segment is not None:
                         record.spool_segment = None
                         spool.finished(segment, success)
-                record.resolve(success)
+                if record.batch is None and record._event is None and record.on_done is None:
+                    record._state = state  # Record.resolve, when nothing waits on it
+                else:
+                    record.resolve(success)
         self.outstanding_bytes -= released
         self.outstanding.close_up()
         self.on_finish()
@@ -811,7 +826,7 @@ def _key_facts(partition_key: str) -> KeyFacts:
         partition_key, partition_key_hash(encoded), len(encoded), key_table_entry(encoded)
     )
     if untrack_record is not None:  # acyclic, like a record, and as long-lived in the cache
-        untrack_record(facts)
+        untrack_record(id(facts))
     return facts
 
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import errors
-from ._records import AttemptRecord, KinesisRecord, Record
+from ._records import PENDING, AttemptRecord, KinesisRecord, Record
 from ._shard_map import ShardMap, shard_number
 
 __all__ = ("Outcome", "Retrier", "RetrierStatistics", "RetryBudget", "StatisticSet")
@@ -493,7 +493,10 @@ class Retrier:
             sizes = users[actual] = StatisticSet(0, 0, math.inf, 0)
         sizes.count += len(kr.records)
         for index, record in enumerate(kr.records):
-            record.add_attempt(attempt)
+            if record.last_attempt is None and record._state == PENDING:
+                record.last_attempt = attempt  # Record.add_attempt's first attempt, inline
+            else:
+                record.add_attempt(attempt)
             record.shard_id = actual
             record.sequence_number = sequence_number
             record.sub_sequence_number = index
