@@ -380,7 +380,10 @@ class AggregateBuilder:
             pk_index = len(self._pk_table)
             new_key = True
         data_len = len(data)
-        header = _plain_header(pk_index, data_len)
+        # _plain_header's cache, inline (one call less per record)
+        header = _header_cache.get(data_len << 32 | pk_index)
+        if header is None:
+            header = _plain_header(pk_index, data_len)
         size = self._size + len(header) + data_len
         if new_key:
             size += len(key.entry)
