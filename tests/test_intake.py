@@ -6,11 +6,12 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 import pytest
 
-from anykpl._core import _limits
+from anykpl._core import _limits, _wire
 from anykpl._core._aggregator import Aggregator
 from anykpl._core._intake import (
     COMPACT_RECORDS,
@@ -82,6 +83,7 @@ def _stream(
     shard_bytes: float = math.inf,
     max_count: int = 4294967295,
     ship: Callable[[list[KinesisRecord]], object] = lambda sealed: None,
+    wake: Callable[[], object] = lambda: None,
 ) -> StreamIntake:
     """A stream of SHARDS even shards whose map is READY, every shard's backlog limited to
     ``shard_records``/``shard_bytes``, and a limiter side that takes what is sealed."""
@@ -112,7 +114,7 @@ def _stream(
         record_ttl=30.0,
         backlog_time=15.0,
         ship=ship,
-        wake=lambda: None,
+        wake=wake,
         request_refresh=lambda: None,
     )
     stream.new_shard_records, stream.new_shard_bytes = shard_records, shard_bytes
@@ -148,21 +150,44 @@ def test_admitting_through_the_common_case_changes_what_the_general_path_changes
     # Intake.admit_now takes the commonest records (a known key, a shard holding records, room
     # under every limit, an open aggregate that takes it) in one call of its own; everything
     # else goes through make_record, has_room and enqueue. Two intakes offered the same
-    # records, one only through the general path, end in the same state.
-    def run(fast: bool) -> tuple[object, ...]:
+    # records, one only through the general path, end in the same state: sealing by size and
+    # by count, shard limits, the producer's reserve, the network path's bound, an idle
+    # stream's send_now, and deadlines that come earlier than an open aggregate's (a shorter
+    # max_buffered_time part of the time) with the Aggregator's wake-ups.
+    def run(fast: bool) -> dict[str, Any]:
+        first_token = next(_wire._builder_tokens)
         ticks = iter(range(1, 10**6))
         sealed: list[KinesisRecord] = []
+        wakes: list[int] = []
+        sends: list[int] = []
+        step = 0
         intake = Intake(
             200, 10**9, _limits.DEFAULT_MAX_RECORD_SIZE, lambda: next(ticks) / 1000, lambda: None
         )
-        stream = _stream(intake, shard_bytes=60_000, max_count=9, ship=sealed.extend)
+        stream = _stream(
+            intake,
+            shard_bytes=20_000,
+            max_count=9,
+            ship=sealed.extend,
+            wake=lambda: wakes.append(step),
+        )
+        stream.send_now = lambda: sends.append(step)
         rng = random.Random(3)
         keys = [f"key-{n}" for n in range(12)]
         admitted: list[Record | None] = []
+        path_waits = []
+        shorter = 0  # records admit_now admitted itself
         for step in range(3_000):
+            stream.max_buffered_time = 0.001 if step // 150 % 2 else 0.1
+            # the network path's bound part of the time
+            stream.path_bytes = 50_000.0 if step // 300 % 3 == 2 else math.inf
+            stream.path_share = 8_000.0
+            stream.idle = step % 37 == 0
+            stream.wake_at = math.inf  # the Aggregator's task took the last wake-up
             key = rng.choice(keys)
             data = b"%05d" % step + b"x" * rng.randrange(0, 3_000)
             record = intake.admit_now(stream, "s", data, key, None) if fast else None
+            shorter += record is not None
             if record is None:
                 intake.since_checkpoint = 0  # the producer yields here
                 record = intake.make_record("s", data, key, None)
@@ -171,10 +196,13 @@ def test_admitting_through_the_common_case_changes_what_the_general_path_changes
                 else:
                     record = None
             admitted.append(record)
-            if step % 50 == 49:  # some of what is outstanding ends
-                intake.finish([r for r in admitted[-60:-20] if r is not None], True)
-        return (
-            [
+            path_waits.append(stream.path_waits)
+            stream.path_waits = False
+            if step % 25 == 24:  # some of what is outstanding ends
+                intake.finish([r for r in admitted[-45:-15] if r is not None], True)
+        aggregator = stream.aggregator
+        return {
+            "records": [
                 None
                 if r is None
                 else (
@@ -190,26 +218,42 @@ def test_admitting_through_the_common_case_changes_what_the_general_path_changes
                 )
                 for r in admitted
             ],
-            [(k.predicted_shard, k.data, k.deadline, k.expiration) for k in sealed],
-            sorted(
+            "sealed": [(k.predicted_shard, k.data, k.deadline, k.expiration) for k in sealed],
+            "open": sorted(
                 (a.shard, a.builder.serialize(), a.deadline, a.expiration, len(a.records))
-                for a in stream.aggregator._open.values()
+                for a in aggregator._open.values()
             ),
-            sorted(
+            "backlogs": sorted(
                 (b.shard, b.outstanding_records, b.outstanding_bytes)
                 for b in stream.backlogs.values()
             ),
-            (len(intake.outstanding), intake.outstanding_bytes, intake.active_backlogs),
-            (stream.outstanding_records, stream.outstanding_bytes, stream.received),
-            stream.aggregator.buffered_records,
-        )
+            "intake": (len(intake.outstanding), intake.outstanding_bytes, intake.active_backlogs),
+            "stream": (stream.outstanding_records, stream.outstanding_bytes, stream.received),
+            "aggregator": (aggregator.buffered_records, aggregator.next_deadline),
+            "keys": [
+                (
+                    f.index,
+                    f.other_index,
+                    f.table and f.table - first_token,
+                    f.other_table and f.other_table - first_token,
+                )
+                for f in intake.key_cache.values()
+            ],
+            "path_waits": path_waits,
+            "wakes": wakes,
+            "sends": sends,
+            "shorter": shorter,
+        }
 
     general, fast = run(False), run(True)
-    assert fast == general
-    outcomes = general[0]
-    assert isinstance(outcomes, list)
+    for part in general.keys() - {"shorter"}:
+        assert fast[part] == general[part], part
+    outcomes = general["records"]
     assert 0 < sum(o is None for o in outcomes) < len(outcomes)  # some records had to wait
-    assert len(general[1]) > 100  # sealed by size and by count
+    assert len(general["sealed"]) > 100  # sealed by size and by count
+    assert any(general["path_waits"])  # some waited for the network path
+    assert len(general["wakes"]) > 20  # deadlines brought forward
+    assert len(general["sends"]) > 20  # an idle stream's first record asked for what is held
 
 
 def test_a_hot_shards_backlog_never_makes_another_shards_record_wait() -> None:

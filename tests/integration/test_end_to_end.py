@@ -785,8 +785,9 @@ async def test_records_stay_out_of_the_garbage_collector_and_go_with_their_handl
         assert_success(result)
     gc.collect()  # what refers to a record from garbage that is yet to be collected
     for handle in handles:
-        # the list's reference, the loop's and getrefcount's argument
-        assert sys.getrefcount(handle) == 3
+        # at most the list's reference, the loop's and getrefcount's argument (an interpreter
+        # may borrow some of them)
+        assert sys.getrefcount(handle) <= 3
     del handle
     contents = await read_stream_async(kinesis_client, stream)
     assert check_read_back(contents, sent) == Counter(set(sent))

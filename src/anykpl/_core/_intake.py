@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from typing import Any, Final, Protocol
 
 from .. import errors
+from .._compat import gc_untracker
 from . import _limits
 from ._aggregator import Aggregator
 from ._records import (
@@ -819,14 +820,19 @@ def _encoded_key(partition_key: str) -> bytes:
         raise errors.InvalidRecordError(f"partition_key is not valid Unicode: {exc}") from None
 
 
+#: ``untrack_record`` for the key cache's entries: ``None`` where a ``KeyFacts`` is not tracked
+#: to begin with (the compiled build), checked on its own type.
+_untrack_key_facts: Final = gc_untracker(KeyFacts("", 0, 0, b""))
+
+
 def _key_facts(partition_key: str) -> KeyFacts:
     """A partition key's hash key, UTF-8 length and key table entry."""
     encoded = _encoded_key(partition_key)
     facts = KeyFacts(
         partition_key, partition_key_hash(encoded), len(encoded), key_table_entry(encoded)
     )
-    if untrack_record is not None:  # acyclic, like a record, and as long-lived in the cache
-        untrack_record(id(facts))
+    if _untrack_key_facts is not None:  # acyclic, like a record, and as long-lived in the cache
+        _untrack_key_facts(id(facts))
     return facts
 
 
