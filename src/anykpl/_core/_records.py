@@ -212,8 +212,10 @@ def resolved_checkpoint() -> Awaitable[None] | None:
             return None
         return _trio[1].lowlevel.checkpoint_if_cancelled()  # type: ignore[no-any-return]
     # what ``current_task`` does: this thread's values of the thread-local (a trio task: a
-    # guest run on asyncio too)
-    task = _trio[3].__dict__.get("task")
+    # guest run on asyncio too); typed, so that the compiled build reads the dictionary
+    # directly rather than through a method call
+    values: dict[str, Any] = _trio[3].__dict__
+    task = values.get("task")
     if task is None:
         return None
     if task._cancel_status.effectively_cancelled:
