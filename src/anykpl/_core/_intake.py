@@ -605,14 +605,7 @@ class Intake:
         state = SUCCEEDED if success else FAILED
         for record in records:
             if record._state == PENDING:  # still pending: resolve exactly once
-                # OutstandingRecords.remove, inline (one call less per record)
-                slot = record.outstanding_slot
-                slots = outstanding._records
-                if 0 <= slot < len(slots) and slots[slot] is record:
-                    slots[slot] = None
-                    record.outstanding_slot = -1
-                    outstanding.count -= 1
-                    outstanding._empty += 1
+                outstanding.remove(record)
                 size = record.size
                 released += size
                 count += 1

@@ -492,8 +492,8 @@ class Record:
 
 #: Makes a record the intake built untracked by the cyclic garbage collector, as the compiled
 #: build's records are by construction (``untrack_record(id(record))``, see above and
-#: ``gc_untracker``): ``None`` where there
-#: is nothing to do (the compiled build) or no way to do it (an interpreter other than CPython).
+#: ``gc_untracker``): ``None`` where there is nothing to do (the compiled build) or no way to do
+#: it (an interpreter other than CPython).
 untrack_record: Final = gc_untracker(Record("", "", b"", 0, None, 0.0, 0.0, 0.0))
 
 
