@@ -7,6 +7,7 @@ producer's records delivered within its grant and read back, on both backends.
 from __future__ import annotations
 
 import base64
+import logging
 import time
 import uuid
 import zlib
@@ -20,6 +21,7 @@ from anykpl import FleetConfig, Producer, ProducerConfig
 from anykpl._commands.cli import main as cli
 from anykpl._fleet import LeaseDocument, parse_grants
 from anykpl._fleet._dynamodb_store import OPERATIONS, TABLE_SCHEMA
+from anykpl.errors import TIMEOUT
 
 from . import interop_servers
 from .conftest import CREDENTIALS, REGION
@@ -163,8 +165,13 @@ async def test_a_fleet_restarting_over_long_stale_items_takes_them_over(
 
 @pytest.mark.anyio
 async def test_members_share_the_cap_through_a_table_and_replace_a_dead_allocator(
-    store_endpoint: str, dynamodb: Any, table: str, anyio_backend: str
+    store_endpoint: str,
+    dynamodb: Any,
+    table: str,
+    anyio_backend: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.WARNING, logger="anykpl.fleet")
     members = [
         Member(None, store_endpoint, f"{anyio_backend}-{i}", table=table)  # type: ignore[arg-type]
         for i in range(3)
@@ -182,7 +189,15 @@ async def test_members_share_the_cap_through_a_table_and_replace_a_dead_allocato
         )
         await wait_for(shares(survivors, GRANTABLE / 2), within=LEASE + 10 * INTERVAL)
         stats = survivors[0].worker.statistics()
-    assert stats.s3_errors == 0
+    # No store call failed, except that one may time out on a loaded machine (dynalite, a
+    # Node.js process, shares the 2 cores with the suite): the new allocator's read phase then
+    # ends without those reports, which the member carries on from by design (seen once in a
+    # full run: "2 report(s) not read within the read phase"). Anything else is a bug. Each
+    # member warns of each kind of failure once (the code in the record's ``error_code``).
+    failures = {getattr(r, "error_code", None) for r in caplog.records if r.name == "anykpl.fleet"}
+    failures.discard(None)
+    assert failures <= {TIMEOUT}, stats.last_error
+    assert stats.s3_errors == 0 or failures == {TIMEOUT}, stats.last_error
     assert {"PutItem", "GetItem", "Query"} <= set(stats.requests) <= set(OPERATIONS)
     # the rates applied never summed over the cap: the last generation says what was in force
     assert (grants(dynamodb, table).total_reserved().records_per_second or 0) <= CAP
