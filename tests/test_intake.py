@@ -153,7 +153,8 @@ def test_admitting_through_the_common_case_changes_what_the_general_path_changes
     # records, one only through the general path, end in the same state: sealing by size and
     # by count, shard limits, the producer's reserve, the network path's bound, an idle
     # stream's send_now, and deadlines that come earlier than an open aggregate's (a shorter
-    # max_buffered_time part of the time) with the Aggregator's wake-ups.
+    # max_buffered_time part of the time) with the Aggregator's wake-ups; every limit and
+    # reserve a fraction.
     def run(fast: bool) -> dict[str, Any]:
         first_token = next(_wire._builder_tokens)
         ticks = iter(range(1, 10**6))
@@ -161,12 +162,18 @@ def test_admitting_through_the_common_case_changes_what_the_general_path_changes
         wakes: list[int] = []
         sends: list[int] = []
         step = 0
+        # limits and reserves that are not whole numbers (the shorter way compares whole ones)
         intake = Intake(
-            200, 10**9, _limits.DEFAULT_MAX_RECORD_SIZE, lambda: next(ticks) / 1000, lambda: None
+            201,
+            10**9 + 3,
+            _limits.DEFAULT_MAX_RECORD_SIZE,
+            lambda: next(ticks) / 1000,
+            lambda: None,
         )
         stream = _stream(
             intake,
-            shard_bytes=20_000,
+            shard_records=30.5,
+            shard_bytes=20_000.5,
             max_count=9,
             ship=sealed.extend,
             wake=lambda: wakes.append(step),
@@ -254,6 +261,42 @@ def test_admitting_through_the_common_case_changes_what_the_general_path_changes
     assert any(general["path_waits"])  # some waited for the network path
     assert len(general["wakes"]) > 20  # deadlines brought forward
     assert len(general["sends"]) > 20  # an idle stream's first record asked for what is held
+
+
+def test_the_shorter_way_holds_to_limits_and_reserves_that_are_not_whole_numbers() -> None:
+    # Intake._admit_known_key compares whole numbers (ShardBacklog.full_records/full_bytes,
+    # Intake.reserve_records_at/reserve_bytes_at): at each limit's edge it decides as the
+    # general path's comparisons with the fractional limits do, neither more nor less.
+    def shorter_way(
+        intake: Intake, stream: StreamIntake, held: list[int], size: int
+    ) -> Record | None:
+        key = _key_on(0)
+        for held_size in held:  # what the shard holds first
+            record = intake.make_record("s", b"x" * (held_size - len(key)), key, None)
+            assert intake.has_room(record, stream)
+            intake.enqueue(stream, record)
+        return intake._admit_known_key(stream, "s", b"y" * (size - len(key)), intake.key_cache[key])
+
+    def stream_of(intake: Intake, records: float = math.inf, nbytes: float = math.inf) -> Any:
+        return _stream(intake, shard_records=records, shard_bytes=nbytes)
+
+    intake = _intake()
+    assert shorter_way(intake, stream_of(intake, records=2.5), [100, 100], 100) is not None
+    intake = _intake()
+    assert shorter_way(intake, stream_of(intake, records=2.5), [100, 100, 100], 100) is None
+    intake = _intake()
+    assert shorter_way(intake, stream_of(intake, nbytes=2_500.5), [1_000], 1_500) is not None
+    intake = _intake()
+    assert shorter_way(intake, stream_of(intake, nbytes=2_500.5), [1_000], 1_501) is None
+    # the producer's reserve: 80 % of 11 records (8.8) and of 10,003 bytes (8,002.4)
+    intake = _intake(max_records=11)
+    assert shorter_way(intake, stream_of(intake), [100] * 8, 100) is not None
+    intake = _intake(max_records=11)
+    assert shorter_way(intake, stream_of(intake), [100] * 9, 100) is None
+    intake = _intake(max_bytes=10_003)
+    assert shorter_way(intake, stream_of(intake), [3_000, 3_000], 2_002) is not None
+    intake = _intake(max_bytes=10_003)
+    assert shorter_way(intake, stream_of(intake), [3_000, 3_000], 2_003) is None
 
 
 def test_a_hot_shards_backlog_never_makes_another_shards_record_wait() -> None:

@@ -47,6 +47,8 @@ from ._records import (
     KinesisRecord,
     Record,
     ShardBacklog,
+    at_least,
+    at_most,
     partition_key_hash,
     untrack_record,
 )
@@ -192,6 +194,9 @@ class Intake:
         self.reserved_bytes = max_bytes * RESERVE
         self.reserve_records = max_records - self.reserved_records
         self.reserve_bytes = max_bytes - self.reserved_bytes
+        # the same as whole numbers, for the admission's shorter way (see ``at_least``)
+        self.reserve_records_at = at_least(self.reserve_records)
+        self.reserve_bytes_at = at_most(self.reserve_bytes)
         # shard backlogs (of every stream) that hold records
         self.active_backlogs = 0
         self.max_record_size = max_record_size
@@ -283,10 +288,10 @@ class Intake:
         nbytes = self.outstanding_bytes + size
         if (
             not held
-            or outstanding.count >= self.reserve_records
-            or nbytes > self.reserve_bytes
-            or held >= backlog.limit_records
-            or held_bytes + size > backlog.limit_bytes
+            or outstanding.count >= self.reserve_records_at
+            or nbytes > self.reserve_bytes_at
+            or held >= backlog.full_records
+            or held_bytes + size > backlog.full_bytes
             or (
                 stream_intake.outstanding_bytes + size > stream_intake.path_bytes
                 and held_bytes >= stream_intake.path_share

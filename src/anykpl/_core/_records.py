@@ -223,6 +223,25 @@ def resolved_checkpoint() -> Awaitable[None] | None:
     return None
 
 
+#: What an infinite limit is in the whole-number forms of :func:`at_least` and
+#: :func:`at_most`: more than any count of records or bytes.
+UNBOUNDED: Final = 1 << 62
+
+
+def at_least(limit: float) -> int:
+    """The least whole number not below ``limit``: for a whole count ``n``, ``n >= limit``
+    exactly when ``n >= at_least(limit)``. The admission's shorter way compares whole numbers
+    only: in the pure build a whole number compared with a float takes the interpreter's slow
+    path (a fiftieth of a record's admission for four such comparisons)."""
+    return UNBOUNDED if limit >= UNBOUNDED else math.ceil(limit)
+
+
+def at_most(limit: float) -> int:
+    """The greatest whole number not above ``limit``: ``n > limit`` exactly when ``n >
+    at_most(limit)`` (see :func:`at_least`)."""
+    return UNBOUNDED if limit >= UNBOUNDED else math.floor(limit)
+
+
 class ShardBacklog:
     """The admitted, unfinished user records of one predicted shard (or of a stream's records
     admitted before their shard was known), and the most it may hold: what admission per
@@ -235,6 +254,8 @@ class ShardBacklog:
     """
 
     __slots__ = (
+        "full_bytes",
+        "full_records",
         "limit_bytes",
         "limit_records",
         "outstanding_bytes",
@@ -247,10 +268,19 @@ class ShardBacklog:
         self.shard = shard  # None: the stream's records admitted before the shard map was ready
         self.outstanding_records = 0
         self.outstanding_bytes = 0
-        # planned by the stream's pipeline: ``max_outstanding_time`` of what the shard delivers
+        self.limit_records = self.limit_bytes = 0.0
+        self.full_records = self.full_bytes = 0
+        self.set_limits(limit_records, limit_bytes)
+        self.waits = 0  # records that had to wait for room here (``Admission.wait``)
+
+    def set_limits(self, limit_records: float, limit_bytes: float) -> None:
+        """Planned by the stream's pipeline: ``max_outstanding_time`` of what the shard
+        delivers. ``full_records`` and ``full_bytes`` are the same limits as whole numbers:
+        the backlog is full at ``full_records`` records, and over ``full_bytes`` bytes."""
         self.limit_records = limit_records
         self.limit_bytes = limit_bytes
-        self.waits = 0  # records that had to wait for room here (``Admission.wait``)
+        self.full_records = at_least(limit_records)
+        self.full_bytes = at_most(limit_bytes)
 
     def __repr__(self) -> str:
         return (

@@ -491,8 +491,13 @@ class Retrier:
         sizes = users.get(actual)
         if sizes is None:
             sizes = users[actual] = StatisticSet(0, 0, math.inf, 0)
-        sizes.count += len(kr.records)
-        for index, record in enumerate(kr.records):
+        records = kr.records
+        sizes.count += len(records)
+        # the sizes' total and extremes in local ints, folded into ``sizes`` once: per record,
+        # an int compared with the set's float extremes took the interpreter's slow path
+        total = 0
+        low = high = len(records[0].data) if records else 0
+        for index, record in enumerate(records):
             if record.last_attempt is None and record._state == PENDING:
                 record.last_attempt = attempt  # Record.add_attempt's first attempt, inline
             else:
@@ -501,11 +506,17 @@ class Retrier:
             record.sequence_number = sequence_number
             record.sub_sequence_number = index
             size = len(record.data)
-            sizes.total += size
-            if size < sizes.minimum:
-                sizes.minimum = float(size)
-            if size > sizes.maximum:
-                sizes.maximum = float(size)
+            total += size
+            if size < low:
+                low = size
+            elif size > high:
+                high = size
+        if records:
+            sizes.total += total
+            if low < sizes.minimum:
+                sizes.minimum = float(low)
+            if high > sizes.maximum:
+                sizes.maximum = float(high)
         self._streaks.pop(kr.predicted_shard, None)
         self.finish(kr.records, True)
 

@@ -515,7 +515,7 @@ class Pipeline:
                 shard, shard_records * records_scale, shard_bytes * bytes_scale
             )
             grew = grew or records > backlog.limit_records or nbytes > backlog.limit_bytes
-            backlog.limit_records, backlog.limit_bytes = records, nbytes
+            backlog.set_limits(records, nbytes)
         intake.new_shard_records, intake.new_shard_bytes = limits(
             "", limiter.records_ceiling * records_scale, limiter.bytes_ceiling * bytes_scale
         )
