@@ -195,6 +195,18 @@ def test_one_response_gives_one_statistic_set_per_metric_and_shard() -> None:
     }
 
 
+def test_the_user_records_sizes_are_counted_per_shard_over_the_whole_response() -> None:
+    seen: dict[tuple[str, str | None], StatisticSet] = {}
+    h = Harness(observe=lambda name, shard, code, stats: seen.__setitem__((name, shard), stats))
+    records = [make_record(n) for n in range(1, 7)]
+    for record, size in zip(records, (5, 2, 9, 4, 3, 1), strict=True):
+        record.data = b"d" * size
+    first, second = make_kinesis_record(records[:4]), make_kinesis_record(records[4:])
+    h.retrier.handle(outcome([first, second], [ok(), ok()], start=1.0, end=1.5), now=1.5)
+    assert seen["UserRecordsDataPut", SHARD_0] == StatisticSet(6, 24, 1, 9)
+    assert [r.sub_sequence_number for r in records] == [0, 1, 2, 3, 0, 1]
+
+
 def test_entries_are_matched_by_position() -> None:
     h = Harness()
     a, b, c = make_record(1), make_record(2), make_record(3)
