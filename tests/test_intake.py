@@ -162,7 +162,7 @@ def test_admitting_through_the_common_case_changes_what_the_general_path_changes
         wakes: list[int] = []
         sends: list[int] = []
         step = 0
-        # limits and reserves that are not whole numbers (the shorter way compares whole ones)
+        # limits and reserves that are not whole numbers (admission compares whole ones)
         intake = Intake(
             201,
             10**9 + 3,
@@ -265,7 +265,7 @@ def test_admitting_through_the_common_case_changes_what_the_general_path_changes
 
 def test_the_shorter_way_holds_to_limits_and_reserves_that_are_not_whole_numbers() -> None:
     # Intake._admit_known_key compares whole numbers (ShardBacklog.full_records/full_bytes,
-    # Intake.reserve_records_at/reserve_bytes_at): at each limit's edge it decides as the
+    # Intake.reserve_records/reserve_bytes): at each limit's edge it decides as the
     # general path's comparisons with the fractional limits do, neither more nor less.
     def shorter_way(
         intake: Intake, stream: StreamIntake, held: list[int], size: int
@@ -277,7 +277,9 @@ def test_the_shorter_way_holds_to_limits_and_reserves_that_are_not_whole_numbers
             intake.enqueue(stream, record)
         return intake._admit_known_key(stream, "s", b"y" * (size - len(key)), intake.key_cache[key])
 
-    def stream_of(intake: Intake, records: float = math.inf, nbytes: float = math.inf) -> Any:
+    def stream_of(
+        intake: Intake, records: float = math.inf, nbytes: float = math.inf
+    ) -> StreamIntake:
         return _stream(intake, shard_records=records, shard_bytes=nbytes)
 
     intake = _intake()

@@ -192,11 +192,10 @@ class Intake:
         # least one record of it)
         self.reserved_records = max(1.0, max_records * RESERVE)
         self.reserved_bytes = max_bytes * RESERVE
-        self.reserve_records = max_records - self.reserved_records
-        self.reserve_bytes = max_bytes - self.reserved_bytes
-        # the same as whole numbers, for the admission's shorter way (see ``at_least``)
-        self.reserve_records_at = at_least(self.reserve_records)
-        self.reserve_bytes_at = at_most(self.reserve_bytes)
+        # the caps less the reserve, as whole numbers (admission compares counts with them, see
+        # ``at_least``)
+        self.reserve_records = at_least(max_records - self.reserved_records)
+        self.reserve_bytes = at_most(max_bytes - self.reserved_bytes)
         # shard backlogs (of every stream) that hold records
         self.active_backlogs = 0
         self.max_record_size = max_record_size
@@ -288,8 +287,8 @@ class Intake:
         nbytes = self.outstanding_bytes + size
         if (
             not held
-            or outstanding.count >= self.reserve_records_at
-            or nbytes > self.reserve_bytes_at
+            or outstanding.count >= self.reserve_records
+            or nbytes > self.reserve_bytes
             or held >= backlog.full_records
             or held_bytes + size > backlog.full_bytes
             or (
@@ -472,7 +471,7 @@ class Intake:
                 if backlog.shard is None:
                     if not stream.has_room(size, backlog):
                         return False
-                elif held >= backlog.limit_records or held_bytes + size > backlog.limit_bytes:
+                elif held >= backlog.full_records or held_bytes + size > backlog.full_bytes:
                     return False  # the shard's own backlog limit (StreamIntake.has_room, inline)
                 elif (
                     stream.outstanding_bytes + size > stream.path_bytes
@@ -764,7 +763,7 @@ class StreamIntake:
         if not held:
             return True
         held_bytes = backlog.outstanding_bytes
-        if held >= backlog.limit_records or held_bytes + size > backlog.limit_bytes:
+        if held >= backlog.full_records or held_bytes + size > backlog.full_bytes:
             return False
         if self.outstanding_bytes + size > self.path_bytes and held_bytes >= self.path_share:
             self.path_waits = True

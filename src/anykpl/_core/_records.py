@@ -230,9 +230,9 @@ UNBOUNDED: Final = 1 << 62
 
 def at_least(limit: float) -> int:
     """The least whole number not below ``limit``: for a whole count ``n``, ``n >= limit``
-    exactly when ``n >= at_least(limit)``. The admission's shorter way compares whole numbers
-    only: in the pure build a whole number compared with a float takes the interpreter's slow
-    path (a fiftieth of a record's admission for four such comparisons)."""
+    exactly when ``n >= at_least(limit)``. Admission compares counts with limits as whole
+    numbers: in the pure build a whole number compared with a float takes the interpreter's
+    slow path (a fiftieth of a record's admission for four such comparisons)."""
     return UNBOUNDED if limit >= UNBOUNDED else math.ceil(limit)
 
 
@@ -268,6 +268,7 @@ class ShardBacklog:
         self.shard = shard  # None: the stream's records admitted before the shard map was ready
         self.outstanding_records = 0
         self.outstanding_bytes = 0
+        # set here first, so that the compiled build knows them always set (no check per read)
         self.limit_records = self.limit_bytes = 0.0
         self.full_records = self.full_bytes = 0
         self.set_limits(limit_records, limit_bytes)
