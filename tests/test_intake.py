@@ -406,7 +406,52 @@ def test_outstanding_records_hold_no_ended_record_and_few_empty_slots() -> None:
         assert len(outstanding._records) <= 2 * len(pending) + COMPACT_RECORDS
         assert outstanding.oldest() is pending[0]
     assert list(outstanding) == pending
-    assert [r.outstanding_slot for r in pending] == [outstanding._records.index(r) for r in pending]
+    base = outstanding._base
+    assert base > 0  # the ended records' run before the oldest pending one was dropped
+    assert [r.outstanding_slot - base for r in pending] == [
+        outstanding._records.index(r) for r in pending
+    ]
+
+
+def test_records_ending_in_any_order_leave_the_outstanding_records_consistent() -> None:
+    """Intake.finish counts records out of OutstandingRecords inline: through both ways of
+    admission, records ending mostly in order (the run of ended slots before the oldest
+    pending record is dropped at once) and out of order (empty slots among pending ones, the
+    whole list closed up), every pending record stays at its slot, no ended one is kept, the
+    list stays within its bound, and the oldest is the oldest."""
+    rng = random.Random(7)
+    intake = _intake(max_records=10**9, max_bytes=10**12)
+    stream = _stream(intake)
+    outstanding = intake.outstanding
+    pending: list[Record] = []
+    keys = [_key_on(shard, 1000 * shard) for shard in range(SHARDS)]
+    for step in range(60):
+        for n in range(rng.randrange(300, 900)):
+            key = keys[n % SHARDS]
+            record = intake.admit_now(stream, "s", b"x" * 20, key, None)
+            if record is None:  # the general path (a checkpoint due, ...)
+                record = _offer(intake, stream, key, 100)
+                intake.since_checkpoint = 0
+            assert record is not None
+            pending.append(record)
+        if step % 4 == 3:  # out of order: any of them
+            ending = rng.sample(pending, len(pending) * 9 // 10)
+        else:  # mostly in order: the oldest, and a few others
+            ending = pending[: len(pending) // 2] + rng.sample(pending, 5)
+        ended = {id(r) for r in ending}
+        for start in range(0, len(ending), 37):  # a Kinesis record's worth at a time
+            intake.finish(ending[start : start + 37], True)
+        intake.finish(ending[:3], True)  # again: nothing happens
+        pending = [r for r in pending if id(r) not in ended]
+        assert all(r.done() and r.outstanding_slot == -1 for r in ending)
+        assert len(outstanding) == len(pending)
+        assert list(outstanding) == pending
+        slots = outstanding._records
+        assert all(slots[r.outstanding_slot - outstanding._base] is r for r in pending)
+        assert sum(r is None for r in slots) == outstanding._empty
+        assert len(slots) <= 2 * len(pending) + COMPACT_RECORDS
+        assert outstanding.oldest() is (pending[0] if pending else None)
+    assert outstanding._base > 0
 
 
 def test_given_partition_keys_are_remembered_and_random_ones_are_not() -> None:

@@ -91,18 +91,24 @@ class OutstandingRecords:
     ever hangs). Iterating gives the records still pending, oldest first; ``len`` is how many
     there are.
 
-    A list: a record is appended when admitted (``Record.outstanding_slot`` is its place) and
-    its slot emptied when it ends, so the list holds no ended record; the empty slots are
-    closed up in one pass once they outnumber the pending records by
-    :data:`COMPACT_RECORDS`. Each record thus costs an append, a store and a share of a copy,
-    where a dictionary, taken in order of admission and emptied from its oldest end, cost
-    0.3 us or more per record once it held tens of thousands (a large, sparse table).
+    A list: a record is appended when admitted (``Record.outstanding_slot`` is its place,
+    counted from the first record the list ever held: slot ``outstanding_slot - _base``) and
+    its slot emptied when it ends, so the list holds no ended record. Once the empty slots
+    outnumber the pending records by :data:`COMPACT_RECORDS` they are closed up: first the
+    run of them before the oldest pending record, dropped at once (records mostly end in the
+    order they came), which moves ``_base`` and no record's place; then, if as many empty
+    slots are still left among the pending records, the whole list in one pass. Each record
+    thus costs an append, a store and a share of a copy, where a dictionary, taken in order of
+    admission and emptied from its oldest end, cost 0.3 us or more per record once it held
+    tens of thousands (a large, sparse table).
     """
 
-    __slots__ = ("_empty", "_head", "_records", "count")
+    __slots__ = ("_base", "_empty", "_head", "_records", "count")
 
     def __init__(self) -> None:
         self._records: list[Record | None] = []
+        # the place (``Record.outstanding_slot``) of ``_records[0]``
+        self._base = 0
         # pending records (the filled slots)
         self.count = 0
         # empty slots in ``_records``
@@ -120,13 +126,14 @@ class OutstandingRecords:
     def add(self, record: Record) -> None:
         """``record`` was admitted (:meth:`Intake.enqueue_at` does the same inline)."""
         records = self._records
-        record.outstanding_slot = len(records)
+        record.outstanding_slot = self._base + len(records)
         records.append(record)
         self.count += 1
 
     def remove(self, record: Record) -> None:
-        """``record`` ended (once; a record never added is ignored)."""
-        slot = record.outstanding_slot
+        """``record`` ended (once; a record never added is ignored). :meth:`Intake.finish`
+        does the same inline."""
+        slot = record.outstanding_slot - self._base
         records = self._records
         if 0 <= slot < len(records) and records[slot] is record:
             records[slot] = None
@@ -136,27 +143,41 @@ class OutstandingRecords:
 
     def close_up(self) -> None:
         """Close up the empty slots if they are many (after records ended)."""
+        if self._empty <= self.count + COMPACT_RECORDS:
+            return
+        records = self._records
+        first = self._first_filled()
+        if first:
+            del records[:first]
+            self._base += first
+            self._empty -= first
+            self._head = 0
         if self._empty > self.count + COMPACT_RECORDS:
             kept: list[Record | None] = []
-            for record in self._records:
+            base = self._base
+            for record in records:
                 if record is not None:
-                    record.outstanding_slot = len(kept)
+                    record.outstanding_slot = base + len(kept)
                     kept.append(record)
             self._records = kept
             self._empty = 0
             self._head = 0
 
+    def _first_filled(self) -> int:
+        """The first filled slot (``len(_records)`` if none), looked for from ``_head``."""
+        records = self._records
+        slot = self._head
+        end = len(records)
+        while slot < end and records[slot] is None:
+            slot += 1
+        return slot
+
     def oldest(self) -> Record | None:
         """The pending record admitted first, ``None`` when none is."""
         if not self.count:
             return None
-        records = self._records
-        for slot in range(self._head, len(records)):
-            record = records[slot]
-            if record is not None:
-                self._head = slot
-                return record
-        return None
+        slot = self._head = self._first_filled()
+        return self._records[slot]
 
 
 class SpoolStore(Protocol):
@@ -300,6 +321,7 @@ class Intake:
         now = self.clock()
         deadline = now + stream_intake.max_buffered_time
         expiration = now + stream_intake.record_ttl
+        slots = outstanding._records
         record = Record(
             stream,
             facts.key,
@@ -310,14 +332,12 @@ class Intake:
             deadline if deadline < expiration else expiration,
             expiration,
             size,
+            facts,
+            backlog,
+            outstanding._base + len(slots),
         )
         if untrack_record is not None:  # the pure package (see Record)
             untrack_record(id(record))
-        record.key_facts = facts
-        record.predicted_shard = backlog.shard
-        record.backlog = backlog
-        slots = outstanding._records
-        record.outstanding_slot = len(slots)
         slots.append(record)
         outstanding.count += 1
         self.outstanding_bytes = nbytes
@@ -426,8 +446,7 @@ class Intake:
             size = len(payload) + facts.size
             if size > self.max_record_size:
                 self._check_size(size)
-            record = Record(stream, key, payload, facts.hash_key, None, 0.0, 0.0, 0.0, size)
-            record.key_facts = facts
+            record = Record(stream, key, payload, facts.hash_key, None, 0.0, 0.0, 0.0, size, facts)
         else:
             size = len(payload) + len(_encoded_key(key))
             hash_key = _parse_explicit_hash_key(explicit_hash_key)
@@ -587,7 +606,7 @@ class Intake:
         # OutstandingRecords.add, inline (one call less per record)
         outstanding = self.outstanding
         slots = outstanding._records
-        record.outstanding_slot = len(slots)
+        record.outstanding_slot = outstanding._base + len(slots)
         slots.append(record)
         outstanding.count += 1
         self.outstanding_bytes += size
@@ -604,12 +623,21 @@ class Intake:
         """Resolve the records still pending among ``records``; return how many there were,
         and their bytes."""
         spool = self.spool if not self.keep_spooled else None
-        released = count = 0
+        released = count = removed = 0
         outstanding = self.outstanding
+        # OutstandingRecords.remove, inline, its counts kept for the end (the list only grows
+        # meanwhile: nothing is admitted while records are resolved)
+        slots = outstanding._records
+        base = outstanding._base
+        filled = len(slots)
         state = SUCCEEDED if success else FAILED
         for record in records:
             if record._state == PENDING:  # still pending: resolve exactly once
-                outstanding.remove(record)
+                slot = record.outstanding_slot - base
+                if 0 <= slot < filled and slots[slot] is record:
+                    slots[slot] = None
+                    record.outstanding_slot = -1
+                    removed += 1
                 size = record.size
                 released += size
                 count += 1
@@ -629,7 +657,9 @@ class Intake:
                 else:
                     record.resolve(success)
         self.outstanding_bytes -= released
-        self.outstanding.close_up()
+        outstanding.count -= removed
+        outstanding._empty += removed
+        outstanding.close_up()
         self.on_finish()
         return count, released
 

@@ -353,6 +353,9 @@ class Record:
         deadline: float,
         expiration: float,
         size: int | None = None,
+        key_facts: KeyFacts | None = None,
+        backlog: ShardBacklog | None = None,
+        outstanding_slot: int = -1,
     ) -> None:
         self.stream = stream
         self.partition_key = partition_key
@@ -364,10 +367,11 @@ class Record:
         self.expiration = expiration
         # data + UTF-8 partition key: what the record counts towards the limits
         self.size = len(data) + len(partition_key.encode()) if size is None else size
-        self.predicted_shard: str | None = None
+        # (the admission that places it on building it: ``backlog``'s shard)
+        self.predicted_shard: str | None = None if backlog is None else backlog.shard
         # its partition key's facts from the producer's key cache (Intake.make_record), for
         # the aggregator; None for a record with an explicit hash key
-        self.key_facts: KeyFacts | None = None
+        self.key_facts = key_facts
         self.shard_id: str | None = None
         self.sequence_number: str | None = None
         self.sub_sequence_number: int | None = None
@@ -387,9 +391,9 @@ class Record:
         # the counter of the submit_many batch it came in, or None
         self.batch: BatchCounter | None = None
         # the shard backlog it was admitted into (Intake.enqueue), None until then
-        self.backlog: ShardBacklog | None = None
+        self.backlog = backlog
         # its place in the producer's outstanding records (OutstandingRecords), -1: none
-        self.outstanding_slot = -1
+        self.outstanding_slot = outstanding_slot
 
     def __repr__(self) -> str:
         state = ("pending", "succeeded", "failed")[self._state]
