@@ -99,6 +99,8 @@ CONTENDERS: dict[str, tuple[str, str, str]] = {
 TARGETS = {"async-kinesis": 1.5, "aiokpl": 20.0}
 #: the bar against async-kinesis for ``submit_many`` (issue 30), where it differs
 BATCH_TARGETS = {"async-kinesis": 2.0}
+#: the bar for anykpl on trio against anykpl on asyncio, in each mode (issue 30)
+TRIO_TARGET = 0.9
 #: records per submit_many call for the ``-batch`` contenders (a PutRecords request's worth)
 BATCH = 500
 
@@ -461,8 +463,31 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
     return out
 
 
+def backend_ratios(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """``"anykpl-trio-X / anykpl-asyncio-X"`` -> trio's records/s over asyncio's in the same
+    mode, in each round where both ran."""
+    out: dict[str, list[float]] = {}
+    for round_ in sorted({row["round"] for row in rows}):
+        by_name = {r["contender"]: r for r in rows if r["round"] == round_ and r.get("rps")}
+        for name in CONTENDERS:
+            if not name.startswith("anykpl-trio"):
+                continue
+            asyncio_name = name.replace("-trio", "-asyncio", 1)
+            if name in by_name and asyncio_name in by_name:
+                ratio = by_name[name]["rps"] / by_name[asyncio_name]["rps"]
+                out.setdefault(f"{name} / {asyncio_name}", []).append(ratio)
+    return out
+
+
 def verdicts(rows: list[dict[str, Any]]) -> list[str]:
     out = []
+    for pair, values in backend_ratios(rows).items():
+        shown = ", ".join(f"{v:.2f}×" for v in values)
+        line = f"{pair} = {shown}"
+        if len(values) > 1:
+            line += f" (median {statistics.median(values):.2f}×)"
+        met = sum(v >= TRIO_TARGET for v in values)
+        out.append(f"{line}: ≥ {TRIO_TARGET:g}× bar met in {met} of {len(values)} round(s)")
     for pair, values in ratios(rows).items():
         reference, peer = pair.split(" / ")
         shown = ", ".join(f"{v:.2f}×" for v in values)
