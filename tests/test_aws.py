@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -173,3 +175,32 @@ def test_data_files_read_as_botocore_reads_them(name: str) -> None:
     ours, theirs = shared.file_loader.load_file(path), own.file_loader.load_file(path)
     assert type(ours) is dict
     assert json.dumps(ours) == json.dumps(theirs)  # keys in the same order, all the way down
+
+
+def test_a_trio_client_imports_its_transport_when_it_is_made() -> None:
+    """httpx imports its transport (httpcore2, h11) on a client's first request, 20 ms that a
+    trio program's first record would wait for where anykpl was imported before trio (so it
+    could not import it with itself): making the client imports it. A fresh interpreter, where
+    none of them is imported yet."""
+    pytest.importorskip("httpcore2")
+    program = """
+import sys
+import anykpl
+from anykpl._transport._aws import create_client
+import trio
+assert "httpcore2" not in sys.modules
+
+async def main():
+    config = anykpl.ProducerConfig(
+        region="us-east-1", aws_access_key_id="x", aws_secret_access_key="x"
+    )
+    async with create_client(config, "kinesis", max_pool_connections=1):
+        print("httpcore2" in sys.modules, "h11" in sys.modules)
+
+trio.run(main)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True"]

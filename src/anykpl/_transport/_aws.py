@@ -88,6 +88,13 @@ def create_client(
     if backend == "httpx":
         from aiobotocore.httpxsession import HttpxSession
 
+        if "httpcore2" not in sys.modules:
+            # anykpl was imported before trio (see the imports above): httpx would import its
+            # transport on the client's first request, 20 ms that the first record put would
+            # wait for; imported now, while the producer opens
+            with contextlib.suppress(ImportError):
+                import httpcore2  # noqa: F401
+
         options["http_session_cls"] = _abortive_httpx_session() if abortive_close else HttpxSession
     elif abortive_close and _aiohttp_takes_socket_factory():
         options["connector_args"] = {"socket_factory": _abortive_socket}
