@@ -199,8 +199,15 @@ async def main():
 
 trio.run(main)
 """
+    # the client's own settings only: no profile or data path of the environment's
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     done = subprocess.run(
-        [sys.executable, "-c", program], capture_output=True, text=True, timeout=60, check=False
+        [sys.executable, "-c", program],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=environment,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "True"]

@@ -454,6 +454,53 @@ def test_records_ending_in_any_order_leave_the_outstanding_records_consistent() 
     assert outstanding._base > 0
 
 
+def test_completion_hooks_see_exact_counts_and_may_admit_while_records_are_resolved() -> None:
+    """Intake.finish runs records' completion hooks (the spool's ``on_recovered``, SyncProducer's
+    futures) as it resolves them: each hook sees how many records are still pending and the
+    oldest of them (none when the last ended), and may admit new records, which keep their
+    places."""
+    now = [1.0]
+    intake = Intake(
+        100_000, 128 * 1024 * 1024, _limits.DEFAULT_MAX_RECORD_SIZE, lambda: now[0], lambda: None
+    )
+    stream = _stream(intake)
+    key = _key_on(0)
+    seen: list[tuple[int, float | None]] = []
+    admitted: list[Record] = []
+
+    def hook(record: Record) -> None:
+        seen.append((len(intake.outstanding), intake.oldest_arrival()))
+        if len(admitted) < 2:
+            new = _offer(intake, stream, key, 100)
+            assert new is not None
+            admitted.append(new)
+
+    records = []
+    for arrival in (1.0, 2.0, 3.0):
+        now[0] = arrival
+        record = _offer(intake, stream, key, 100)
+        assert record is not None
+        record.on_done = hook
+        records.append(record)
+    now[0] = 4.0
+    # the youngest first (its hook admits one), then the two oldest (the first's hook admits
+    # another)
+    intake.finish([records[2]], True)
+    intake.finish(records[:2], True)
+    assert seen == [(2, 1.0), (2, 2.0), (2, 4.0)]
+    assert len(intake.outstanding) == 2
+    assert list(intake.outstanding) == admitted
+    slots = intake.outstanding._records
+    assert all(slots[r.outstanding_slot - intake.outstanding._base] is r for r in admitted)
+    # the last pending records, which hold the last filled slots: the last hook sees none
+    for record in admitted:
+        record.on_done = hook
+    intake.finish(admitted, True)
+    assert seen[3:] == [(1, 4.0), (0, None)]
+    assert len(intake.outstanding) == 0
+    assert intake.oldest_arrival() is None
+
+
 def test_given_partition_keys_are_remembered_and_random_ones_are_not() -> None:
     intake = _intake()
     first = intake.make_record("s", b"x", "device-1", None)

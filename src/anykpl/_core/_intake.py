@@ -176,8 +176,9 @@ class OutstandingRecords:
         """The pending record admitted first, ``None`` when none is."""
         if not self.count:
             return None
+        records = self._records
         slot = self._head = self._first_filled()
-        return self._records[slot]
+        return records[slot] if slot < len(records) else None
 
 
 class SpoolStore(Protocol):
@@ -623,10 +624,11 @@ class Intake:
         """Resolve the records still pending among ``records``; return how many there were,
         and their bytes."""
         spool = self.spool if not self.keep_spooled else None
-        released = count = removed = 0
+        released = count = emptied = 0
         outstanding = self.outstanding
-        # OutstandingRecords.remove, inline, its counts kept for the end (the list only grows
-        # meanwhile: nothing is admitted while records are resolved)
+        # OutstandingRecords.remove, inline. The list may grow meanwhile (a completion hook may
+        # admit a record) but never shrinks: it is closed up after the loop. Its count of
+        # pending records is kept exact for the hooks; its empty slots are counted after.
         slots = outstanding._records
         base = outstanding._base
         filled = len(slots)
@@ -637,7 +639,8 @@ class Intake:
                 if 0 <= slot < filled and slots[slot] is record:
                     slots[slot] = None
                     record.outstanding_slot = -1
-                    removed += 1
+                    outstanding.count -= 1
+                    emptied += 1
                 size = record.size
                 released += size
                 count += 1
@@ -657,8 +660,7 @@ class Intake:
                 else:
                     record.resolve(success)
         self.outstanding_bytes -= released
-        outstanding.count -= removed
-        outstanding._empty += removed
+        outstanding._empty += emptied
         outstanding.close_up()
         self.on_finish()
         return count, released

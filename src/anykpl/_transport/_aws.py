@@ -41,7 +41,7 @@ if "trio" in sys.modules:
     # A trio program (it imported trio): httpx, trio's HTTP client here, builds its transport
     # with httpcore, which it imports on the first client (h11 with it, 30-40 ms with trio
     # loaded): imported now, for the reason above. Not for asyncio programs, where httpcore
-    # would import trio (0.1 s).
+    # would import trio (0.1 s); an httpx client made later imports it then (create_client).
     with contextlib.suppress(ImportError):  # without the trio extra
         import httpcore2  # noqa: F401  # the httpcore of httpx2, aiobotocore's choice
 
@@ -89,8 +89,9 @@ def create_client(
         from aiobotocore.httpxsession import HttpxSession
 
         if "httpcore2" not in sys.modules:
-            # anykpl was imported before trio (see the imports above): httpx would import its
-            # transport on the client's first request, 20 ms that the first record put would
+            # not imported with anykpl (trio was not imported yet then, or this is asyncio with
+            # ``http_backend="httpx"``): httpx would import its transport on the client's first
+            # request (20 ms, and trio's 0.1 s on asyncio), which the first record put would
             # wait for; imported now, while the producer opens
             with contextlib.suppress(ImportError):
                 import httpcore2  # noqa: F401
