@@ -501,6 +501,40 @@ def test_completion_hooks_see_exact_counts_and_may_admit_while_records_are_resol
     assert intake.oldest_arrival() is None
 
 
+def test_a_completion_hook_that_resolves_records_itself_leaves_the_list_consistent() -> None:
+    """A hook run while Intake.finish resolves records may resolve others itself, and that
+    inner call may close the list up (drop its head, which moves every place's base): the
+    outer call goes on with the list as it is then."""
+    intake = _intake(max_records=10**6, max_bytes=10**12)
+    stream = _stream(intake)
+    key = _key_on(0)
+    records = []
+    for _ in range(5000):
+        record = _offer(intake, stream, key, 100)
+        assert record is not None
+        records.append(record)
+    outstanding = intake.outstanding
+
+    bases = []
+
+    def hook(record: Record) -> None:
+        intake.finish(records[:3500], True)
+        bases.append(outstanding._base)
+
+    records[3500].on_done = hook
+    intake.finish(records[3500:4900], True)
+    assert bases == [3501]  # the inner call dropped the ended head, the hook's record with it
+    assert outstanding._base == 4900  # and the outer one the rest
+    assert all(r.done() for r in records[:4900])
+    assert not any(r.done() for r in records[4900:])
+    assert len(outstanding) == 100
+    assert list(outstanding) == records[4900:]
+    slots = outstanding._records
+    assert sum(r is None for r in slots) == outstanding._empty
+    assert all(slots[r.outstanding_slot - outstanding._base] is r for r in records[4900:])
+    assert outstanding.oldest() is records[4900]
+
+
 def test_given_partition_keys_are_remembered_and_random_ones_are_not() -> None:
     intake = _intake()
     first = intake.make_record("s", b"x", "device-1", None)

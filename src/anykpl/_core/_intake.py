@@ -626,9 +626,9 @@ class Intake:
         spool = self.spool if not self.keep_spooled else None
         released = count = emptied = 0
         outstanding = self.outstanding
-        # OutstandingRecords.remove, inline. The list may grow meanwhile (a completion hook may
-        # admit a record) but never shrinks: it is closed up after the loop. Its count of
-        # pending records is kept exact for the hooks; its empty slots are counted after.
+        # OutstandingRecords.remove, inline: its count of pending records kept exact, its
+        # empty slots counted at the end (or before a completion hook, below), and the list
+        # closed up after the loop
         slots = outstanding._records
         base = outstanding._base
         filled = len(slots)
@@ -655,7 +655,17 @@ class Intake:
                     if segment is not None:
                         record.spool_segment = None
                         spool.finished(segment, success)
-                if record.batch is None and record._event is None and record.on_done is None:
+                if record.on_done is not None:
+                    # its completion hook runs now, and may read the list, admit records, or
+                    # resolve some itself (the list then closed up): the list is brought up to
+                    # date for it, and read again after
+                    outstanding._empty += emptied
+                    emptied = 0
+                    record.resolve(success)
+                    slots = outstanding._records
+                    base = outstanding._base
+                    filled = len(slots)
+                elif record.batch is None and record._event is None:
                     record._state = state  # Record.resolve, when nothing waits on it
                 else:
                     record.resolve(success)
