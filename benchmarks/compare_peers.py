@@ -450,57 +450,50 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def ratios(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
-    """``"ref / peer"`` -> that ratio of records/s in each round where both ran."""
+def pair_ratios(rows: list[dict[str, Any]], pairs: list[tuple[str, str]]) -> dict[str, list[float]]:
+    """``"a / b"`` -> a's records/s over b's in each round where both ran, for each ``(a, b)``
+    of ``pairs``."""
     out: dict[str, list[float]] = {}
     for round_ in sorted({row["round"] for row in rows}):
         by_name = {r["contender"]: r for r in rows if r["round"] == round_ and r.get("rps")}
-        for peer in CONTENDERS:
-            for ref in REFERENCES:
-                if peer not in REFERENCES and peer in by_name and ref in by_name:
-                    ratio = by_name[ref]["rps"] / by_name[peer]["rps"]
-                    out.setdefault(f"{ref} / {peer}", []).append(ratio)
+        for a, b in pairs:
+            if a in by_name and b in by_name:
+                out.setdefault(f"{a} / {b}", []).append(by_name[a]["rps"] / by_name[b]["rps"])
     return out
+
+
+def ratios(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """``"ref / peer"`` -> that ratio of records/s in each round where both ran."""
+    peers = [peer for peer in CONTENDERS if peer not in REFERENCES]
+    return pair_ratios(rows, [(ref, peer) for peer in peers for ref in REFERENCES])
 
 
 def backend_ratios(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
     """``"anykpl-trio-X / anykpl-asyncio-X"`` -> trio's records/s over asyncio's in the same
     mode, in each round where both ran."""
-    out: dict[str, list[float]] = {}
-    for round_ in sorted({row["round"] for row in rows}):
-        by_name = {r["contender"]: r for r in rows if r["round"] == round_ and r.get("rps")}
-        for name in CONTENDERS:
-            if not name.startswith("anykpl-trio"):
-                continue
-            asyncio_name = name.replace("-trio", "-asyncio", 1)
-            if name in by_name and asyncio_name in by_name:
-                ratio = by_name[name]["rps"] / by_name[asyncio_name]["rps"]
-                out.setdefault(f"{name} / {asyncio_name}", []).append(ratio)
-    return out
+    trio = [name for name in CONTENDERS if name.startswith("anykpl-trio")]
+    return pair_ratios(rows, [(name, name.replace("-trio", "-asyncio", 1)) for name in trio])
+
+
+def verdict(pair: str, values: list[float], target: float | None) -> str:
+    """One pair's ratios, their median, and in how many rounds they met ``target``."""
+    line = f"{pair} = " + ", ".join(f"{v:.2f}×" for v in values)
+    if len(values) > 1:
+        line += f" (median {statistics.median(values):.2f}×)"
+    if target is not None:
+        met = sum(v >= target for v in values)
+        line += f": ≥ {target:g}× bar met in {met} of {len(values)} round(s)"
+    return line
 
 
 def verdicts(rows: list[dict[str, Any]]) -> list[str]:
-    out = []
-    for pair, values in backend_ratios(rows).items():
-        shown = ", ".join(f"{v:.2f}×" for v in values)
-        line = f"{pair} = {shown}"
-        if len(values) > 1:
-            line += f" (median {statistics.median(values):.2f}×)"
-        met = sum(v >= TRIO_TARGET for v in values)
-        out.append(f"{line}: ≥ {TRIO_TARGET:g}× bar met in {met} of {len(values)} round(s)")
+    out = [verdict(pair, values, TRIO_TARGET) for pair, values in backend_ratios(rows).items()]
     for pair, values in ratios(rows).items():
         reference, peer = pair.split(" / ")
-        shown = ", ".join(f"{v:.2f}×" for v in values)
-        line = f"{pair} = {shown}"
-        if len(values) > 1:
-            line += f" (median {statistics.median(values):.2f}×)"
-        if peer in TARGETS:
-            target = TARGETS[peer]
-            if reference.endswith("-batch"):
-                target = BATCH_TARGETS.get(peer, target)
-            met = sum(v >= target for v in values)
-            line += f": ≥ {target:g}× bar met in {met} of {len(values)} round(s)"
-        out.append(line)
+        target = TARGETS.get(peer)
+        if target is not None and reference.endswith("-batch"):
+            target = BATCH_TARGETS.get(peer, target)
+        out.append(verdict(pair, values, target))
     for row in rows:
         check = row.get("check")
         if "error" in row:
