@@ -21,7 +21,7 @@ from anykpl._core._intake import (
     StreamIntake,
     offset_clock,
 )
-from anykpl._core._records import KinesisRecord, Record
+from anykpl._core._records import BatchCounter, KinesisRecord, Record
 from anykpl._core._shard_map import ShardMap
 from anykpl._runtime._producer import _backend_clock
 
@@ -146,6 +146,21 @@ def _offer(intake: Intake, stream: StreamIntake, key: str, size: int = 1000) -> 
     return record
 
 
+def _publish(shard_map: ShardMap, shards: int, first_id: int) -> None:
+    """Publish a new map of ``shards`` even shards, numbered from ``first_id`` (a reshard)."""
+    shard_map.begin_update()
+    shard_map.apply_page(
+        [
+            {
+                "ShardId": f"shardId-{first_id + i:012d}",
+                "HashKeyRange": {"StartingHashKey": str(start), "EndingHashKey": str(end)},
+            }
+            for i, (start, end) in enumerate(even_ranges(shards))
+        ]
+    )
+    shard_map.finish_update(0.0)
+
+
 def test_admitting_through_the_common_case_changes_what_the_general_path_changes() -> None:
     # Intake.admit_now takes the commonest records (a known key, a shard holding records, room
     # under every limit, an open aggregate that takes it) in one call of its own; everything
@@ -154,7 +169,7 @@ def test_admitting_through_the_common_case_changes_what_the_general_path_changes
     # by count, shard limits, the producer's reserve, the network path's bound, an idle
     # stream's send_now, and deadlines that come earlier than an open aggregate's (a shorter
     # max_buffered_time part of the time) with the Aggregator's wake-ups; every limit and
-    # reserve a fraction.
+    # reserve a fraction; and the shards split mid-way (a new map).
     def run(fast: bool) -> dict[str, Any]:
         first_token = next(_wire._builder_tokens)
         ticks = iter(range(1, 10**6))
@@ -185,6 +200,8 @@ def test_admitting_through_the_common_case_changes_what_the_general_path_changes
         path_waits = []
         shorter = 0  # records admit_now admitted itself
         for step in range(3_000):
+            if step == 1_500:  # the shards are split: the keys' remembered places are stale
+                _publish(stream.shard_map, 6, 100)
             stream.max_buffered_time = 0.001 if step // 150 % 2 else 0.1
             # the network path's bound part of the time
             stream.path_bytes = 50_000.0 if step // 300 % 3 == 2 else math.inf
@@ -261,6 +278,127 @@ def test_admitting_through_the_common_case_changes_what_the_general_path_changes
     assert any(general["path_waits"])  # some waited for the network path
     assert len(general["wakes"]) > 20  # deadlines brought forward
     assert len(general["sends"]) > 20  # an idle stream's first record asked for what is held
+
+
+def test_admitting_batches_the_shorter_way_changes_what_the_general_path_changes() -> None:
+    # Intake.make_records and admit_ready (Producer.submit_many's common case) build and admit
+    # the commonest records of a batch themselves, placed through the key cache; two intakes
+    # offered the same batches, one building and admitting every record the general way
+    # (make_record, has_room, enqueue_at with the batch's one clock reading, stopping at the
+    # first record that must wait), end in the same state. Two streams share the key cache,
+    # and the first one's shards are split mid-way (a new map: the keys' remembered places
+    # are the old map's), with limits, reserves and the path's bound as in the test above.
+    def run(fast: bool) -> dict[str, Any]:
+        first_token = next(_wire._builder_tokens)
+        ticks = iter(range(1, 10**6))
+        sealed: list[KinesisRecord] = []
+        intake = Intake(
+            201,
+            10**9 + 3,
+            _limits.DEFAULT_MAX_RECORD_SIZE,
+            lambda: next(ticks) / 1000,
+            lambda: None,
+        )
+        streams = [
+            _stream(
+                intake, shard_records=30.5, shard_bytes=20_000.5, max_count=9, ship=sealed.extend
+            )
+            for _ in range(2)
+        ]
+        for stream in streams:
+            stream.send_now = lambda: None
+            stream.path_share = 8_000.0
+        rng = random.Random(5)
+        keys = [f"key-{n}" for n in range(12)]
+        admitted: list[Record | None] = []
+        taken = 0  # records the shorter way admitted
+        for step in range(400):
+            if step == 200:
+                _publish(streams[0].shard_map, 6, 100)
+            stream = streams[rng.random() < 0.3]
+            stream.path_bytes = 50_000.0 if step // 40 % 3 == 2 else math.inf
+            batch = BatchCounter()
+            items: list[Any] = [
+                (b"%05d" % (step * 50 + i) + b"x" * rng.randrange(0, 3_000), rng.choice(keys))
+                for i in range(rng.randrange(1, 40))
+            ]
+            if rng.random() < 0.1:  # an explicit hash key: the longer way
+                items[0] = (*items[0], str(rng.randrange(2**128)))
+            name = f"s{streams.index(stream)}"
+            if fast:
+                made = intake.make_records(name, items, batch)
+                end = intake.admit_ready(stream, made, 0)
+                taken += sum(r.key_facts is not None for r in made[:end])
+            else:
+                made = []
+                for data, key, *hash_key in items:
+                    record = intake.make_record(name, data, key, hash_key[0] if hash_key else None)
+                    record.batch = batch
+                    made.append(record)
+                batch.remaining = len(made)
+                now = intake.clock()
+                end = 0
+                while end < len(made) and intake.has_room(made[end], stream):
+                    intake.enqueue_at(stream, made[end], now)
+                    end += 1
+            admitted += made[:end] + [None] * (len(made) - end)
+            if step % 2 == 1:  # some of what is outstanding ends
+                done = [r for r in admitted[-300:-20] if r is not None]
+                for s in streams:
+                    s.finish([r for r in done if r.stream == f"s{streams.index(s)}"], True)
+        return {
+            "records": [
+                None
+                if r is None
+                else (
+                    r.stream,
+                    r.data if r.key_facts is not None else len(r.data),
+                    r.size,
+                    r.predicted_shard,
+                    r.backlog and r.backlog.shard,
+                    r.arrival,
+                    r.deadline,
+                    r.expiration,
+                    r.outstanding_slot,
+                    r.done(),
+                )
+                for r in admitted
+            ],
+            "sealed": [(k.predicted_shard, len(k.records), k.deadline) for k in sealed],
+            "open": sorted(
+                (a.shard, len(a.records), a.deadline)
+                for s in streams
+                for a in s.aggregator._open.values()
+            ),
+            "backlogs": [
+                sorted(
+                    (b.shard, b.outstanding_records, b.outstanding_bytes)
+                    for b in s.backlogs.values()
+                )
+                for s in streams
+            ],
+            "intake": (len(intake.outstanding), intake.outstanding_bytes, intake.active_backlogs),
+            "streams": [(s.outstanding_records, s.outstanding_bytes, s.received) for s in streams],
+            "keys": [
+                (f.index, f.other_index, f.table and f.table - first_token)
+                for f in intake.key_cache.values()
+            ],
+            "taken": taken,
+        }
+
+    general, fast = run(False), run(True)
+    for part in general.keys() - {"taken"}:
+        assert fast[part] == general[part], part
+    outcomes = general["records"]
+    assert 0 < sum(o is None for o in outcomes) < len(outcomes) / 2  # some had to wait
+    assert {o[0] for o in outcomes if o is not None} == {"s0", "s1"}
+    # both maps' shards took records: before the split and after it
+    assert {o[3] for o in outcomes if o is not None and o[0] == "s0"} >= {
+        "shardId-000000000000",
+        "shardId-000000000105",
+    }
+    assert len(general["sealed"]) > 50
+    assert fast["taken"] > len(outcomes) / 2  # most went the shorter way
 
 
 def test_the_shorter_way_holds_to_limits_and_reserves_that_are_not_whole_numbers() -> None:

@@ -294,15 +294,12 @@ class Intake:
         size = len(data) + facts.size
         if size > self.max_record_size:
             return None
+        backlog = facts.backlog
         shard_map = stream_intake.shard_map
-        hash_key = facts.hash_key
-        ends = shard_map._ends
-        slot = bisect_left(ends, hash_key)
-        if slot >= len(ends):
-            return None
-        backlog = stream_intake.backlogs.get(shard_map._ids[slot])
-        if backlog is None:
-            return None
+        if facts.placed != shard_map.version or backlog is None:
+            backlog = self._place_key(stream_intake, facts)
+            if backlog is None:
+                return None
         held = backlog.outstanding_records
         held_bytes = backlog.outstanding_bytes
         outstanding = self.outstanding
@@ -327,7 +324,7 @@ class Intake:
             stream,
             facts.key,
             data,
-            hash_key,
+            facts.hash_key,
             None,
             now,
             deadline if deadline < expiration else expiration,
@@ -354,6 +351,21 @@ class Intake:
             stream_intake.send_now()
         return record
 
+    def _place_key(self, stream_intake: StreamIntake, facts: KeyFacts) -> ShardBacklog | None:
+        """The backlog of the shard that ``facts``' hash key falls in under ``stream_intake``'s
+        shard map (ready), remembered in ``facts`` for that map (see :class:`KeyFacts`);
+        ``None`` where the shard has no backlog yet (the longer way makes it)."""
+        shard_map = stream_intake.shard_map
+        ends = shard_map._ends
+        slot = bisect_left(ends, facts.hash_key)
+        if slot >= len(ends):
+            return None
+        backlog = stream_intake.backlogs.get(shard_map._ids[slot])
+        if backlog is not None:
+            facts.placed = shard_map.version
+            facts.backlog = backlog
+        return backlog
+
     def make_records(
         self, stream: object, items: Iterable[object], batch: BatchCounter
     ) -> list[Record]:
@@ -364,7 +376,38 @@ class Intake:
         :raises: as :meth:`make_record`, the message naming the item (``records[3]: ...``).
         """
         made: list[Record] = []
-        for index, item in enumerate(items):
+        key_cache = self.key_cache
+        max_record_size = self.max_record_size
+        index = 0
+        for item in items:
+            # the commonest item first, inline: ``(bytes, str)`` under a partition key the key
+            # cache knows (so valid), of a valid size, for a stream named by a str
+            if type(item) is tuple and len(item) == 2 and type(stream) is str:
+                data = item[0]
+                partition_key = item[1]
+                if type(data) is bytes and type(partition_key) is str:
+                    facts = key_cache.get(partition_key)
+                    if facts is not None:
+                        size = len(data) + facts.size
+                        if size <= max_record_size:
+                            record = Record(
+                                stream,
+                                facts.key,
+                                data,
+                                facts.hash_key,
+                                None,
+                                0.0,
+                                0.0,
+                                0.0,
+                                size,
+                                facts,
+                            )
+                            if untrack_record is not None:  # the pure package (see Record)
+                                untrack_record(id(record))
+                            record.batch = batch
+                            made.append(record)
+                            index += 1
+                            continue
             try:
                 data, partition_key, explicit_hash_key = _unpack_batch_record(item)
                 record = self.make_record(stream, data, partition_key, explicit_hash_key)
@@ -372,6 +415,7 @@ class Intake:
                 raise type(exc)(f"records[{index}]: {exc}") from None
             record.batch = batch
             made.append(record)
+            index += 1
         batch.remaining = len(made)
         return made
 
@@ -386,17 +430,80 @@ class Intake:
         position = start
         end = len(records)
         now = self.clock()  # admitted together: one arrival time for the batch
+        # the shorter way (:meth:`_admit_made`) where it may be taken: no spool, the map ready
+        shorter = self.spool is None and stream_intake.shard_map.ready
         while position < end:
             record = records[position]
-            if not self.has_room(record, stream_intake):
-                break
-            try:
-                self.enqueue_at(stream_intake, record, now)
-            except errors.SpoolError as exc:
-                exc.admitted = tuple(records[:position])
-                raise
+            facts = record.key_facts
+            if (
+                not shorter
+                or facts is None
+                or record.tenant is not None
+                or not self._admit_made(stream_intake, record, facts, now)
+            ):
+                if not self.has_room(record, stream_intake):
+                    break
+                try:
+                    self.enqueue_at(stream_intake, record, now)
+                except errors.SpoolError as exc:
+                    exc.admitted = tuple(records[:position])
+                    raise
             position += 1
         return position
+
+    def _admit_made(
+        self, stream_intake: StreamIntake, record: Record, facts: KeyFacts, now: float
+    ) -> bool:
+        """:meth:`admit_ready`'s commonest record, admitted at ``now`` as :meth:`_admit_known_key`
+        admits a record it builds (the same conditions: a record under a cached partition key,
+        no tenant, no spool, the shard map ready, a shard that holds records already and has
+        room under every limit with the producer's reserve untouched); ``False`` (nothing
+        changed) for anything else, which :meth:`has_room` and :meth:`enqueue_at` take."""
+        size = record.size
+        backlog = facts.backlog
+        if facts.placed != stream_intake.shard_map.version or backlog is None:
+            backlog = self._place_key(stream_intake, facts)
+            if backlog is None:
+                return False
+        held = backlog.outstanding_records
+        held_bytes = backlog.outstanding_bytes
+        outstanding = self.outstanding
+        nbytes = self.outstanding_bytes + size
+        if (
+            not held
+            or outstanding.count >= self.reserve_records
+            or nbytes > self.reserve_bytes
+            or held >= backlog.full_records
+            or held_bytes + size > backlog.full_bytes
+            or (
+                stream_intake.outstanding_bytes + size > stream_intake.path_bytes
+                and held_bytes >= stream_intake.path_share
+            )
+        ):
+            return False
+        record.arrival = now
+        deadline = now + stream_intake.max_buffered_time
+        expiration = now + stream_intake.record_ttl
+        record.deadline = deadline if deadline < expiration else expiration
+        record.expiration = expiration
+        record.predicted_shard = backlog.shard
+        record.backlog = backlog
+        slots = outstanding._records
+        record.outstanding_slot = outstanding._base + len(slots)
+        slots.append(record)
+        outstanding.count += 1
+        self.outstanding_bytes = nbytes
+        backlog.outstanding_records = held + 1
+        backlog.outstanding_bytes = held_bytes + size
+        stream_intake.outstanding_records += 1
+        stream_intake.outstanding_bytes += size
+        stream_intake.received += 1
+        if not stream_intake.aggregator.add_to_open(record, facts):
+            stream_intake.put(record)
+        elif stream_intake.idle:
+            stream_intake.idle = False
+            stream_intake.send_now()
+        return True
 
     def checkpoint_due(self, stream_intake: StreamIntake) -> bool:
         """Whether the next admission that needs no wait should yield to the event loop first:

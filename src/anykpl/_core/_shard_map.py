@@ -25,12 +25,13 @@ is the thin async shell that performs the refreshes.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from bisect import bisect_left
 from collections.abc import Mapping
 from enum import Enum
-from typing import Any
+from typing import Any, Final
 
 __all__ = ("CLOSED_SHARD_TTL", "ShardMap", "ShardMapState", "shard_number")
 
@@ -56,6 +57,10 @@ def shard_number(shard_id: str) -> int:
         return -1
 
 
+#: :attr:`ShardMap.version`'s source, shared by every map of the process (0: no map's)
+_versions: Final = itertools.count(1)
+
+
 class ShardMap:
     """The open shards of one stream, sorted by ending hash key."""
 
@@ -72,6 +77,7 @@ class ShardMap:
         "state",
         "updated_at",
         "updates",
+        "version",
     )
 
     def __init__(self) -> None:
@@ -89,6 +95,9 @@ class ShardMap:
         self.backoff = MIN_BACKOFF
         self.refresh_requested = True
         self.updates = 0
+        # this map's shards as they are now, unique in the process (a new one each time a
+        # refresh is published): what the key cache's placements remember (KeyFacts)
+        self.version = next(_versions)
 
     def __repr__(self) -> str:
         return f"<ShardMap {self.state.value} {len(self._ids)} open shard(s)>"
@@ -160,6 +169,7 @@ class ShardMap:
         self.ready = True
         self.updated_at = now
         self.updates += 1
+        self.version = next(_versions)
 
     def fail_update(self) -> float:
         """The refresh failed: back to INVALID; returns the delay before the next try."""

@@ -59,10 +59,13 @@ import itertools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from .._compat import mypyc_attr
 from ..errors import AggregationFormatError
+
+if TYPE_CHECKING:
+    from ._records import ShardBacklog
 
 __all__ = (
     "AGGREGATION_OVERHEAD",
@@ -203,16 +206,24 @@ class KeyFacts:
     with no dictionary lookup, and appends the entry, encoded once per key, when its table does
     not hold the key yet. Two, so that a key put to two streams (or for two tenants) in turn
     keeps one entry in each aggregate; with more in turn, the older aggregates look the key up
-    by its text. Acyclic (compiled build): numbers, strings and bytes only.
+    by its text.
+
+    Also where the key's records went last: the backlog of the shard its hash key falls in
+    (``backlog``) under the shard map whose :attr:`~anykpl._core._shard_map.ShardMap.version`
+    is ``placed`` (0: none), which admission takes instead of a search of the map while that
+    map is the stream's (a new map, or another stream's, has another version). Acyclic
+    (compiled build): numbers, strings, bytes and a backlog, which refers to no record.
     """
 
     __slots__ = (
+        "backlog",
         "entry",
         "hash_key",
         "index",
         "key",
         "other_index",
         "other_table",
+        "placed",
         "size",
         "table",
     )
@@ -226,6 +237,8 @@ class KeyFacts:
         self.index = 0
         self.other_table = 0
         self.other_index = 0
+        self.placed = 0
+        self.backlog: ShardBacklog | None = None
 
 
 def _key_entry_size(key: str) -> int:
