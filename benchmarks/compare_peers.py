@@ -97,6 +97,8 @@ CONTENDERS: dict[str, tuple[str, str, str]] = {
     "async-kinesis-plain": ("async-kinesis", "asyncio", "no aggregation, user keys"),
 }
 TARGETS = {"async-kinesis": 1.5, "aiokpl": 20.0}
+#: the bars where anykpl runs as the pure-Python package (no C compiler at install; issue 30)
+PURE_TARGETS = {"async-kinesis": 1.0}
 #: the bar against async-kinesis for ``submit_many`` (issue 30), where it differs
 BATCH_TARGETS = {"async-kinesis": 2.0}
 #: the bar for anykpl on trio against anykpl on asyncio, in each mode (issue 30)
@@ -486,11 +488,14 @@ def verdict(pair: str, values: list[float], target: float | None) -> str:
     return line
 
 
-def verdicts(rows: list[dict[str, Any]]) -> list[str]:
+def verdicts(rows: list[dict[str, Any]], build: str = "compiled") -> list[str]:
+    """The bars' lines (``build``: anykpl's, as :func:`anykpl._compat.build_kind` says)."""
     out = [verdict(pair, values, TRIO_TARGET) for pair, values in backend_ratios(rows).items()]
     for pair, values in ratios(rows).items():
         reference, peer = pair.split(" / ")
         target = TARGETS.get(peer)
+        if build != "compiled":
+            target = PURE_TARGETS.get(peer, target)
         if target is not None and reference.endswith("-batch"):
             target = BATCH_TARGETS.get(peer, target)
         out.append(verdict(pair, values, target))
@@ -608,6 +613,9 @@ def main() -> None:
                 rows.append(row)
         throttled = throttled_records(endpoint) if args.endpoint == "emulator" else None
 
+    from anykpl._compat import build_kind
+
+    build = build_kind()
     versions: dict[str, str | None] = {}
     for dist in ("anykpl", "aiokpl", "async-kinesis", "aws-kinesis-agg", "aiobotocore", "moto"):
         try:
@@ -617,11 +625,14 @@ def main() -> None:
     print()
     print(table(rows))
     print()
-    for line in verdicts(rows):
+    for line in verdicts(rows, build):
         print(line)
     if throttled is not None:
         print(f"emulator: {throttled} throttled records in the whole run (limits off)")
-    print(f"python {sys.version.split()[0]}, " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+    print(
+        f"python {sys.version.split()[0]}, anykpl's build: {build}, "
+        + ", ".join(f"{k} {v}" for k, v in versions.items())
+    )
     if args.json:
         settings = {
             "keys": args.keys,
@@ -637,7 +648,8 @@ def main() -> None:
                     "python": sys.version,
                     "rows": rows,
                     "ratios": ratios(rows),
-                    "verdicts": verdicts(rows),
+                    "build": build,
+                    "verdicts": verdicts(rows, build),
                     "emulator_throttled_records": throttled,
                 },
                 f,
