@@ -430,8 +430,7 @@ class Intake:
         position = start
         end = len(records)
         now = self.clock()  # admitted together: one arrival time for the batch
-        # the shorter way (:meth:`_admit_made`) where it may be taken: no spool, the map ready
-        shorter = self.spool is None and stream_intake.shard_map.ready
+        shorter = self.spool is None  # the shorter way (:meth:`_admit_made`) may be taken
         while position < end:
             record = records[position]
             facts = record.key_facts
@@ -460,8 +459,11 @@ class Intake:
         room under every limit with the producer's reserve untouched); ``False`` (nothing
         changed) for anything else, which :meth:`has_room` and :meth:`enqueue_at` take."""
         size = record.size
+        shard_map = stream_intake.shard_map
+        if not shard_map.ready:
+            return False
         backlog = facts.backlog
-        if facts.placed != stream_intake.shard_map.version or backlog is None:
+        if facts.placed != shard_map.version or backlog is None:
             backlog = self._place_key(stream_intake, facts)
             if backlog is None:
                 return False
