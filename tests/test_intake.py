@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
@@ -76,6 +76,21 @@ def test_on_a_standard_asyncio_loop_the_clock_is_monotonic_itself() -> None:
 SHARDS = 4
 
 
+def _publish(shard_map: ShardMap, shards: int, first_id: int) -> None:
+    """Publish a new map of ``shards`` even shards, numbered from ``first_id`` (a reshard)."""
+    shard_map.begin_update()
+    shard_map.apply_page(
+        [
+            {
+                "ShardId": f"shardId-{first_id + i:012d}",
+                "HashKeyRange": {"StartingHashKey": str(start), "EndingHashKey": str(end)},
+            }
+            for i, (start, end) in enumerate(even_ranges(shards))
+        ]
+    )
+    shard_map.finish_update(0.0)
+
+
 def _stream(
     intake: Intake,
     *,
@@ -88,17 +103,7 @@ def _stream(
     """A stream of SHARDS even shards whose map is READY, every shard's backlog limited to
     ``shard_records``/``shard_bytes``, and a limiter side that takes what is sealed."""
     shard_map = ShardMap()
-    shard_map.begin_update()
-    shard_map.apply_page(
-        [
-            {
-                "ShardId": f"shardId-{i:012d}",
-                "HashKeyRange": {"StartingHashKey": str(start), "EndingHashKey": str(end)},
-            }
-            for i, (start, end) in enumerate(even_ranges(SHARDS))
-        ]
-    )
-    shard_map.finish_update(0.0)
+    _publish(shard_map, SHARDS, 0)
     aggregator = Aggregator(
         enabled=True,
         max_size=_limits.DEFAULT_MAX_RECORD_SIZE,
@@ -146,19 +151,12 @@ def _offer(intake: Intake, stream: StreamIntake, key: str, size: int = 1000) -> 
     return record
 
 
-def _publish(shard_map: ShardMap, shards: int, first_id: int) -> None:
-    """Publish a new map of ``shards`` even shards, numbered from ``first_id`` (a reshard)."""
-    shard_map.begin_update()
-    shard_map.apply_page(
-        [
-            {
-                "ShardId": f"shardId-{first_id + i:012d}",
-                "HashKeyRange": {"StartingHashKey": str(start), "EndingHashKey": str(end)},
-            }
-            for i, (start, end) in enumerate(even_ranges(shards))
-        ]
+def _ticking_intake(ticks: Iterator[int]) -> Intake:
+    """An intake whose caps and reserves are not whole numbers (admission compares whole ones),
+    its clock a millisecond further at each reading."""
+    return Intake(
+        201, 10**9 + 3, _limits.DEFAULT_MAX_RECORD_SIZE, lambda: next(ticks) / 1000, lambda: None
     )
-    shard_map.finish_update(0.0)
 
 
 def test_admitting_through_the_common_case_changes_what_the_general_path_changes() -> None:
@@ -177,14 +175,7 @@ def test_admitting_through_the_common_case_changes_what_the_general_path_changes
         wakes: list[int] = []
         sends: list[int] = []
         step = 0
-        # limits and reserves that are not whole numbers (admission compares whole ones)
-        intake = Intake(
-            201,
-            10**9 + 3,
-            _limits.DEFAULT_MAX_RECORD_SIZE,
-            lambda: next(ticks) / 1000,
-            lambda: None,
-        )
+        intake = _ticking_intake(ticks)
         stream = _stream(
             intake,
             shard_records=30.5,
@@ -293,13 +284,7 @@ def test_admitting_batches_the_shorter_way_changes_what_the_general_path_changes
         first_token = next(_wire._builder_tokens)
         ticks = iter(range(1, 10**6))
         sealed: list[KinesisRecord] = []
-        intake = Intake(
-            201,
-            10**9 + 3,
-            _limits.DEFAULT_MAX_RECORD_SIZE,
-            lambda: next(ticks) / 1000,
-            lambda: None,
-        )
+        intake = _ticking_intake(ticks)
         streams = [
             _stream(
                 intake, shard_records=30.5, shard_bytes=20_000.5, max_count=9, ship=sealed.extend

@@ -266,7 +266,7 @@ class Intake:
             and self.spool is None
         ):
             facts = self.key_cache.get(partition_key)
-            if facts is not None and stream_intake.shard_map.ready:
+            if facts is not None:
                 admitted = self._admit_known_key(stream_intake, stream, data, facts)
                 if admitted is not None:
                     self.since_checkpoint = since
@@ -284,18 +284,28 @@ class Intake:
         return record
 
     def _admit_known_key(
-        self, stream_intake: StreamIntake, stream: str, data: bytes, facts: KeyFacts
+        self,
+        stream_intake: StreamIntake,
+        stream: str,
+        data: bytes,
+        facts: KeyFacts,
+        record: Record | None = None,
+        now: float = 0.0,
     ) -> Record | None:
         """:meth:`admit_now` for the commonest record: bytes under a partition key the key
         cache knows (so valid), no spool, the shard map ready, and a shard that holds records
         already and has room under every limit with the producer's reserve untouched. The
         steps of :meth:`make_record`, :meth:`has_room` and :meth:`enqueue_at` for it, in one
-        call; ``None`` (nothing changed) for anything else, which takes those."""
+        call; ``None`` (nothing changed) for anything else, which takes those.
+
+        With ``record`` (built by :meth:`make_records` for ``data`` under ``facts``, not yet
+        admitted), that record is admitted at ``now`` (:meth:`admit_ready`'s way) rather than
+        one built here at the clock's time."""
         size = len(data) + facts.size
-        if size > self.max_record_size:
+        shard_map = stream_intake.shard_map
+        if size > self.max_record_size or not shard_map.ready:
             return None
         backlog = facts.backlog
-        shard_map = stream_intake.shard_map
         if facts.placed != shard_map.version or backlog is None:
             backlog = self._place_key(stream_intake, facts)
             if backlog is None:
@@ -316,26 +326,36 @@ class Intake:
             )
         ):
             return None
-        now = self.clock()
-        deadline = now + stream_intake.max_buffered_time
-        expiration = now + stream_intake.record_ttl
         slots = outstanding._records
-        record = Record(
-            stream,
-            facts.key,
-            data,
-            facts.hash_key,
-            None,
-            now,
-            deadline if deadline < expiration else expiration,
-            expiration,
-            size,
-            facts,
-            backlog,
-            outstanding._base + len(slots),
-        )
-        if untrack_record is not None:  # the pure package (see Record)
-            untrack_record(id(record))
+        if record is None:
+            now = self.clock()
+            deadline = now + stream_intake.max_buffered_time
+            expiration = now + stream_intake.record_ttl
+            record = Record(
+                stream,
+                facts.key,
+                data,
+                facts.hash_key,
+                None,
+                now,
+                deadline if deadline < expiration else expiration,
+                expiration,
+                size,
+                facts,
+                backlog,
+                outstanding._base + len(slots),
+            )
+            if untrack_record is not None:  # the pure package (see Record)
+                untrack_record(id(record))
+        else:  # Record.__init__'s part of the above, for a record already built
+            deadline = now + stream_intake.max_buffered_time
+            expiration = now + stream_intake.record_ttl
+            record.arrival = now
+            record.deadline = deadline if deadline < expiration else expiration
+            record.expiration = expiration
+            record.predicted_shard = backlog.shard
+            record.backlog = backlog
+            record.outstanding_slot = outstanding._base + len(slots)
         slots.append(record)
         outstanding.count += 1
         self.outstanding_bytes = nbytes
@@ -430,7 +450,7 @@ class Intake:
         position = start
         end = len(records)
         now = self.clock()  # admitted together: one arrival time for the batch
-        shorter = self.spool is None  # the shorter way (:meth:`_admit_made`) may be taken
+        shorter = self.spool is None  # the shorter way (:meth:`_admit_known_key`) may be taken
         while position < end:
             record = records[position]
             facts = record.key_facts
@@ -438,7 +458,10 @@ class Intake:
                 not shorter
                 or facts is None
                 or record.tenant is not None
-                or not self._admit_made(stream_intake, record, facts, now)
+                or self._admit_known_key(
+                    stream_intake, record.stream, record.data, facts, record, now
+                )
+                is None
             ):
                 if not self.has_room(record, stream_intake):
                     break
@@ -449,63 +472,6 @@ class Intake:
                     raise
             position += 1
         return position
-
-    def _admit_made(
-        self, stream_intake: StreamIntake, record: Record, facts: KeyFacts, now: float
-    ) -> bool:
-        """:meth:`admit_ready`'s commonest record, admitted at ``now`` as :meth:`_admit_known_key`
-        admits a record it builds (the same conditions: a record under a cached partition key,
-        no tenant, no spool, the shard map ready, a shard that holds records already and has
-        room under every limit with the producer's reserve untouched); ``False`` (nothing
-        changed) for anything else, which :meth:`has_room` and :meth:`enqueue_at` take."""
-        size = record.size
-        shard_map = stream_intake.shard_map
-        if not shard_map.ready:
-            return False
-        backlog = facts.backlog
-        if facts.placed != shard_map.version or backlog is None:
-            backlog = self._place_key(stream_intake, facts)
-            if backlog is None:
-                return False
-        held = backlog.outstanding_records
-        held_bytes = backlog.outstanding_bytes
-        outstanding = self.outstanding
-        nbytes = self.outstanding_bytes + size
-        if (
-            not held
-            or outstanding.count >= self.reserve_records
-            or nbytes > self.reserve_bytes
-            or held >= backlog.full_records
-            or held_bytes + size > backlog.full_bytes
-            or (
-                stream_intake.outstanding_bytes + size > stream_intake.path_bytes
-                and held_bytes >= stream_intake.path_share
-            )
-        ):
-            return False
-        record.arrival = now
-        deadline = now + stream_intake.max_buffered_time
-        expiration = now + stream_intake.record_ttl
-        record.deadline = deadline if deadline < expiration else expiration
-        record.expiration = expiration
-        record.predicted_shard = backlog.shard
-        record.backlog = backlog
-        slots = outstanding._records
-        record.outstanding_slot = outstanding._base + len(slots)
-        slots.append(record)
-        outstanding.count += 1
-        self.outstanding_bytes = nbytes
-        backlog.outstanding_records = held + 1
-        backlog.outstanding_bytes = held_bytes + size
-        stream_intake.outstanding_records += 1
-        stream_intake.outstanding_bytes += size
-        stream_intake.received += 1
-        if not stream_intake.aggregator.add_to_open(record, facts):
-            stream_intake.put(record)
-        elif stream_intake.idle:
-            stream_intake.idle = False
-            stream_intake.send_now()
-        return True
 
     def checkpoint_due(self, stream_intake: StreamIntake) -> bool:
         """Whether the next admission that needs no wait should yield to the event loop first:
