@@ -326,11 +326,15 @@ class Intake:
             )
         ):
             return None
-        slots = outstanding._records
         if record is None:
             now = self.clock()
-            deadline = now + stream_intake.max_buffered_time
-            expiration = now + stream_intake.record_ttl
+        deadline = now + stream_intake.max_buffered_time
+        expiration = now + stream_intake.record_ttl
+        if deadline > expiration:
+            deadline = expiration
+        slots = outstanding._records
+        slot = outstanding._base + len(slots)
+        if record is None:
             record = Record(
                 stream,
                 facts.key,
@@ -338,24 +342,22 @@ class Intake:
                 facts.hash_key,
                 None,
                 now,
-                deadline if deadline < expiration else expiration,
+                deadline,
                 expiration,
                 size,
                 facts,
                 backlog,
-                outstanding._base + len(slots),
+                slot,
             )
             if untrack_record is not None:  # the pure package (see Record)
                 untrack_record(id(record))
-        else:  # Record.__init__'s part of the above, for a record already built
-            deadline = now + stream_intake.max_buffered_time
-            expiration = now + stream_intake.record_ttl
+        else:  # what Record.__init__ sets above, for a record already built
             record.arrival = now
-            record.deadline = deadline if deadline < expiration else expiration
+            record.deadline = deadline
             record.expiration = expiration
             record.predicted_shard = backlog.shard
             record.backlog = backlog
-            record.outstanding_slot = outstanding._base + len(slots)
+            record.outstanding_slot = slot
         slots.append(record)
         outstanding.count += 1
         self.outstanding_bytes = nbytes
