@@ -119,6 +119,51 @@ async def test_every_request_is_signed_as_moto_checks_it(signing_moto: dict[str,
     assert check_read_back(contents, sent) == Counter(set(sent))
 
 
+@pytest.mark.parametrize("http_backend", ["auto", "aiohttp", "httpx"])
+async def test_direct_requests_go_through_anykpls_own_http_client_by_default(
+    signing_moto: dict[str, str],
+    http_backend: str,
+    anyio_backend: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the default ``http_backend="auto"`` every direct request goes through anykpl's
+    own HTTP client (``_http.py``), on one kept-alive connection after another: moto's server
+    takes every signature and every record is read back. Naming an SDK backend sends them all
+    through that session instead, as before."""
+    if http_backend == "aiohttp" and anyio_backend == "trio":
+        pytest.skip("aiohttp runs on asyncio only")
+    from anykpl._transport import _http
+
+    own: list[str] = []
+    request = _http.HttpClient.request
+
+    async def counted(self: _http.HttpClient, url: str, *args: Any) -> Any:
+        own.append(url)
+        return await request(self, url, *args)
+
+    monkeypatch.setattr(_http.HttpClient, "request", counted)
+    stream = _new_stream(signing_moto)
+    sent = {uid: make_sent(uid, f"key-{uid % 17}", size=200) for uid in range(600)}
+    async with Producer(**signing_moto, http_backend=http_backend) as producer:
+        handles = []
+        for index, record in enumerate(sent.values()):
+            handles.append(await producer.submit(stream, record.data, record.partition_key))
+            if index % 100 == 99:
+                await producer.flush()  # a request at least every 100 records
+        results = [await handle for handle in handles]
+        transport = producer._transport
+        assert isinstance(transport, _BotocoreTransport)
+        assert (transport.http is not None) == (http_backend == "auto")
+    assert all(result.success for result in results)
+    if http_backend == "auto":
+        assert len(own) >= 5  # 6 flushes, the first request of the stream the SDK's
+        assert set(own) == {signing_moto["endpoint_url"] + "/"}
+    else:
+        assert own == []
+    contents = await read_stream_async(_kinesis(signing_moto), stream)
+    assert check_read_back(contents, sent) == Counter(set(sent))
+
+
 async def test_a_refused_signature_sends_everything_through_the_sdk(
     signing_moto: dict[str, str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

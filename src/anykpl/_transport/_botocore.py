@@ -25,6 +25,7 @@ import inspect
 import json
 import logging
 import os
+import ssl
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
@@ -41,6 +42,7 @@ from .. import errors
 from ..config import ProducerConfig
 from . import _cbor
 from ._aws import create_client, http_backend
+from ._http import HttpClient
 from ._protocol import Transport, stream_parameters
 
 __all__ = ("error_code", "open_transport", "put_records_body", "put_records_body_parts")
@@ -481,10 +483,23 @@ class _DirectPutRecords:
     """PutRecords requests built and signed here and sent through the client's HTTP session
     (see the section's comment). ``routes`` holds what each stream's first request showed."""
 
-    def __init__(self, client: Any, credentials: Any, send: Any, output_shape: Any) -> None:
+    def __init__(
+        self,
+        client: Any,
+        credentials: Any,
+        send: Any,
+        output_shape: Any,
+        http: HttpClient | None = None,
+        proxies: Any = None,
+    ) -> None:
         self._client = client
         self._credentials = credentials
         self._send = send  # the session's own send, not the wrapper that teaches routes
+        # anykpl's own HTTP client (``_http.py``), for the endpoints no proxy applies to
+        # (``proxies``: the session's proxy configuration); the session's send otherwise
+        self.http = http
+        self._proxies = proxies
+        self._own_http: dict[str, bool] = {}
         self._output_shape = output_shape
         self._parser: Any = None
         self._keys: dict[tuple[str, str], bytes] = {}
@@ -495,9 +510,13 @@ class _DirectPutRecords:
         self.stores_cbor_as_sent: set[str] = set()
 
     @classmethod
-    def for_client(cls, client: Any) -> _DirectPutRecords | None:
+    def for_client(
+        cls, client: Any, own_http: bool = False, config: ProducerConfig | None = None
+    ) -> _DirectPutRecords | None:
         """``None`` where the client is not one this was written for (every request then goes
-        through the SDK)."""
+        through the SDK). ``own_http``: its requests go through anykpl's own HTTP client
+        where the session's settings allow (:func:`_own_http_client`), made with ``config``'s
+        connection settings."""
         try:
             credentials = client._request_signer._credentials
             session = client._endpoint.http_session
@@ -508,7 +527,9 @@ class _DirectPutRecords:
         if credentials is None or not callable(send):
             return None  # unsigned requests, or an HTTP session unlike aiobotocore's
         send = getattr(send, "_anykpl_send", send)  # another transport on the client wrapped it
-        direct = cls(client, credentials, send, output_shape)
+        http = _own_http_client(session, config) if own_http and config is not None else None
+        proxies = getattr(session, "_proxy_config", None)
+        direct = cls(client, credentials, send, output_shape, http, proxies)
 
         async def send_and_learn(request: Any) -> Any:
             sent = _learned_route.get()
@@ -603,10 +624,26 @@ class _DirectPutRecords:
         trace = _trace_header()
         if trace is not None:
             headers["X-Amzn-Trace-Id"] = trace  # unsigned, as botocore leaves it
+        http = self.http
+        if http is not None and self._takes_own_http(route.url):
+            return await http.request(route.url, route.host, headers, body)
         request = AWSPreparedRequest("POST", route.url, headers, payload, False)
         response = await self._send(request)
         content = await response.content
         return response.status_code, response.headers, content
+
+    def _takes_own_http(self, url: str) -> bool:
+        """Whether requests to ``url`` go through anykpl's own HTTP client: where the
+        session's proxy configuration (its settings, and the environment's for the client's
+        endpoint) names no proxy for it."""
+        taken = self._own_http.get(url)
+        if taken is None:
+            try:
+                taken = self._proxies is not None and not self._proxies.proxy_url_for(url)
+            except Exception:  # pragma: no cover - another botocore's proxy configuration
+                taken = False
+            self._own_http[url] = taken
+        return taken
 
     async def send(
         self, route: _Route, body: memoryview, payload: Any, *, cbor: bool = False
@@ -661,6 +698,18 @@ class _DirectPutRecords:
         )
         parsed.setdefault("ResponseMetadata", {}).update(_metadata(status, headers))
         return parsed
+
+
+def _own_http_client(session: Any, config: ProducerConfig) -> HttpClient | None:
+    """anykpl's own HTTP client for the requests signed here, with ``session``'s resolved
+    certificate setting; ``None`` where the session is not one this was written for, or
+    offers a client certificate (those requests stay the session's)."""
+    verify = getattr(session, "_verify", None)
+    if not isinstance(verify, (bool, str, ssl.SSLContext)) or getattr(session, "_cert_file", None):
+        return None
+    return HttpClient(
+        max_idle=config.max_connections, connect_timeout=config.connect_timeout, verify=verify
+    )
 
 
 class _NotCbor(Exception):
@@ -905,13 +954,16 @@ class _BotocoreTransport:
         clock: Any = time.monotonic,
         spawn: Any = None,
         probe_timeout: float = 6.0,
+        config: ProducerConfig | None = None,
     ) -> None:
         """Bodies are written into kept buffers (:class:`_BodyBuffers`); ``body_pieces``:
         and sent in pieces, as httpx needs (:class:`_BodyPieces`); ``aiohttp``: large ones as
         a payload that aiohttp does not warn about (:func:`_view_payload`). ``wire_protocol``:
         the PutRecords requests built here (every one after a stream's first) are JSON, CBOR,
         or (``"auto"``) CBOR where :class:`_CborProbe` finds the endpoint takes it, probing in
-        tasks that ``spawn(fn, *args)`` starts (without it, ``"auto"`` is JSON)."""
+        tasks that ``spawn(fn, *args)`` starts (without it, ``"auto"`` is JSON). With a
+        ``config`` whose ``http_backend`` is ``"auto"``, the requests built here go through
+        anykpl's own HTTP client (``_http.py``) where no proxy applies."""
         self._client = client
         self._cbor = wire_protocol == "cbor"
         self._probe = (
@@ -941,7 +993,10 @@ class _BotocoreTransport:
             # botocore keeps its serializer in a private attribute; without it (another
             # botocore), requests are botocore's own
             client._serializer = _PutRecordsSerializer(serializer)
-        self._direct = _DirectPutRecords.for_client(client)
+        self._direct = _DirectPutRecords.for_client(
+            client, own_http=config is not None and config.http_backend == "auto", config=config
+        )
+        self.http = None if self._direct is None else self._direct.http
 
     async def put_records(self, stream: str, records: list[dict[str, Any]]) -> Mapping[str, Any]:
         direct = self._direct
@@ -1064,14 +1119,19 @@ async def open_transport(config: ProducerConfig) -> AsyncIterator[Transport]:
     )
     async with client_context as client, anyio.create_task_group() as probes:
         backend = http_backend(config)
+        transport = None
         try:
-            yield _BotocoreTransport(
+            transport = _BotocoreTransport(
                 client,
                 body_pieces=backend == "httpx",
                 aiohttp=backend == "aiohttp",
                 wire_protocol=config.wire_protocol,
                 spawn=probes.start_soon,  # wire_protocol="auto": its probes
                 probe_timeout=config.request_timeout,
+                config=config,
             )
+            yield transport
         finally:
             probes.cancel_scope.cancel()
+            if transport is not None and transport.http is not None:
+                await transport.http.aclose()
