@@ -277,8 +277,11 @@ class ProducerConfig:
             certificates is refused: aiobotocore loads one file (concatenate the PEM files).
             KPL: ``CaCertFile`` (``CaCertPath``, a directory, is not supported).
         http_backend: HTTP client under aiobotocore: ``"aiohttp"``, ``"httpx"``, or ``"auto"``
-            (the default: aiohttp under asyncio, httpx under trio, where aiohttp cannot run).
-            No KPL property.
+            (the default: aiohttp under asyncio, httpx under trio, where aiohttp cannot run;
+            and the PutRecords requests anykpl signs itself, every one after a stream's first,
+            go through anykpl's own HTTP/1.1 client, a fifth to a tenth of the CPU per
+            request, unless a proxy applies). Naming ``"aiohttp"`` or ``"httpx"`` sends every
+            request through that session. No KPL property.
         wire_protocol: How PutRecords (and ListShards) bodies are written: ``"auto"`` (the
             default: Kinesis's CBOR protocol where the endpoint is shown to take it, JSON
             elsewhere), ``"cbor"`` (``application/x-amz-cbor-1.1``, what the AWS SDK for Java
