@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import ssl
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import anyio
+import anyio.streams.tls
 import pytest
 from anyio.abc import SocketStream
 from botocore.exceptions import ConnectionClosedError, EndpointConnectionError
+from botocore.exceptions import SSLError as SdkSSLError
 
 from anykpl._transport import _http
 from anykpl._transport._http import HttpClient
@@ -321,3 +325,86 @@ def test_the_abortive_option_is_linger_on_with_no_time() -> None:
     level, option, value = abortive_socket_option()
     assert (level, option) == (socket.SOL_SOCKET, socket.SO_LINGER)
     assert struct.unpack("ii", value) == (1, 0)
+
+
+def self_signed(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 (and ``localhost``), signed by itself, and its key."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "anykpl test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+@pytest.mark.parametrize("verify", ["bundle", "off", "default"])
+async def test_tls_endpoints_are_checked_as_the_sdks_settings_say(
+    tmp_path: Path, verify: str
+) -> None:
+    """Over TLS: the endpoint's certificate is checked against the bundle given (the SDK
+    session's resolved ``verify``), not at all when checks are off, and against botocore's
+    default bundle otherwise, which does not hold a certificate made here: the SDK's
+    ``SSLError``."""
+    cert, key = self_signed(tmp_path)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    tcp = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = tcp.extra(anyio.abc.SocketAttribute.local_port)
+    listener = anyio.streams.tls.TLSListener(tcp, context, standard_compatible=False)
+
+    async def serve(stream: anyio.abc.ByteStream) -> None:
+        async with stream:
+            with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
+                buffer = bytearray()
+                while True:
+                    _, body = await read_request(stream, buffer)  # type: ignore[arg-type]
+                    await stream.send(answer(body))
+
+    setting: bool | str = {"bundle": str(cert), "off": False, "default": True}[verify]
+    url = f"https://127.0.0.1:{port}"
+    async with (
+        listener,
+        anyio.create_task_group() as tg,
+        client(verify=setting) as http,
+    ):
+        tg.start_soon(listener.serve, serve)
+        if verify == "default":
+            with pytest.raises(SdkSSLError):
+                await http.request(url, "h", {}, b"x")
+        else:
+            for body in (b"secret", b"kept alive"):
+                assert (await http.request(url, "h", {}, body))[2] == body
+            assert len(http._endpoints[url].idle) == 1
+        tg.cancel_scope.cancel()
