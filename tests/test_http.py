@@ -5,6 +5,7 @@ the SDK's, and a request cancelled mid-way (its connection closed, never used ag
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import ssl
 import struct
@@ -105,7 +106,8 @@ async def server(handler: Handler) -> AsyncIterator[tuple[str, Tally]]:
 
 @asynccontextmanager
 async def client(**options: object) -> AsyncIterator[HttpClient]:
-    settings: dict[str, object] = {"max_idle": 4, "connect_timeout": 2.0, "verify": False}
+    settings: dict[str, object] = {"max_idle": 4, "connect_timeout": 2.0, "read_timeout": 5.0}
+    settings["verify"] = False
     settings.update(options)
     http = HttpClient(**settings)  # type: ignore[arg-type]
     try:
@@ -153,6 +155,7 @@ async def test_the_request_carries_the_host_and_headers_given() -> None:
     assert heads[0].split("\r\n") == [
         "POST / HTTP/1.1",
         "Host: kinesis.test:4567",
+        "Accept-Encoding: identity",
         "Content-Type: application/x-amz-json-1.1",
         "Content-Length: 2",
     ]
@@ -230,7 +233,7 @@ async def test_a_connection_idle_past_keep_alive_is_not_used_again() -> None:
         now[0] += _http.KEEP_ALIVE - 0.1
         await http.request(url, "h", {}, b"x")
         assert connections == [0]
-        now[0] += _http.KEEP_ALIVE
+        now[0] += _http.KEEP_ALIVE + 0.1
         await http.request(url, "h", {}, b"x")
         assert connections == [0, 1]
 
@@ -263,6 +266,15 @@ async def test_connections_kept_are_at_most_max_idle() -> None:
         pytest.param(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc", id="short-body"),
         pytest.param(b"HTTP/1.1 200 OK\r\nContent-Le", id="short-head"),
         pytest.param(b"SSH-2.0-OpenSSH\r\n\r\n", id="not-http"),
+        pytest.param(b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\nab", id="negative-length"),
+        pytest.param(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nabc",
+            id="two-lengths",
+        ),
+        pytest.param(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabXY0\r\n\r\n",
+            id="chunk-overrun",
+        ),
         pytest.param(
             b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", id="bad-chunk"
         ),
@@ -408,3 +420,46 @@ async def test_tls_endpoints_are_checked_as_the_sdks_settings_say(
                 assert (await http.request(url, "h", {}, body))[2] == body
             assert len(http._endpoints[url].idle) == 1
         tg.cancel_scope.cancel()
+
+
+async def test_keep_alive_holds_where_the_process_has_many_descriptors_open() -> None:
+    """Descriptors past 1023 (which ``select.select`` refuses) are checked too: a process
+    with many files open still reuses its connections."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1500:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    files = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        async with client() as http, server(echo) as (url, connections):
+            for _ in range(3):
+                await http.request(url, "h", {}, b"x")
+            assert connections == [0]
+    finally:
+        for descriptor in files:
+            os.close(descriptor)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_an_answer_that_does_not_come_within_the_read_timeout_is_the_sdks_timeout() -> None:
+    """ListShards has no bound but this one (the sender bounds PutRecords itself)."""
+    from botocore.exceptions import ReadTimeoutError
+
+    async def silent(stream: SocketStream, number: int) -> None:
+        await read_request(stream, bytearray())
+        await anyio.sleep_forever()
+
+    async with client(read_timeout=0.2) as http, server(silent) as (url, _):
+        with anyio.fail_after(5), pytest.raises(ReadTimeoutError):
+            await http.request(url, "h", {}, b"x")
+        assert http._endpoints[url].idle == []
+
+
+async def test_a_tls_handshake_the_peer_ends_is_the_sdks_connection_error(tmp_path: Path) -> None:
+    async def hang_up(stream: SocketStream, number: int) -> None:
+        return  # closed before a TLS byte
+
+    async with client(verify=False) as http, server(hang_up) as (url, _):
+        with pytest.raises(EndpointConnectionError):
+            await http.request(url.replace("http://", "https://"), "h", {}, b"x")

@@ -232,6 +232,42 @@ async def test_a_direct_error_is_the_sdks_error(moto_endpoint: str) -> None:
     assert direct.response["ResponseMetadata"]["HTTPStatusCode"] == 400
 
 
+async def test_tls_the_own_client_cannot_make_sends_every_request_through_the_session(
+    moto_endpoint: str, make_stream: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A TLS connection anykpl's own HTTP client fails to make (here: its context refuses
+    every handshake; nothing was sent) is not the records' failure: that request and every
+    later one go through the SDK's session, with a warning, and every record arrives."""
+    from botocore.exceptions import SSLError
+
+    config = ProducerConfig(region=REGION, endpoint_url=moto_endpoint, **CREDENTIALS)
+    stream = make_stream(1)
+    records = [{"Data": b"x", "PartitionKey": "k"}]
+    async with open_transport(config) as transport:
+        assert isinstance(transport, _BotocoreTransport)
+        await transport.put_records(stream, records)  # the SDK's, which teaches the route
+        direct = transport._direct
+        assert direct is not None
+        assert direct.http is not None
+        tried = []
+
+        async def refused(url: str, *args: Any) -> Any:
+            tried.append(url)
+            raise SSLError(endpoint_url=url, error="certificate verify failed")
+
+        direct.http.request = refused  # type: ignore[method-assign]
+        with caplog.at_level("WARNING", logger="anykpl.sender"):
+            for _ in range(2):
+                response = await transport.put_records(stream, records)
+                assert response["FailedRecordCount"] == 0
+        assert len(tried) == 1  # once, then never again
+        assert direct.http is None
+        assert "requests go through the SDK's HTTP session from now on" in caplog.text
+    options = {"region": REGION, "endpoint_url": moto_endpoint, **CREDENTIALS}
+    contents = await read_stream_async(_kinesis(options), stream)
+    assert len(list(contents.user_records())) == 3
+
+
 class _Answers(BaseHTTPRequestHandler):
     """Answers every POST with ``body`` (a PutRecords answer), keeping each request's headers."""
 

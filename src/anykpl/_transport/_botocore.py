@@ -36,7 +36,7 @@ from urllib.parse import quote, urlsplit
 import anyio
 from botocore.auth import SIGNED_HEADERS_BLACKLIST
 from botocore.awsrequest import AWSPreparedRequest
-from botocore.exceptions import ClientError, NoCredentialsError
+from botocore.exceptions import ClientError, NoCredentialsError, SSLError
 
 from .. import errors
 from ..config import ProducerConfig
@@ -626,7 +626,18 @@ class _DirectPutRecords:
             headers["X-Amzn-Trace-Id"] = trace  # unsigned, as botocore leaves it
         http = self.http
         if http is not None and self._takes_own_http(route.url):
-            return await http.request(route.url, route.host, headers, body)
+            try:
+                return await http.request(route.url, route.host, headers, body)
+            except SSLError as exc:
+                # TLS that the SDK's session may take and this client did not (nothing was
+                # sent): every request goes through the session from now on, this one first
+                logger.warning(
+                    "anykpl's HTTP client could not make a TLS connection to %s (%s); "
+                    "requests go through the SDK's HTTP session from now on",
+                    route.url,
+                    exc,
+                )
+                self.http = None
         request = AWSPreparedRequest("POST", route.url, headers, payload, False)
         response = await self._send(request)
         content = await response.content
@@ -708,7 +719,10 @@ def _own_http_client(session: Any, config: ProducerConfig) -> HttpClient | None:
     if not isinstance(verify, (bool, str, ssl.SSLContext)) or getattr(session, "_cert_file", None):
         return None
     return HttpClient(
-        max_idle=config.max_connections, connect_timeout=config.connect_timeout, verify=verify
+        max_idle=config.max_connections,
+        connect_timeout=config.connect_timeout,
+        read_timeout=config.request_timeout,
+        verify=verify,
     )
 
 

@@ -18,10 +18,12 @@ What it does, and what it leaves to the SDK's session (``_botocore.py`` chooses)
 - A connection idle in the pool for ``KEEP_ALIVE`` seconds, or found readable (its peer
   closed it, or wrote out of turn), is closed rather than used. Errors come out as the SDK's
   (:class:`~botocore.exceptions.ConnectionClosedError`, ``EndpointConnectionError``,
-  ``ConnectTimeoutError``, ``SSLError``), which the transport turns into error codes.
+  ``ConnectTimeoutError``, ``ReadTimeoutError``, ``SSLError``), which the transport turns into
+  error codes. ``read_timeout`` bounds a request from its first byte sent to its answer's
+  last (the SDK's ``read_timeout``, ``request_timeout``: ListShards has no other bound).
 - A request that does not finish (cancelled: the sender's ``request_timeout``, or the
-  producer closing) closes its connection abortively (``SO_LINGER`` 0, see ``_aws.py``): its
-  unsent bytes are dropped, never delivered late. The request timeout itself is the sender's.
+  producer closing; or past ``read_timeout``) closes its connection abortively
+  (``SO_LINGER`` 0, see ``_aws.py``): its unsent bytes are dropped, never delivered late.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from botocore.exceptions import (
     ConnectionClosedError,
     ConnectTimeoutError,
     EndpointConnectionError,
+    ReadTimeoutError,
 )
 from botocore.exceptions import SSLError as SdkSSLError
 
@@ -48,10 +51,10 @@ from ._aws import abortive_socket_option
 
 __all__ = ("HttpClient",)
 
-#: Seconds a connection may stay idle in the pool before it is closed instead of used: below
-#: the keep-alive timeouts of common servers (Node's 5 s: kinesalite), so that a request is
-#: rarely sent on a connection its server is closing.
-KEEP_ALIVE: Final = 4.0
+#: Seconds a connection may stay idle in the pool before it is closed instead of used (the
+#: SDK's sessions keep theirs 12 s). A server that closes an idle connection sooner (Node's
+#: 5 s: kinesalite) is seen doing it: the connection is readable (:func:`_quiet`).
+KEEP_ALIVE: Final = 12.0
 #: The most bytes of an answer's status line and headers.
 MAX_HEAD: Final = 65_536
 #: The most bytes one receive takes.
@@ -95,11 +98,13 @@ class HttpClient:
         *,
         max_idle: int,
         connect_timeout: float,
+        read_timeout: float,
         verify: bool | str | ssl.SSLContext,
         clock: Any = None,
     ) -> None:
         self._max_idle = max_idle
         self._connect_timeout = connect_timeout
+        self._read_timeout = read_timeout
         self._verify = verify
         self._clock = time.monotonic if clock is None else clock
         self._endpoints: dict[str, _Endpoint] = {}
@@ -116,30 +121,33 @@ class HttpClient:
 
         :raises: the SDK's connection errors (see the module's docstring).
         """
+        lines = [f"POST / HTTP/1.1\r\nHost: {host}\r\nAccept-Encoding: identity\r\n"]
+        lines += [
+            f"{name}: {value}\r\n"
+            for name, value in headers.items()
+            if name.lower() not in ("content-length", "accept-encoding")
+        ]
+        lines.append(f"Content-Length: {len(body)}\r\n\r\n")
+        head = "".join(lines).encode("latin-1")
         endpoint = self._endpoints.get(url)
         if endpoint is None:
             endpoint = self._endpoints[url] = _Endpoint(url)
         connection = await self._idle_connection(endpoint) if endpoint.idle else None
         if connection is None:
             connection = await self._connect(endpoint)
-        lines = [f"POST / HTTP/1.1\r\nHost: {host}\r\n"]
-        lines += [
-            f"{name}: {value}\r\n"
-            for name, value in headers.items()
-            if name.lower() != "content-length"
-        ]
-        lines.append(f"Content-Length: {len(body)}\r\n\r\n")
-        head = "".join(lines).encode("latin-1")
         done = False
         try:
             stream = connection.stream
-            if len(body) < JOIN_BELOW:
-                await stream.send(head + body)
-            else:
-                await stream.send(head)
-                await stream.send(body)  # type: ignore[arg-type]  # any bytes-like object
-            status, answer_headers, content, keep = await _read_answer(connection, url)
+            with anyio.fail_after(self._read_timeout):
+                if len(body) < JOIN_BELOW:
+                    await stream.send(head + body)
+                else:
+                    await stream.send(head)
+                    await stream.send(body)  # type: ignore[arg-type]  # any bytes-like object
+                status, answer_headers, content, keep = await _read_answer(connection, url)
             done = True
+        except TimeoutError as exc:
+            raise ReadTimeoutError(endpoint_url=url) from exc
         except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
             raise ConnectionClosedError(endpoint_url=url) from exc
         except ssl.SSLError as exc:
@@ -157,7 +165,7 @@ class HttpClient:
     async def aclose(self) -> None:
         """Close every idle connection; connections in use close when their request ends."""
         self._closed = True
-        for endpoint in self._endpoints.values():
+        for endpoint in list(self._endpoints.values()):
             idle, endpoint.idle = endpoint.idle, []
             for connection in idle:
                 await _close(connection)
@@ -167,6 +175,8 @@ class HttpClient:
         past :data:`KEEP_ALIVE` or closed by their peer are closed here."""
         idle = endpoint.idle
         now = self._clock()
+        while idle and now - idle[0].idle_since >= KEEP_ALIVE:  # the oldest, unused too long
+            await _close(idle.pop(0))
         while idle:
             connection = idle.pop()
             if now - connection.idle_since < KEEP_ALIVE and _quiet(connection):
@@ -202,7 +212,10 @@ class HttpClient:
             raise ConnectTimeoutError(endpoint_url=url) from exc
         except ssl.SSLError as exc:
             raise SdkSSLError(endpoint_url=url, error=exc) from exc
-        except OSError as exc:
+        except (OSError, anyio.EndOfStream, anyio.BrokenResourceError) as exc:
+            # (a peer that ends or resets the connection during the TLS handshake: anyio's)
+            if isinstance(exc.__cause__, ssl.SSLError):
+                raise SdkSSLError(endpoint_url=url, error=exc.__cause__) from exc
             raise EndpointConnectionError(endpoint_url=url, error=exc) from exc
         with contextlib.suppress(OSError, AttributeError):
             stream.extra(SocketAttribute.raw_socket).setsockopt(*abortive_socket_option())
@@ -210,15 +223,21 @@ class HttpClient:
 
 
 def _make_ssl_context(verify: bool | str) -> ssl.SSLContext:
-    """The TLS settings botocore's sessions make for ``verify``."""
-    if not verify:
-        context = ssl.create_default_context()
+    """The TLS settings aiobotocore's sessions make for ``verify`` (botocore's context, not
+    ``ssl.create_default_context``'s, whose strict checks on Python 3.13 refuse certificates
+    the SDK takes)."""
+    from botocore.httpsession import create_urllib3_context, get_cert_path
+
+    context: ssl.SSLContext = create_urllib3_context()
+    if verify:
+        context.check_hostname = True
+        ca_certs = get_cert_path(verify)
+        if ca_certs:
+            context.load_verify_locations(ca_certs, None, None)
+    else:
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
-        return context
-    from botocore.httpsession import get_cert_path
-
-    return ssl.create_default_context(cafile=get_cert_path(verify))
+    return context
 
 
 def _quiet(connection: _Connection) -> bool:
@@ -227,11 +246,19 @@ def _quiet(connection: _Connection) -> bool:
     if connection.buffer:
         return False
     try:
-        raw = connection.stream.extra(SocketAttribute.raw_socket)
-        readable, _, _ = select.select([raw.fileno()], [], [], 0)
+        descriptor = connection.stream.extra(SocketAttribute.raw_socket).fileno()
+        if _poll is None:  # (no poll(): Windows)
+            readable, _, _ = select.select([descriptor], [], [], 0)
+            return not readable
+        poll = _poll()
+        poll.register(descriptor, select.POLLIN)
+        return not poll.poll(0)
     except (OSError, ValueError, anyio.TypedAttributeLookupError):
         return False
-    return not readable
+
+
+#: ``select.poll`` where it exists: unlike ``select.select``, it takes descriptors past 1023
+_poll: Final = getattr(select, "poll", None)
 
 
 async def _close(connection: _Connection) -> None:
@@ -292,10 +319,10 @@ async def _read_answer(connection: _Connection, url: str) -> tuple[int, HeadersD
     elif "chunked" in fields.get("transfer-encoding", "").lower():
         content = await _read_chunked(connection, url)
     elif "content-length" in fields:
-        try:
-            length = int(fields["content-length"])
-        except ValueError:
-            raise ConnectionClosedError(endpoint_url=url) from None
+        value = fields["content-length"]
+        if not value.isdigit():  # (two lengths, a sign, anything but one number)
+            raise ConnectionClosedError(endpoint_url=url)
+        length = int(value)
         while len(buffer) < length:
             if not await _receive(connection):
                 raise ConnectionClosedError(endpoint_url=url)
@@ -319,16 +346,18 @@ async def _read_chunked(connection: _Connection, url: str) -> bytes:
             if len(buffer) > MAX_HEAD or not await _receive(connection):
                 raise ConnectionClosedError(endpoint_url=url)
             end = buffer.find(b"\r\n")
-        try:
-            size = int(bytes(buffer[:end]).split(b";", 1)[0], 16)
-        except ValueError:
-            raise ConnectionClosedError(endpoint_url=url) from None
+        digits = bytes(buffer[:end]).split(b";", 1)[0].strip()
+        if not digits or digits.strip(b"0123456789abcdefABCDEF"):
+            raise ConnectionClosedError(endpoint_url=url)
+        size = int(digits, 16)
         del buffer[: end + 2]
         if size == 0:
             break
         while len(buffer) < size + 2:
             if not await _receive(connection):
                 raise ConnectionClosedError(endpoint_url=url)
+        if buffer[size : size + 2] != b"\r\n":
+            raise ConnectionClosedError(endpoint_url=url)
         parts.append(bytes(buffer[:size]))
         del buffer[: size + 2]
     # trailers, up to the empty line
