@@ -23,6 +23,8 @@ from botocore.exceptions import SSLError as SdkSSLError
 from anykpl._transport import _http
 from anykpl._transport._http import HttpClient
 
+from .certificates import self_signed
+
 pytestmark = pytest.mark.anyio
 
 Handler = Callable[[SocketStream, int], Awaitable[None]]
@@ -337,48 +339,6 @@ def test_the_abortive_option_is_linger_on_with_no_time() -> None:
     level, option, value = abortive_socket_option()
     assert (level, option) == (socket.SOL_SOCKET, socket.SO_LINGER)
     assert struct.unpack("ii", value) == (1, 0)
-
-
-def self_signed(directory: Path) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1 (and ``localhost``), signed by itself, and its key."""
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "anykpl test")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    certificate = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(hours=1))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
-            ),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
-    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert_path, key_path
 
 
 @pytest.mark.parametrize("verify", ["bundle", "off", "default"])

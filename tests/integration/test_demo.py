@@ -11,9 +11,7 @@ the device schedule and the statistics."""
 from __future__ import annotations
 
 import argparse
-import datetime
 import io
-import ipaddress
 import json
 import os
 import random
@@ -46,6 +44,8 @@ from anykpl._commands.demo import (
 )
 from anykpl._core._wire import encode_aggregate
 from anykpl.readback import count_user_records, judge, read_user_records
+
+from ..certificates import self_signed
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -122,41 +122,6 @@ def test_demo_fails_when_an_acknowledged_record_is_missing(
 # -- an HTTPS endpoint with a self-signed certificate --------------------------------------
 
 
-def _self_signed_certificate(directory: Path) -> tuple[Path, Path]:
-    """A certificate for localhost and 127.0.0.1, signed by its own key; (cert.pem, key.pem)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-    certificate = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName(names), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
-    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert_path, key_path
-
-
 @contextmanager
 def _tls_proxy(upstream: str, cert_path: Path, key_path: Path) -> Iterator[str]:
     """``https://localhost:PORT`` terminating TLS with the given certificate and passing the
@@ -202,7 +167,7 @@ def _tls_proxy(upstream: str, cert_path: Path, key_path: Path) -> Iterator[str]:
 def self_signed_certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(cert.pem, key.pem): a certificate for localhost that no CA signed; cert.pem is also
     the CA bundle that trusts it."""
-    return _self_signed_certificate(tmp_path_factory.mktemp("tls"))
+    return self_signed(tmp_path_factory.mktemp("tls"))
 
 
 #: The stream the producer tests over TLS write to (the emulator behind the proxy has it).

@@ -277,6 +277,21 @@ async def _receive(connection: _Connection) -> bool:
     return True
 
 
+async def _find(connection: _Connection, delimiter: bytes, url: str) -> int:
+    """Where ``delimiter`` starts in the connection's buffer, receiving until it is there.
+
+    :raises ConnectionClosedError: the connection ended first, or :data:`MAX_HEAD` bytes came
+        without it.
+    """
+    buffer = connection.buffer
+    end = buffer.find(delimiter)
+    while end < 0:
+        if len(buffer) > MAX_HEAD or not await _receive(connection):
+            raise ConnectionClosedError(endpoint_url=url)
+        end = buffer.find(delimiter)
+    return end
+
+
 async def _read_answer(connection: _Connection, url: str) -> tuple[int, HeadersDict, bytes, bool]:
     """The answer's status, headers, content, and whether the connection may be used again.
 
@@ -285,11 +300,7 @@ async def _read_answer(connection: _Connection, url: str) -> tuple[int, HeadersD
     """
     buffer = connection.buffer
     while True:
-        end = buffer.find(b"\r\n\r\n")
-        while end < 0:
-            if len(buffer) > MAX_HEAD or not await _receive(connection):
-                raise ConnectionClosedError(endpoint_url=url)
-            end = buffer.find(b"\r\n\r\n")
+        end = await _find(connection, b"\r\n\r\n", url)
         head = buffer[:end].decode("latin-1")
         del buffer[: end + 4]
         status_line, *header_lines = head.split("\r\n")
@@ -341,11 +352,7 @@ async def _read_chunked(connection: _Connection, url: str) -> bytes:
     buffer = connection.buffer
     parts: list[bytes] = []
     while True:
-        end = buffer.find(b"\r\n")
-        while end < 0:
-            if len(buffer) > MAX_HEAD or not await _receive(connection):
-                raise ConnectionClosedError(endpoint_url=url)
-            end = buffer.find(b"\r\n")
+        end = await _find(connection, b"\r\n", url)
         digits = bytes(buffer[:end]).split(b";", 1)[0].strip()
         if not digits or digits.strip(b"0123456789abcdefABCDEF"):
             raise ConnectionClosedError(endpoint_url=url)
@@ -362,11 +369,7 @@ async def _read_chunked(connection: _Connection, url: str) -> bytes:
         del buffer[: size + 2]
     # trailers, up to the empty line
     while True:
-        end = buffer.find(b"\r\n")
-        while end < 0:
-            if len(buffer) > MAX_HEAD or not await _receive(connection):
-                raise ConnectionClosedError(endpoint_url=url)
-            end = buffer.find(b"\r\n")
+        end = await _find(connection, b"\r\n", url)
         del buffer[: end + 2]
         if end == 0:
             return b"".join(parts)
