@@ -344,8 +344,10 @@ class _PutRecordsSerializer:
 # each stream still goes through the SDK whole; what it sent (the URL, the headers, the
 # signing scope) is learned from it, and the stream's later requests are built from that,
 # signed with the client's own credentials (refreshed as the SDK refreshes them) and sent
-# through the client's own HTTP session (its connection pool, proxies, timeouts, TLS settings
-# and error mapping). Errors are parsed by botocore's parser into the same ClientError.
+# through anykpl's own HTTP client (``_http.py``: with ``http_backend="auto"`` where no proxy
+# applies; a fifth to a tenth of the session's CPU per request) or else the client's own HTTP
+# session (its connection pool, proxies, timeouts, TLS settings and error mapping). Errors are
+# parsed by botocore's parser into the same ClientError.
 
 # The requests the client's HTTP session sent in this task (set around an SDK PutRecords call
 # by the transport, appended to by the session's ``send`` as :meth:`_DirectPutRecords.for_client`
@@ -480,8 +482,9 @@ def _host(url: str) -> str:
 
 
 class _DirectPutRecords:
-    """PutRecords requests built and signed here and sent through the client's HTTP session
-    (see the section's comment). ``routes`` holds what each stream's first request showed."""
+    """PutRecords requests built and signed here and sent through anykpl's own HTTP client
+    (``http``, ``_http.py``) or the client's HTTP session (see the section's comment).
+    ``routes`` holds what each stream's first request showed."""
 
     def __init__(
         self,
