@@ -21,6 +21,9 @@ from .conftest import CREDENTIALS, REGION
 pytestmark = pytest.mark.anyio
 
 FAST = {"record_max_buffered_time": 0.01, "metrics_upload_delay": 0.2}
+#: an upload delay a CloudWatch publish (one or more PutMetricData calls, 0.1-0.2 s on a busy
+#: 2-core VM) fits in: a publish longer than the delay is cut off, its report lost for the sink
+ROOMY = {**FAST, "metrics_upload_delay": 1.0}
 
 
 async def _put(producer: Producer, stream: str, count: int) -> None:
@@ -36,10 +39,7 @@ async def test_cloudwatch_statistic_sets_read_back(
     stream = make_stream(2)
     namespace = f"anykpl-test-{uuid.uuid4().hex[:8]}"
     sink = CloudWatchSink(namespace=namespace, endpoint_url=moto_endpoint)
-    # an upload delay a CloudWatch publish (several PutMetricData calls) fits in even on a busy
-    # machine: a publish longer than the delay is cut off, and its report lost for this sink
-    options = {**FAST, "metrics_upload_delay": 1.0}
-    async with Producer(metrics_sinks=[sink], **producer_options, **options) as producer:
+    async with Producer(metrics_sinks=[sink], **producer_options, **ROOMY) as producer:
         await _put(producer, stream, 20)
         await anyio.sleep(1.5)  # at least one periodic upload
         periodic_calls = sink.calls
@@ -122,7 +122,7 @@ async def test_cloudwatch_with_its_own_credentials_writes_to_their_account(
         sink = CloudWatchSink(namespace=namespace, endpoint_url=moto_endpoint, profile="metrics")
     assert assumed["SecretAccessKey"] not in repr(sink)
     stream = make_stream(1)
-    async with Producer(metrics_sinks=[sink], **producer_options, **FAST) as producer:
+    async with Producer(metrics_sinks=[sink], **producer_options, **ROOMY) as producer:
         await _put(producer, stream, 3)
     assert sink.failures == 0
     assert sink.calls >= 1

@@ -141,12 +141,15 @@ async def test_every_aws_call_goes_through_the_proxy(
             endpoint_url=moto_endpoint,
             proxy_url=f"http://ops:p%40ss@127.0.0.1:{port}",
             metrics_sinks=[sink],
-            metrics_upload_delay=0.2,
+            # a publish may take its whole upload delay: a second leaves a loaded machine room
+            # for a PutMetricData or two through the proxy (0.1-0.2 s each on a 2-core VM)
+            metrics_upload_delay=1.0,
             fleet=fleet,
             **CREDENTIALS,
         ) as producer:
             for record in sent.values():
                 assert_success(await producer.put_record(stream, record.data, record.partition_key))
+            await anyio.sleep(1.5)  # a periodic upload as well as the final one
             fleet_statistics = producer.statistics().fleet
         assert proxy.refused == 0
         seen = set(proxy.seen)
