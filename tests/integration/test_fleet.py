@@ -189,9 +189,10 @@ async def test_workers_converge_and_a_killed_allocator_is_replaced_within_a_leas
         # learning mode for a lease, then the dead worker's share is handed out
         await wait_for(shares(survivors, GRANTABLE / 3), within=LEASE + 8 * INTERVAL)
     assert converged <= 6 * INTERVAL
-    # a lease, the cycle that notices, and half a cycle for moto's S3 calls on a loaded
-    # machine (2.06 s was seen once against 2.0 in a full run)
-    assert replaced <= LEASE + 1.5 * INTERVAL
+    # a lease, the cycle that notices, and moto's S3 calls on a loaded machine (2.06 s and
+    # 2.39 s were seen in full runs beside other work): short of two leases, which a
+    # replacement that waited out a second lease would take
+    assert replaced <= LEASE + 2.5 * INTERVAL < 2 * LEASE
     documents = generations(s3, bucket)
     check_generations(documents)
     # the first allocator told the fleet its size before its first grants
