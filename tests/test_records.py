@@ -129,6 +129,41 @@ def resolved_record() -> Record:
     return record
 
 
+def test_records_are_awaited_in_one_frame_exactly_when_interpreted() -> None:
+    # the pure build's records take _awaiting.interpreted_await; the compiled build's keep
+    # their own (Record.__await__, _ready)
+    compiled = not records_module.__file__.endswith(".py")
+    assert (Record.__await__ is _awaiting.interpreted_await) is not compiled
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("shape", ["first attempt", "retried", "failed", "never tried"])
+async def test_awaiting_a_done_record_gives_its_result(shape: str) -> None:
+    # what ``await record`` gives for a record that is already done, in each shape its
+    # result has: the same as ``result()``, delays measured from its arrival
+    record = Record("stream", "key", b"data", 1, None, 10.0, 10.1, 40.0)
+    if shape == "retried":
+        record.add_attempt(AttemptRecord(10.2, 10.5, False, "ProvisionedThroughputExceeded", "m"))
+    if shape != "never tried":
+        record.add_attempt(AttemptRecord(10.7, 11.0, shape != "failed", None, None))
+    record.shard_id, record.sequence_number, record.sub_sequence_number = "shardId-0", "49", 3
+    record.resolve(shape not in ("failed", "never tried"))
+    if shape in ("failed", "never tried"):
+        with pytest.raises(errors.RecordFailedError) as raised:
+            await record
+        assert raised.value.result == record.build_result()
+        return
+    result = await record
+    assert result == record.result()
+    assert type(result) is type(record.result())
+    assert (result.success, result.shard_id, result.sequence_number) == (True, "shardId-0", "49")
+    assert result.sub_sequence_number == 3
+    assert type(result.attempts[-1]) is type(record.result().attempts[-1])
+    assert result.attempts[-1].delay == pytest.approx(0.2 if shape == "retried" else 0.7)
+    assert result.attempts[-1].duration == pytest.approx(0.3)
+    assert len(result.attempts) == (2 if shape == "retried" else 1)
+
+
 @pytest.mark.anyio
 async def test_a_cancelled_loop_over_done_records_ends(anyio_backend_name: str) -> None:
     # awaiting a done record checks for cancellation under trio (as trio's cheap operations

@@ -439,6 +439,7 @@ class Record:
         return event
 
     def __await__(self) -> Generator[Any, None, RecordResult]:
+        # the pure build replaces this with _runtime/_awaiting.interpreted_await, one frame
         if self._state == PENDING:
             return _waiting[0].record_result(self).__await__()
         checkpoint = resolved_checkpoint()

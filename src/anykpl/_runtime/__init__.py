@@ -7,3 +7,4 @@ from .._core._records import use_waiting
 from . import _awaiting
 
 use_waiting(_awaiting)  # the core's records are awaited through the runtime's event loop
+_awaiting.use_interpreted_await()  # the pure build's records: a cheaper await
