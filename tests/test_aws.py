@@ -7,8 +7,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import botocore
 import pytest
+from aiobotocore.session import AioSession
 from botocore.exceptions import ProfileNotFound, UnknownServiceError
 from botocore.loaders import Loader
 
@@ -122,6 +125,56 @@ async def test_a_missing_profile_is_reported_as_before() -> None:
             max_pool_connections=1,
         ):
             pass  # pragma: no cover
+
+
+def _handlers(session: AioSession) -> list[tuple[str, list[str]]]:
+    """Every event name of ``session``'s emitter, with its handlers in the order they run."""
+    found: list[tuple[str, list[str]]] = []
+
+    def walk(node: dict[str, Any], prefix: str) -> None:
+        for part, child in node.get("children", {}).items():
+            walk(child, f"{prefix}.{part}" if prefix else part)
+        if node.get("values") is not None:
+            found.append((prefix, [repr(handler) for handler in node["values"]]))
+
+    walk(session._original_handler._handlers._root, "")
+    return sorted(found)
+
+
+def test_a_session_gets_botocores_builtin_handlers_registered_once_per_process() -> None:
+    """A session made here has the handlers botocore's own session registers, the same ones
+    in the same order, copied from the process's rather than registered afresh; what is
+    registered on one session stays that session's."""
+    own = AioSession()
+    ours = _session(None)
+    assert len(_handlers(own)) > 50
+    assert _handlers(ours) == _handlers(own)
+    shared = anykpl._transport._aws._builtin_handlers()
+    assert shared is not None
+    assert ours._original_handler is not shared
+
+    def handler(**kwargs: object) -> None:
+        """(registered on one session only)"""
+
+    ours.register("before-call.kinesis.PutRecords", handler)
+    assert _handlers(_session(None)) == _handlers(own)
+    assert _handlers(ours) != _handlers(own)
+
+
+def test_session_initializers_run_for_each_session() -> None:
+    """``botocore.register_initializer``: called with each new session, as botocore's own
+    sessions are; what it registers is that session's."""
+    made: list[object] = []
+
+    def initializer(session: object) -> None:
+        made.append(session)
+
+    botocore.register_initializer(initializer)
+    try:
+        first, second = _session(None), _session(None)
+    finally:
+        botocore.unregister_initializer(initializer)
+    assert made == [first, second]
 
 
 @pytest.mark.parametrize(

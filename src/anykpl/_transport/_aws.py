@@ -16,6 +16,7 @@ that timed out is abandoned mid-way, and its unsent bytes must not keep going ou
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import gzip
 import json
@@ -26,6 +27,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
+from types import SimpleNamespace
 from typing import Any, Final, overload
 
 # Imported with anykpl, not when a producer opens: these imports take 0.2-0.4 s (aiohttp,
@@ -33,7 +35,9 @@ from typing import Any, Final, overload
 # loop for that long, every task with it. aiobotocore's endpoint module also brings in its httpx
 # session (trio's HTTP client) when httpx is installed.
 from aiobotocore.config import AioConfig
+from aiobotocore.hooks import AioHierarchicalEmitter
 from aiobotocore.session import AioSession
+from botocore.hooks import EventAliaser
 from botocore.loaders import JSONFileLoader, Loader, create_loader
 from botocore.utils import get_environ_proxies
 
@@ -249,8 +253,15 @@ _loaders_lock = threading.Lock()  # SyncProducer opens its producer on a thread 
 
 def _session(profile: str | None) -> AioSession:
     """A new AioSession for ``profile`` that reads the SDK's data through the process's
-    shared loader (see above)."""
-    session = AioSession(profile=profile)
+    shared loader (see above), its builtin event handlers copied from the process's
+    (:func:`_builtin_handlers`)."""
+    handlers = _builtin_handlers()
+    if handlers is None:
+        session = AioSession(profile=profile)
+    else:
+        session = AioSession(
+            profile=profile, event_hooks=copy.copy(handlers), include_builtin_handlers=False
+        )
     try:
         data_path = session.get_config_variable("data_path")
     except Exception:  # a profile that is not there: the session says so, as it always did
@@ -266,6 +277,38 @@ def _session(profile: str | None) -> AioSession:
             _loaders[data_path] = loader
     session.register_component("data_loader", loader)
     return session
+
+
+# A new session also registers botocore's builtin event handlers, about 120 of them, each
+# event name rewritten through botocore's aliases and each handler's signature inspected:
+# 16 ms of CPU a session (2026-12-03), as long as the rest of opening a producer. The handlers
+# are module-level functions and objects that every session registers alike, so they are
+# registered once per process, into an emitter each session then gets a copy of (what botocore
+# does for each client it makes). Session initializers (``botocore.register_initializer``)
+# still run for each session, on its own copy.
+
+_handlers: list[AioHierarchicalEmitter | None] = []  # the emitter, once made (None: see below)
+
+
+def _builtin_handlers() -> AioHierarchicalEmitter | None:
+    """The process's emitter holding botocore's builtin handlers, as ``Session`` registers
+    them (not to be changed: sessions get copies); ``None`` where this botocore registers
+    them in a way not known here (each session then registers its own)."""
+    if _handlers:
+        return _handlers[0]
+    with _loaders_lock:
+        if not _handlers:
+            emitter = AioHierarchicalEmitter()
+            events = EventAliaser(emitter)
+            # Session._register_builtin_handlers, run on a stand-in that has what it uses
+            registrar = SimpleNamespace(register=events.register, _events=events)
+            try:
+                AioSession._register_builtin_handlers(registrar, events)
+            except (AttributeError, TypeError):  # pragma: no cover - another botocore
+                _handlers.append(None)
+            else:
+                _handlers.append(emitter)
+    return _handlers[0]
 
 
 class _SharedLoader(Loader):  # type: ignore[misc]  # botocore has no types
