@@ -200,6 +200,27 @@ def test_slow_paths_match_protobuf() -> None:
     assert decode_aggregate(serialized) == as_decoded(records)
 
 
+def test_shared_headers_stay_within_their_bound() -> None:
+    """Plain records' headers are built once and shared, by key index and data length: more
+    of them than the cache keeps (and indices past its rows) still come out right, and the
+    cache keeps at most its limit."""
+    from anykpl._core import _wire
+
+    records: list[Entry] = [(f"k{i % 5_000}", None, bytes(i % 7)) for i in range(5_000)]
+    records += [("k0", None, bytes(length)) for length in range(20_000)]
+    builder = AggregateBuilder()
+    for pk, ehk, data in records:
+        builder.add(pk, ehk, data)
+    serialized = builder.serialize()
+    assert protobuf_of(serialized) == reference_message(records).SerializeToString()
+    rows = _wire._header_rows
+    assert len(rows) <= _wire._HEADER_INDEX_LIMIT
+    assert sum(map(len, rows)) == _wire._header_count[0] <= _wire._HEADER_CACHE_LIMIT
+    for index, row in enumerate(rows):
+        for length, header in row.items():
+            assert header == _wire._record_header(index, None, length)
+
+
 def test_serialize_leaves_the_builder_usable() -> None:
     builder = AggregateBuilder()
     builder.add("a", None, b"1")
