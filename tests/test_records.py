@@ -274,6 +274,32 @@ async def test_a_loop_over_done_records_lets_other_tasks_run() -> None:
     assert 5 <= ran <= 15, ran
 
 
+def test_without_trio_a_done_records_await_still_yields_and_ends_when_cancelled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A process that has not imported trio (this one has): the pure build's await of a done
+    record asks nothing on asyncio, but one await in RESOLVED_YIELD_EVERY still makes the
+    full checkpoint that lets other tasks run and delivers a cancellation."""
+    monkeypatch.setattr(_awaiting, "_modules", {})
+    monkeypatch.setattr(_awaiting, "_trio", [None, None, False, None])
+    asked: list[object] = []
+    resolved_checkpoint = _awaiting.resolved_checkpoint
+
+    def counted() -> object:
+        asked.append(None)
+        return resolved_checkpoint()
+
+    monkeypatch.setattr(_awaiting, "resolved_checkpoint", counted)
+
+    async def main() -> None:
+        await test_a_loop_over_done_records_lets_other_tasks_run()
+        await test_a_cancelled_loop_over_done_records_ends("asyncio")
+
+    anyio.run(main, backend="asyncio")
+    if vars(Record)["__await__"] is _awaiting.interpreted_await:  # the pure build's await
+        assert 10 <= len(asked) <= 12, len(asked)
+
+
 def test_a_batch_hook_runs_once_where_its_last_record_resolves(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

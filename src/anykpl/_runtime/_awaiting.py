@@ -21,7 +21,15 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from .._core import _records
-from .._core._records import PENDING, SUCCEEDED, resolved_checkpoint
+from .._core._records import (
+    PENDING,
+    RESOLVED_YIELD_EVERY,
+    SUCCEEDED,
+    _modules,
+    _resolved_awaits,
+    _trio,
+    resolved_checkpoint,
+)
 
 if TYPE_CHECKING:
     from .._core._records import BatchCounter, Record, RecordResult
@@ -48,9 +56,15 @@ def interpreted_await(record: Record) -> Generator[Any, None, RecordResult]:
     compiled by mypyc is what ``_ready`` avoids."""
     if record._state == PENDING:
         return (yield from record_result(record).__await__())
-    checkpoint = resolved_checkpoint()
-    if checkpoint is not None:
-        return (yield from result_after(checkpoint, record).__await__())
+    count = _resolved_awaits[0] + 1
+    if count < RESOLVED_YIELD_EVERY and _trio[0] is None and "trio" not in _modules:
+        # resolved_checkpoint's commonest answer, nothing to await (no full checkpoint due,
+        # no trio in the process), without its call
+        _resolved_awaits[0] = count
+    else:
+        checkpoint = resolved_checkpoint()
+        if checkpoint is not None:
+            return (yield from result_after(checkpoint, record).__await__())
     if record._state == SUCCEEDED:
         return record.build_result()
     return record.result()
