@@ -11,6 +11,7 @@ from typing import Any
 import anyio
 import pytest
 
+from anykpl import Producer
 from anykpl._compat import build_kind
 from anykpl._core import _limits, _wire
 from anykpl._core._aggregator import Aggregator
@@ -26,7 +27,7 @@ from anykpl._core._records import BatchCounter, KinesisRecord, Record
 from anykpl._core._shard_map import ShardMap
 from anykpl._runtime._producer import _backend_clock
 
-from .fakes import hash_of
+from .fakes import FakeKinesis, hash_of
 from .fakes.kinesis import even_ranges
 
 pytestmark = pytest.mark.anyio
@@ -39,16 +40,35 @@ def test_offset_clock_adds_the_offset_to_each_reading() -> None:
 
 
 async def test_the_backend_clock_reads_the_backends_time() -> None:
-    clock = _backend_clock()
+    """The clock, and where it is a builtin plus an offset (trio's default clock), those two:
+    each reads the backend's time."""
+    clock, base, offset = _backend_clock()
     before = anyio.current_time()
     now = clock()
+    split = now if base is None else base() + offset
     after = anyio.current_time()
-    assert before <= now <= after
+    assert before <= now <= split <= after
+    if base is not None:
+        assert type(base).__name__ == "builtin_function_or_method"
+
+
+async def test_admission_reads_the_clock_it_was_given() -> None:
+    """A record's arrival is the producer's clock's time, also where admission reads that
+    time as a builtin plus an offset."""
+    async with Producer(transport=FakeKinesis(shard_count=2), rate_limit=1e9) as producer:
+        before = anyio.current_time()
+        records = [await producer.submit("s", b"x", partition_key="k") for _ in range(3)]
+        after = anyio.current_time()
+        await producer.flush()
+    for record in records:
+        assert isinstance(record, Record)
+        assert before <= record.arrival <= after
 
 
 @pytest.mark.autojump
 async def test_under_a_mock_clock_the_backend_clock_follows_it() -> None:
-    clock = _backend_clock()
+    clock, base, _ = _backend_clock()
+    assert base is None  # asked through trio
     start = clock()
     await anyio.sleep(30)  # no real time passes: the mock clock jumps
     assert clock() - start == pytest.approx(30, abs=1e-6)
@@ -62,10 +82,10 @@ def test_on_a_standard_asyncio_loop_the_clock_is_monotonic_itself() -> None:
     import time
 
     async def clocks() -> tuple[object, float]:
-        standard = _backend_clock()
+        standard = _backend_clock()[0]
         loop = asyncio.get_running_loop()
         loop.time = lambda: 12.5  # type: ignore[method-assign]
-        return standard, _backend_clock()()
+        return standard, _backend_clock()[0]()
 
     standard, replaced = asyncio.run(clocks())
     assert standard is time.monotonic

@@ -226,6 +226,8 @@ class Intake:
         self.active_backlogs = 0
         self.max_record_size = max_record_size
         self.clock = clock
+        self.clock_base = clock
+        self.clock_offset = 0.0
         # called after records were resolved (the producer wakes submits waiting for room)
         self.on_finish = on_finish
         # every admitted record until it is terminal: the producer's safety net
@@ -244,6 +246,24 @@ class Intake:
         self.keep_spooled = False
         # admissions since the producer's submits last yielded to the event loop
         self.since_checkpoint = 0
+
+    def use_clock(
+        self,
+        clock: Callable[[], float],
+        base: Callable[[], float] | None = None,
+        offset: float = 0.0,
+    ) -> None:
+        """Read the time with ``clock`` from now on; where given, ``base() + offset`` is the
+        same time (trio's default clock is ``perf_counter() + offset``), and admission reads
+        it that way: a builtin's call and an addition, where ``clock`` is a function of ours
+        (300 instructions a record in the compiled build, callgrind)."""
+        self.clock = clock
+        if base is None:
+            self.clock_base = clock
+            self.clock_offset = 0.0
+        else:
+            self.clock_base = base
+            self.clock_offset = offset
 
     def admit_now(
         self,
@@ -284,7 +304,7 @@ class Intake:
         ):
             return None
         self.since_checkpoint = since
-        self.enqueue_at(stream_intake, record, self.clock())
+        self.enqueue_at(stream_intake, record, self.clock_base() + self.clock_offset)
         return record
 
     def _admit_known_key(
@@ -331,7 +351,7 @@ class Intake:
         ):
             return None
         if record is None:
-            now = self.clock()
+            now = self.clock_base() + self.clock_offset  # self.clock(), see use_clock
         deadline = now + stream_intake.max_buffered_time
         expiration = now + stream_intake.record_ttl
         if deadline > expiration:

@@ -56,15 +56,18 @@ def interpreted_await(record: Record) -> Generator[Any, None, RecordResult]:
     compiled by mypyc is what ``_ready`` avoids."""
     if record._state == PENDING:
         return (yield from record_result(record).__await__())
-    count = _resolved_awaits[0] + 1
-    if count < RESOLVED_YIELD_EVERY and _trio[0] is None and "trio" not in _modules:
-        # resolved_checkpoint's commonest answer, nothing to await (no full checkpoint due,
-        # no trio in the process), without its call
-        _resolved_awaits[0] = count
-    else:
+    if (
+        _trio[0] is not None
+        or "trio" in _modules
+        or _resolved_awaits[0] + 1 >= RESOLVED_YIELD_EVERY
+    ):
         checkpoint = resolved_checkpoint()
         if checkpoint is not None:
             return (yield from result_after(checkpoint, record).__await__())
+    else:
+        # resolved_checkpoint's answer where trio is not in the process and no full
+        # checkpoint is due (nothing to await), without its call
+        _resolved_awaits[0] += 1
     if record._state == SUCCEEDED:
         return record.build_result()
     return record.result()

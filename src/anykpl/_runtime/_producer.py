@@ -185,7 +185,9 @@ class Producer(anyio.AsyncContextManagerMixin):
                 # aclose() can stop them from inside the ``async with`` block without
                 # cancelling the caller's code in it
                 self._task_group = await tg.start(self._host_stages)
-                self._clock = self._intake.clock = self._metrics.clock = _backend_clock()
+                clock, base, offset = _backend_clock()
+                self._clock = self._metrics.clock = clock
+                self._intake.use_clock(clock, base, offset)
                 self._metrics.start()  # its first second, and the gauges' (UserRecordsPending)
                 if self._spool is not None:
                     await self._open_spool(self._spool, self._task_group)
@@ -418,7 +420,8 @@ class Producer(anyio.AsyncContextManagerMixin):
         def clock() -> float:
             return closed_at
 
-        self._clock = self._intake.clock = self._metrics.clock = clock
+        self._clock = self._metrics.clock = clock
+        self._intake.use_clock(clock)
 
     @asynccontextmanager
     async def _open_transport(self) -> AsyncGenerator[Transport, None]:
@@ -969,9 +972,11 @@ def _only_closed_streams(exc: BaseException) -> bool:
     )
 
 
-def _backend_clock() -> Callable[[], float]:
+def _backend_clock() -> tuple[Callable[[], float], Callable[[], float] | None, float]:
     """The running backend's clock, bound once: ``anyio.current_time()`` looks the backend up
-    on every call, which costs more than the rest of a record's admission. Same time base."""
+    on every call, which costs more than the rest of a record's admission. Same time base.
+    With it, where the clock is a builtin's reading plus an offset, that builtin and the
+    offset (:meth:`Intake.use_clock`); ``None`` and 0.0 otherwise."""
     if running_trio():
         import trio
 
@@ -982,8 +987,8 @@ def _backend_clock() -> Callable[[], float]:
             # reaches through three Python calls (profiled: a third of a record's admission
             # on trio); the same sum, with one call. Any other clock (a MockClock in tests)
             # is asked through trio.
-            return offset_clock(time.perf_counter, offset)
-        return trio.current_time
+            return offset_clock(time.perf_counter, offset), time.perf_counter, offset
+        return trio.current_time, None, 0.0
     import asyncio
 
     loop = asyncio.get_running_loop()
@@ -992,5 +997,5 @@ def _backend_clock() -> Callable[[], float]:
         # of a record's admission, profiled); the same clock, called directly. Any other loop
         # (uvloop keeps a clock of its own), or a loop whose clock a test replaced, is asked
         # as it is.
-        return time.monotonic
-    return loop.time
+        return time.monotonic, None, 0.0
+    return loop.time, None, 0.0
