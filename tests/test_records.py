@@ -281,7 +281,6 @@ def test_without_trio_a_done_records_await_still_yields_and_ends_when_cancelled(
     record asks nothing on asyncio, but one await in RESOLVED_YIELD_EVERY still makes the
     full checkpoint that lets other tasks run and delivers a cancellation."""
     monkeypatch.setattr(_awaiting, "_modules", {})
-    monkeypatch.setattr(_awaiting, "_trio", [None, None, False, None])
     asked: list[object] = []
     resolved_checkpoint = _awaiting.resolved_checkpoint
 

@@ -27,7 +27,6 @@ from .._core._records import (
     SUCCEEDED,
     _modules,
     _resolved_awaits,
-    _trio,
     resolved_checkpoint,
 )
 
@@ -56,11 +55,7 @@ def interpreted_await(record: Record) -> Generator[Any, None, RecordResult]:
     compiled by mypyc is what ``_ready`` avoids."""
     if record._state == PENDING:
         return (yield from record_result(record).__await__())
-    if (
-        _trio[0] is not None
-        or "trio" in _modules
-        or _resolved_awaits[0] + 1 >= RESOLVED_YIELD_EVERY
-    ):
+    if "trio" in _modules or _resolved_awaits[0] + 1 >= RESOLVED_YIELD_EVERY:
         checkpoint = resolved_checkpoint()
         if checkpoint is not None:
             return (yield from result_after(checkpoint, record).__await__())
