@@ -29,9 +29,10 @@ from .._core._records import (
     _resolved_awaits,
     resolved_checkpoint,
 )
+from .._core._results import Attempt, RecordResult
 
 if TYPE_CHECKING:
-    from .._core._records import BatchCounter, Record, RecordResult
+    from .._core._records import BatchCounter, Record
 
 __all__ = (
     "batch_done",
@@ -64,6 +65,33 @@ def interpreted_await(record: Record) -> Generator[Any, None, RecordResult]:
         # checkpoint is due (nothing to await), without its call
         _resolved_awaits[0] += 1
     if record._state == SUCCEEDED:
+        # Record.build_result's common case, inline (a call less per record: 760 instructions
+        # of 39,000, callgrind)
+        a = record.last_attempt
+        if a is not None and not record._earlier_attempts:
+            delay = a.start - record.arrival
+            duration = a.end - a.start
+            return _new_tuple(
+                RecordResult,
+                (
+                    True,
+                    record.shard_id,
+                    record.sequence_number,
+                    record.sub_sequence_number,
+                    (
+                        _new_tuple(
+                            Attempt,
+                            (
+                                delay if delay > 0.0 else 0.0,
+                                duration if duration > 0.0 else 0.0,
+                                True,
+                                None,
+                                None,
+                            ),
+                        ),
+                    ),
+                ),
+            )
         return record.build_result()
     return record.result()
 
@@ -113,6 +141,10 @@ async def batch_done(counter: BatchCounter) -> None:
     if counter.remaining:
         await counter.waiter().wait()
 
+
+#: builds a named tuple from a tuple of its fields (a named tuple's own ``__new__`` is a
+#: Python function)
+_new_tuple = tuple.__new__
 
 #: the event a waiter sleeps on, and a full checkpoint
 new_event = anyio.Event
