@@ -3,6 +3,7 @@ rule of admission per shard, driven without an event loop."""
 
 from __future__ import annotations
 
+import gc
 import math
 import random
 from collections.abc import Callable, Iterator
@@ -23,7 +24,7 @@ from anykpl._core._intake import (
     StreamIntake,
     offset_clock,
 )
-from anykpl._core._records import BatchCounter, KinesisRecord, Record
+from anykpl._core._records import BUILD_BY_STORES, BatchCounter, KinesisRecord, Record
 from anykpl._core._shard_map import ShardMap
 from anykpl._runtime._producer import _backend_clock
 
@@ -316,14 +317,15 @@ def test_admitting_batches_the_shorter_way_changes_what_the_general_path_changes
     # its byte cap binding, a TTL shorter than max_buffered_time part of the time, idle streams.
     taken = [0]  # records the shorter way admitted (counted where the build lets a test look)
     if build_kind() != "compiled":
-        shorter = Intake._admit_known_key
+        shorter = Intake.admit_now
 
         def counted(self: Intake, *args: Any) -> Record | None:
             admitted = shorter(self, *args)
-            taken[0] += admitted is not None and len(args) > 4  # a record make_records built
+            # a record make_records built (admit_now's ``built``)
+            taken[0] += admitted is not None and len(args) > 5 and args[5] is not None
             return admitted
 
-        monkeypatch.setattr(Intake, "_admit_known_key", counted)
+        monkeypatch.setattr(Intake, "admit_now", counted)
 
     def run(fast: bool) -> dict[str, Any]:
         first_token = next(_wire._builder_tokens)
@@ -445,8 +447,89 @@ def test_admitting_batches_the_shorter_way_changes_what_the_general_path_changes
         assert taken[0] > admitted * 0.8  # most went the shorter way
 
 
+def test_finishing_counts_each_record_out_of_its_backlog_once() -> None:
+    # Intake.finish counts a run of records of one backlog out at once: two shards' records
+    # interleaved, some with a completion hook (SyncProducer's), each hook seeing the counts
+    # with its own record out, and a backlog left empty inactive once.
+    intake = _intake()
+    stream = _stream(intake)
+    keys = [_key_on(0), _key_on(1)]
+    records = []
+    for i in range(12):
+        record = intake.make_record("s", b"x" * (10 + i), keys[i % 3 == 0], None)
+        assert intake.has_room(record, stream)
+        intake.enqueue(stream, record)
+        records.append(record)
+    assert intake.active_backlogs == 2
+    backlogs = {id(r.backlog): r.backlog for r in records}
+    seen: list[tuple[int, int]] = []
+    hooked = records[::4] + records[-1:]
+    for record in hooked:
+        record.on_done = lambda r: seen.append(
+            (r.backlog.outstanding_records, len(intake.outstanding))
+        )
+    # at a record's hook: its backlog holds the later records of its shard, the producer all
+    # the later records
+    expected = [
+        (sum(1 for later in records[n + 1 :] if later.backlog is record.backlog), 11 - n)
+        for n, record in enumerate(records)
+        if record in hooked
+    ]
+    count, nbytes = intake.finish(records, True)
+    assert (count, nbytes) == (12, sum(r.size for r in records))
+    assert seen == expected
+    assert [(b.outstanding_records, b.outstanding_bytes) for b in backlogs.values()] == [(0, 0)] * 2
+    assert intake.active_backlogs == 0
+    assert len(intake.outstanding) == 0
+    assert intake.outstanding_bytes == 0
+    assert all(r.done() for r in records)
+    assert intake.finish(records, False) == (0, 0)  # once
+    assert intake.active_backlogs == 0
+
+
+def test_a_record_the_common_case_builds_is_the_one_its_class_builds() -> None:
+    # Intake.admit_now builds its records slot by slot in the pure build (BUILD_BY_STORES,
+    # cheaper than calling the class there): every slot is set, to what Record(...) sets,
+    # and the record is untracked as the intake's other records are. The compiled build
+    # calls the class.
+    intake = _intake()
+    stream = _stream(intake)
+    key = _key_on(0)
+    first = intake.make_record("s", b"x" * 10, key, None)
+    assert intake.has_room(first, stream)
+    intake.enqueue(stream, first)  # the shard holds a record: the next takes the common case
+    intake._admit_otherwise = lambda *args: None  # type: ignore[method-assign]
+    record = intake.admit_now(stream, "s", b"y" * 20, key, None)
+    assert record is not None
+    twin = Record(
+        "s",
+        key,
+        b"y" * 20,
+        first.hash_key,
+        None,
+        record.arrival,
+        record.deadline,
+        record.expiration,
+        first.size + 10,
+        first.key_facts,
+        first.backlog,
+        first.outstanding_slot + 1,
+    )
+    slots = getattr(Record, "__slots__", None)
+    if slots is None:  # a compiled class: no slots to name, and built by calling it
+        assert not BUILD_BY_STORES
+        slots = ("stream", "partition_key", "data", "size", "backlog", "outstanding_slot")
+    else:
+        assert build_kind() != "compiled"
+        assert BUILD_BY_STORES
+    for name in slots:
+        assert getattr(record, name) == getattr(twin, name), name
+    assert not record.done()
+    assert gc.is_tracked(record) == gc.is_tracked(first)
+
+
 def test_the_shorter_way_holds_to_limits_and_reserves_that_are_not_whole_numbers() -> None:
-    # Intake._admit_known_key compares whole numbers (ShardBacklog.full_records/full_bytes,
+    # Intake.admit_now compares whole numbers (ShardBacklog.full_records/full_bytes,
     # Intake.reserve_records/reserve_bytes): at each limit's edge it decides as the
     # general path's comparisons with the fractional limits do, neither more nor less.
     def shorter_way(
@@ -457,7 +540,9 @@ def test_the_shorter_way_holds_to_limits_and_reserves_that_are_not_whole_numbers
             record = intake.make_record("s", b"x" * (held_size - len(key)), key, None)
             assert intake.has_room(record, stream)
             intake.enqueue(stream, record)
-        return intake._admit_known_key(stream, "s", b"y" * (size - len(key)), intake.key_cache[key])
+        # the shorter way alone: where it declines, nothing is admitted
+        intake._admit_otherwise = lambda *args: None  # type: ignore[method-assign]
+        return intake.admit_now(stream, "s", b"y" * (size - len(key)), key, None)
 
     def stream_of(
         intake: Intake, records: float = math.inf, nbytes: float = math.inf

@@ -40,6 +40,7 @@ from .._compat import gc_untracker
 from . import _limits
 from ._aggregator import Aggregator
 from ._records import (
+    BUILD_BY_STORES,
     FAILED,
     PENDING,
     SUCCEEDED,
@@ -49,6 +50,7 @@ from ._records import (
     ShardBacklog,
     at_least,
     at_most,
+    new_record,
     partition_key_hash,
     untrack_record,
 )
@@ -272,16 +274,31 @@ class Intake:
         data: object,
         partition_key: object,
         explicit_hash_key: object,
+        built: Record | None = None,
+        now: float = 0.0,
     ) -> Record | None:
         """:meth:`Producer.submit`'s common case in one call: validate the record and, if it
         may be admitted without waiting (room now, no checkpoint due, the stream's shard map
-        ready), admit it and return it. ``None``: the caller takes the general path (the
-        record built here is dropped, not admitted).
+        ready), admit it and return it. ``None``: the caller takes the general path (nothing
+        was admitted).
+
+        The commonest record (bytes under a partition key, no spool, the shard map ready, a
+        shard that holds records already and has room under every limit with the producer's
+        reserve untouched) takes the steps of :meth:`make_record`, :meth:`has_room` and
+        :meth:`enqueue_at` here, inline: in the pure build a call costs as much as a tenth of
+        the rest. A key new to the key cache is learnt on the way (:meth:`learn_key`). Any
+        other record takes those methods (:meth:`_admit_otherwise`).
+
+        With ``built`` (a record of a batch, built by :meth:`make_records` and not yet
+        admitted; :meth:`admit_ready`), that record is admitted at ``now`` the same way, or
+        ``None`` returned with nothing changed.
 
         :raises: as :meth:`make_record` and :meth:`enqueue`.
         """
         since = self.since_checkpoint + 1
-        if (
+        if built is not None:
+            facts = built.key_facts
+        elif (
             type(partition_key) is str
             and explicit_hash_key is None
             and type(data) is bytes
@@ -290,50 +307,27 @@ class Intake:
             and self.spool is None
         ):
             facts = self.key_cache.get(partition_key)
-            if facts is not None:
-                admitted = self._admit_known_key(stream_intake, stream, data, facts)
-                if admitted is not None:
-                    self.since_checkpoint = since
-                    return admitted
-        record = self.make_record(stream, data, partition_key, explicit_hash_key)
-        # checkpoint_due and enqueue, inline (two calls less per record)
-        if (
-            since >= CHECKPOINT_EVERY
-            or not stream_intake.shard_map.ready
-            or not self.has_room(record, stream_intake)
-        ):
-            return None
-        self.since_checkpoint = since
-        self.enqueue_at(stream_intake, record, self.clock_base() + self.clock_offset)
-        return record
-
-    def _admit_known_key(
-        self,
-        stream_intake: StreamIntake,
-        stream: str,
-        data: bytes,
-        facts: KeyFacts,
-        record: Record | None = None,
-        now: float = 0.0,
-    ) -> Record | None:
-        """:meth:`admit_now` for the commonest record: bytes under a partition key the key
-        cache knows (so valid), no spool, the shard map ready, and a shard that holds records
-        already and has room under every limit with the producer's reserve untouched. The
-        steps of :meth:`make_record`, :meth:`has_room` and :meth:`enqueue_at` for it, in one
-        call; ``None`` (nothing changed) for anything else, which takes those.
-
-        With ``record`` (built by :meth:`make_records` for ``data`` under ``facts``, not yet
-        admitted), that record is admitted at ``now`` (:meth:`admit_ready`'s way) rather than
-        one built here at the clock's time."""
-        size = len(data) + facts.size
+            if facts is None:
+                facts = self.learn_key(partition_key)
+        else:
+            facts = None
+        if facts is None:
+            return self._admit_otherwise(
+                built, stream_intake, stream, data, partition_key, explicit_hash_key
+            )
+        size = len(data) + facts.size  # type: ignore[arg-type]  # bytes (checked above)
         shard_map = stream_intake.shard_map
         if size > self.max_record_size or not shard_map.ready:
-            return None
+            return self._admit_otherwise(
+                built, stream_intake, stream, data, partition_key, explicit_hash_key
+            )
         backlog = facts.backlog
         if facts.placed != shard_map.version or backlog is None:
             backlog = self._place_key(stream_intake, facts)
             if backlog is None:
-                return None
+                return self._admit_otherwise(
+                    built, stream_intake, stream, data, partition_key, explicit_hash_key
+                )
         held = backlog.outstanding_records
         held_bytes = backlog.outstanding_bytes
         outstanding = self.outstanding
@@ -349,8 +343,10 @@ class Intake:
                 and held_bytes >= stream_intake.path_share
             )
         ):
-            return None
-        if record is None:
+            return self._admit_otherwise(
+                built, stream_intake, stream, data, partition_key, explicit_hash_key
+            )
+        if built is None:
             now = self.clock_base() + self.clock_offset  # self.clock(), see use_clock
         deadline = now + stream_intake.max_buffered_time
         expiration = now + stream_intake.record_ttl
@@ -358,11 +354,48 @@ class Intake:
             deadline = expiration
         slots = outstanding._records
         slot = outstanding._base + len(slots)
-        if record is None:
+        if built is not None:  # what Record.__init__ sets below, for a record already built
+            record = built
+            record.arrival = now
+            record.deadline = deadline
+            record.expiration = expiration
+            record.predicted_shard = backlog.shard
+            record.backlog = backlog
+            record.outstanding_slot = slot
+        elif BUILD_BY_STORES:
+            # Record(...) below, slot by slot (tests/test_intake.py checks that the two agree)
+            record = new_record(Record)
+            record.stream = stream  # type: ignore[assignment]  # str (checked above)
+            record.partition_key = facts.key
+            record.data = data  # type: ignore[assignment]  # bytes (checked above)
+            record.hash_key = facts.hash_key
+            record.explicit_hash_key = None
+            record.arrival = now
+            record.deadline = deadline
+            record.expiration = expiration
+            record.size = size
+            record.predicted_shard = backlog.shard
+            record.key_facts = facts
+            record.shard_id = None
+            record.sequence_number = None
+            record.sub_sequence_number = None
+            record.tenant = None
+            record.spool_segment = None
+            record.last_attempt = None
+            record._earlier_attempts = ()
+            record._state = PENDING
+            record._event = None
+            record.on_done = None
+            record.batch = None
+            record.backlog = backlog
+            record.outstanding_slot = slot
+            if untrack_record is not None:  # see Record
+                untrack_record(id(record))
+        else:
             record = Record(
-                stream,
+                stream,  # type: ignore[arg-type]  # str (checked above)
                 facts.key,
-                data,
+                data,  # type: ignore[arg-type]  # bytes (checked above)
                 facts.hash_key,
                 None,
                 now,
@@ -373,15 +406,6 @@ class Intake:
                 backlog,
                 slot,
             )
-            if untrack_record is not None:  # the pure package (see Record)
-                untrack_record(id(record))
-        else:  # what Record.__init__ sets above, for a record already built
-            record.arrival = now
-            record.deadline = deadline
-            record.expiration = expiration
-            record.predicted_shard = backlog.shard
-            record.backlog = backlog
-            record.outstanding_slot = slot
         slots.append(record)
         outstanding.count += 1
         self.outstanding_bytes = nbytes
@@ -395,6 +419,35 @@ class Intake:
         elif stream_intake.idle:
             stream_intake.idle = False
             stream_intake.send_now()
+        if built is None:
+            self.since_checkpoint = since
+        return record
+
+    def _admit_otherwise(
+        self,
+        built: Record | None,
+        stream_intake: StreamIntake,
+        stream: object,
+        data: object,
+        partition_key: object,
+        explicit_hash_key: object,
+    ) -> Record | None:
+        """:meth:`admit_now` for a record its common case does not take: build and check it
+        (:meth:`make_record`), and admit it if it may be without waiting; ``None`` (for a
+        ``built`` record always) where the caller takes the general path."""
+        if built is not None:
+            return None
+        since = self.since_checkpoint + 1
+        record = self.make_record(stream, data, partition_key, explicit_hash_key)
+        # checkpoint_due and enqueue, inline (two calls less per record)
+        if (
+            since >= CHECKPOINT_EVERY
+            or not stream_intake.shard_map.ready
+            or not self.has_room(record, stream_intake)
+        ):
+            return None
+        self.since_checkpoint = since
+        self.enqueue_at(stream_intake, record, self.clock_base() + self.clock_offset)
         return record
 
     def _place_key(self, stream_intake: StreamIntake, facts: KeyFacts) -> ShardBacklog | None:
@@ -476,7 +529,7 @@ class Intake:
         position = start
         end = len(records)
         now = self.clock()  # admitted together: one arrival time for the batch
-        shorter = self.spool is None  # the shorter way (:meth:`_admit_known_key`) may be taken
+        shorter = self.spool is None  # the shorter way (:meth:`admit_now`) may be taken
         while position < end:
             record = records[position]
             facts = record.key_facts
@@ -484,8 +537,8 @@ class Intake:
                 not shorter
                 or facts is None
                 or record.tenant is not None
-                or self._admit_known_key(
-                    stream_intake, record.stream, record.data, facts, record, now
+                or self.admit_now(
+                    stream_intake, record.stream, record.data, None, None, record, now
                 )
                 is None
             ):
@@ -540,11 +593,8 @@ class Intake:
         if explicit_hash_key is None:
             facts = self.key_cache.get(key)
             if facts is None:
-                facts = _key_facts(key)
-                if not random_key:  # a random key comes once: not kept
-                    if len(self.key_cache) >= KEY_CACHE_LIMIT:
-                        self.key_cache.clear()
-                    self.key_cache[key] = facts
+                # a random key comes once: not kept
+                facts = _key_facts(key) if random_key else self.learn_key(key)
             size = len(payload) + facts.size
             if size > self.max_record_size:
                 self._check_size(size)
@@ -557,6 +607,23 @@ class Intake:
         if untrack_record is not None:  # the pure package (see Record)
             untrack_record(id(record))
         return record
+
+    def learn_key(self, partition_key: str) -> KeyFacts:
+        """The facts of a partition key the key cache does not hold, kept there from now on.
+
+        :raises ~anykpl.errors.InvalidRecordError: a key out of range, or not valid Unicode.
+        """
+        if not partition_key or len(partition_key) > _limits.MAX_PARTITION_KEY_LENGTH:
+            raise errors.InvalidRecordError(
+                f"partition_key must be 1..{_limits.MAX_PARTITION_KEY_LENGTH} characters, "
+                f"got {len(partition_key)}"
+            )
+        facts = _key_facts(partition_key)
+        key_cache = self.key_cache
+        if len(key_cache) >= KEY_CACHE_LIMIT:
+            key_cache.clear()
+        key_cache[partition_key] = facts
+        return facts
 
     def _check_size(self, size: int) -> None:
         if size > self.max_record_size:
@@ -732,49 +799,71 @@ class Intake:
         # closed up after the loop
         slots = outstanding._records
         base = outstanding._base
-        filled = len(slots)
         state = SUCCEEDED if success else FAILED
+        # The records of a Kinesis record mostly count in one backlog (their shard's): a run
+        # of them is counted out of it at once, when the backlog changes and at the end.
+        run_backlog: ShardBacklog | None = None
+        run_records = run_bytes = 0
         for record in records:
-            if record._state == PENDING:  # still pending: resolve exactly once
-                slot = record.outstanding_slot - base
-                if 0 <= slot < filled and slots[slot] is record:
-                    slots[slot] = None
-                    record.outstanding_slot = -1
-                    outstanding.count -= 1
-                    emptied += 1
-                size = record.size
-                released += size
-                count += 1
-                backlog = record.backlog
-                if backlog is not None:
-                    backlog.outstanding_records -= 1
-                    backlog.outstanding_bytes -= size
-                    if not backlog.outstanding_records:
-                        self.active_backlogs -= 1
-                if spool is not None:
-                    segment = record.spool_segment
-                    if segment is not None:
-                        record.spool_segment = None
-                        spool.finished(segment, success)
-                if record.on_done is not None:
-                    # its completion hook runs now, and may read the list, admit records, or
-                    # resolve some itself (the list then closed up): the list is brought up to
-                    # date for it, and read again after
-                    outstanding._empty += emptied
-                    emptied = 0
-                    record.resolve(success)
-                    slots = outstanding._records
-                    base = outstanding._base
-                    filled = len(slots)
-                elif record.batch is None and record._event is None:
-                    record._state = state  # Record.resolve, when nothing waits on it
-                else:
-                    record.resolve(success)
+            if record._state != PENDING:
+                continue  # resolved already: exactly once
+            slot = record.outstanding_slot - base
+            if slot >= 0:
+                try:
+                    if slots[slot] is record:
+                        slots[slot] = None
+                        record.outstanding_slot = -1
+                        emptied += 1
+                except IndexError:
+                    pass  # not in the list (admitted by another intake, or never)
+            size = record.size
+            released += size
+            count += 1
+            backlog = record.backlog
+            if backlog is not run_backlog:
+                if run_backlog is not None and run_records:
+                    self._count_out(run_backlog, run_records, run_bytes)
+                run_backlog = backlog
+                run_records = run_bytes = 0
+            run_records += 1
+            run_bytes += size
+            if spool is not None:
+                segment = record.spool_segment
+                if segment is not None:
+                    record.spool_segment = None
+                    spool.finished(segment, success)
+            if record.on_done is not None:
+                # its completion hook runs now, and may read the list, admit records, or
+                # resolve some itself (the list then closed up): the list is brought up to
+                # date for it (the backlog's run counted out too), and read again after
+                outstanding.count -= emptied
+                outstanding._empty += emptied
+                emptied = 0
+                if run_backlog is not None and run_records:
+                    self._count_out(run_backlog, run_records, run_bytes)
+                run_records = run_bytes = 0
+                record.resolve(success)
+                slots = outstanding._records
+                base = outstanding._base
+            elif record.batch is None and record._event is None:
+                record._state = state  # Record.resolve, when nothing waits on it
+            else:
+                record.resolve(success)
+        if run_backlog is not None and run_records:
+            self._count_out(run_backlog, run_records, run_bytes)
         self.outstanding_bytes -= released
+        outstanding.count -= emptied
         outstanding._empty += emptied
         outstanding.close_up()
         self.on_finish()
         return count, released
+
+    def _count_out(self, backlog: ShardBacklog, records: int, nbytes: int) -> None:
+        """``records`` records of ``nbytes`` bytes that counted in ``backlog`` ended."""
+        backlog.outstanding_records -= records
+        backlog.outstanding_bytes -= nbytes
+        if not backlog.outstanding_records:
+            self.active_backlogs -= 1
 
     def place_unplaced(self, stream: StreamIntake) -> None:
         """``stream``'s shard map is ready: the records admitted while it was not (counted in

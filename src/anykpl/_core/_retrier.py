@@ -46,7 +46,8 @@ import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from operator import attrgetter
+from typing import Any, Final
 
 from .. import errors
 from ._records import PENDING, AttemptRecord, KinesisRecord, Record
@@ -60,6 +61,9 @@ Finish = Callable[[Sequence[Record], bool], None]
 Count = Callable[[str, int, str | None, str | None], None]
 #: (name, shard, error code, statistic set): what one outcome adds to a metric
 Observe = Callable[[str, str | None, str | None, "StatisticSet"], None]
+
+#: a user record's data
+_data_of: Final = attrgetter("data")
 #: (shard, Kinesis records sent, of them throttled, accepted records, accepted bytes, when
 #: their request was sent, now): one call per predicted shard of a PutRecords response
 ShardOutcome = Callable[[str, int, int, int, int, float, float], None]
@@ -492,11 +496,18 @@ class Retrier:
         if sizes is None:
             sizes = users[actual] = StatisticSet(0, 0, math.inf, 0)
         records = kr.records
-        sizes.count += len(records)
-        # the sizes' total and extremes in local ints, folded into ``sizes`` once: per record,
-        # an int compared with the set's float extremes took the interpreter's slow path
-        total = 0
-        low = high = len(records[0].data) if records else 0
+        if records:
+            # the data sizes' count, total and extremes, measured by builtins (no bytecode
+            # per record)
+            data_sizes = list(map(len, map(_data_of, records)))
+            sizes.count += len(data_sizes)
+            sizes.total += sum(data_sizes)
+            low = min(data_sizes)
+            high = max(data_sizes)
+            if low < sizes.minimum:
+                sizes.minimum = float(low)
+            if high > sizes.maximum:
+                sizes.maximum = float(high)
         for index, record in enumerate(records):
             if record.last_attempt is None and record._state == PENDING:
                 record.last_attempt = attempt  # Record.add_attempt's first attempt, inline
@@ -505,18 +516,6 @@ class Retrier:
             record.shard_id = actual
             record.sequence_number = sequence_number
             record.sub_sequence_number = index
-            size = len(record.data)
-            total += size
-            if size < low:
-                low = size
-            elif size > high:
-                high = size
-        if records:
-            sizes.total += total
-            if low < sizes.minimum:
-                sizes.minimum = float(low)
-            if high > sizes.maximum:
-                sizes.maximum = float(high)
         self._streaks.pop(kr.predicted_shard, None)
         self.finish(kr.records, True)
 
