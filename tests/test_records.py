@@ -187,28 +187,26 @@ async def test_a_cancelled_loop_over_done_records_ends(anyio_backend_name: str) 
 @pytest.mark.anyio
 @pytest.mark.autojump  # trio only
 @pytest.mark.parametrize("layout", ["known", "unknown"])
-async def test_under_trio_a_done_record_checks_for_cancellation(
-    layout: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_under_trio_a_done_record_checks_for_cancellation(layout: str) -> None:
     # the check reads the task's cancel status where trio's layout is the one known here
     # (the trio installed must be such a one), and asks trio's public function otherwise
     import trio
 
     _awaiting.find_trio(records_module._trio)
     assert records_module._trio[2] is True
-    if layout == "unknown":
-        monkeypatch.setattr(
-            records_module,
-            "_trio",
-            [_awaiting.public_trio_task(trio), trio, False, None],
-        )
-    record = resolved_record()
-    with anyio.CancelScope() as scope:
-        assert (await record).success  # not cancelled: returns the result
-        scope.cancel()
-        await record
-        pytest.fail("a cancelled await of a done record returned")
-    assert scope.cancelled_caught
+    known = list(records_module._trio)
+    if layout == "unknown":  # in place, as find_trio fills it (the awaits hold the list)
+        records_module._trio[:] = [_awaiting.public_trio_task(trio), trio, False, None]
+    try:
+        record = resolved_record()
+        with anyio.CancelScope() as scope:
+            assert (await record).success  # not cancelled: returns the result
+            scope.cancel()
+            await record
+            pytest.fail("a cancelled await of a done record returned")
+        assert scope.cancelled_caught
+    finally:
+        records_module._trio[:] = known
 
 
 @pytest.mark.anyio

@@ -27,6 +27,7 @@ from .._core._records import (
     SUCCEEDED,
     _modules,
     _resolved_awaits,
+    _trio,
     resolved_checkpoint,
 )
 from .._core._results import Attempt, RecordResult
@@ -56,14 +57,21 @@ def interpreted_await(record: Record) -> Generator[Any, None, RecordResult]:
     compiled by mypyc is what ``_ready`` avoids."""
     if record._state == PENDING:
         return (yield from record_result(record).__await__())
-    if "trio" in _modules or _resolved_awaits[0] + 1 >= RESOLVED_YIELD_EVERY:
+    # resolved_checkpoint's common answers without its call: where no full checkpoint is due,
+    # nothing to await outside trio, and in a trio task (its run context known) a checkpoint
+    # only if the task is cancelled
+    count = _resolved_awaits[0] + 1
+    if count < RESOLVED_YIELD_EVERY and "trio" not in _modules:
+        _resolved_awaits[0] = count
+    elif count < RESOLVED_YIELD_EVERY and _trio[2]:
+        _resolved_awaits[0] = count
+        task = _trio[3].__dict__.get("task")
+        if task is not None and task._cancel_status.effectively_cancelled:
+            return (yield from result_after(_trio[1].lowlevel.checkpoint(), record).__await__())
+    else:
         checkpoint = resolved_checkpoint()
         if checkpoint is not None:
             return (yield from result_after(checkpoint, record).__await__())
-    else:
-        # resolved_checkpoint's answer where trio is not in the process and no full
-        # checkpoint is due (nothing to await), without its call
-        _resolved_awaits[0] += 1
     if record._state == SUCCEEDED:
         # Record.build_result's common case, inline (a call less per record: 760 instructions
         # of 39,000, callgrind)
