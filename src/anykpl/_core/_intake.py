@@ -354,43 +354,39 @@ class Intake:
             deadline = expiration
         slots = outstanding._records
         slot = outstanding._base + len(slots)
-        if built is not None:  # what Record.__init__ sets below, for a record already built
-            record = built
+        if built is not None or BUILD_BY_STORES:
+            if built is not None:
+                record = built
+            else:
+                # Record(...) below, slot by slot (tests/test_intake.py checks that the two
+                # agree); the slots admission sets, for this record and a built one, after
+                record = new_record(Record)
+                record.stream = stream  # type: ignore[assignment]  # str (checked above)
+                record.partition_key = facts.key
+                record.data = data  # type: ignore[assignment]  # bytes (checked above)
+                record.hash_key = facts.hash_key
+                record.explicit_hash_key = None
+                record.size = size
+                record.key_facts = facts
+                record.shard_id = None
+                record.sequence_number = None
+                record.sub_sequence_number = None
+                record.tenant = None
+                record.spool_segment = None
+                record.last_attempt = None
+                record._earlier_attempts = ()
+                record._state = PENDING
+                record._event = None
+                record.on_done = None
+                record.batch = None
+                if untrack_record is not None:  # see Record
+                    untrack_record(id(record))
             record.arrival = now
             record.deadline = deadline
             record.expiration = expiration
             record.predicted_shard = backlog.shard
             record.backlog = backlog
             record.outstanding_slot = slot
-        elif BUILD_BY_STORES:
-            # Record(...) below, slot by slot (tests/test_intake.py checks that the two agree)
-            record = new_record(Record)
-            record.stream = stream  # type: ignore[assignment]  # str (checked above)
-            record.partition_key = facts.key
-            record.data = data  # type: ignore[assignment]  # bytes (checked above)
-            record.hash_key = facts.hash_key
-            record.explicit_hash_key = None
-            record.arrival = now
-            record.deadline = deadline
-            record.expiration = expiration
-            record.size = size
-            record.predicted_shard = backlog.shard
-            record.key_facts = facts
-            record.shard_id = None
-            record.sequence_number = None
-            record.sub_sequence_number = None
-            record.tenant = None
-            record.spool_segment = None
-            record.last_attempt = None
-            record._earlier_attempts = ()
-            record._state = PENDING
-            record._event = None
-            record.on_done = None
-            record.batch = None
-            record.backlog = backlog
-            record.outstanding_slot = slot
-            if untrack_record is not None:  # see Record
-                untrack_record(id(record))
         else:
             record = Record(
                 stream,  # type: ignore[arg-type]  # str (checked above)
