@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -12,8 +13,9 @@ from typing import Any
 import botocore
 import pytest
 from aiobotocore.session import AioSession
-from botocore.exceptions import ProfileNotFound, UnknownServiceError
+from botocore.exceptions import NoRegionError, ProfileNotFound, UnknownServiceError
 from botocore.loaders import Loader
+from botocore.regions import EndpointResolver
 
 import anykpl._transport._aws
 from anykpl import ProducerConfig
@@ -227,7 +229,120 @@ def test_data_files_read_as_botocore_reads_them(name: str) -> None:
     )
     ours, theirs = shared.file_loader.load_file(path), own.file_loader.load_file(path)
     assert type(ours) is dict
-    assert json.dumps(ours) == json.dumps(theirs)  # keys in the same order, all the way down
+    # keys in the same order, all the way down (endpoints.json's services listed whole)
+    assert json.dumps(ours, default=dict) == json.dumps(theirs)
+
+
+def _endpoints() -> tuple[Any, Any]:
+    """endpoints.json as a fresh shared loader reads it, and as botocore's own loader does."""
+    _session(None)
+    return anykpl._transport._aws._loaders[None].load_data("endpoints"), Loader().load_data(
+        "endpoints"
+    )
+
+
+def _tracked(data: Any) -> int:
+    """The containers of ``data`` (JSON data, some of its mappings ``_Services``) that the
+    cyclic garbage collector tracks."""
+    count = 0
+    stack = [data]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, anykpl._transport._aws._Services):
+            node = node.known
+        if isinstance(node, dict):
+            count += gc.is_tracked(node)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            count += gc.is_tracked(node)
+            stack.extend(node)
+    return count
+
+
+def test_endpoints_keep_the_services_anykpls_clients_use() -> None:
+    """endpoints.json has every service of every partition, 16,000 containers that each full
+    collection of the process would walk: the loader keeps the services anykpl's clients use
+    (the rest is read when asked for, below), and the collector is as the caller had it."""
+    kept = anykpl._transport._aws._SERVICES_KEPT
+    for enabled in (True, False):
+        if not enabled:
+            gc.disable()
+        try:
+            ours, theirs = _endpoints()
+            assert gc.isenabled() is enabled
+        finally:
+            gc.enable()
+        assert [p["partition"] for p in ours["partitions"]] == [
+            p["partition"] for p in theirs["partitions"]
+        ]
+        for our, their in zip(ours["partitions"], theirs["partitions"], strict=True):
+            assert list(our["services"].known) == [s for s in their["services"] if s in kept]
+            assert {k: v for k, v in our.items() if k != "services"} == {
+                k: v for k, v in their.items() if k != "services"
+            }
+        assert "kinesis" in ours["partitions"][0]["services"].known
+        assert _tracked(ours) < 1_000 < 10_000 < _tracked(theirs)
+
+
+def test_endpoints_of_other_services_are_read_when_asked_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """botocore's endpoint resolver, given the loader's endpoints.json, answers as it does
+    given the whole file, for the services kept and any other (read from the file once per
+    service, every partition at once), a service the file does not have included."""
+    ours, theirs = _endpoints()
+    reads: list[str] = []
+    read_json = anykpl._transport._aws._read_json
+
+    def counted(path: str, open_file: Any) -> Any:
+        reads.append(path)
+        return read_json(path, open_file)
+
+    monkeypatch.setattr(anykpl._transport._aws, "_read_json", counted)
+    mine, botocores = EndpointResolver(ours), EndpointResolver(theirs)
+    services = ["kinesis", "sts", "iam", "ec2", "sso", "route53", "no-such-service"]
+    for _ in range(2):
+        for partition in theirs["partitions"]:
+            name = partition["partition"]
+            regions = [*list(partition["regions"])[:3], "aws-global", None]
+            for service in services:
+                for region in regions:
+                    for fips in (False, True):
+                        try:
+                            expected = botocores.construct_endpoint(
+                                service, region, use_fips_endpoint=fips
+                            )
+                        except NoRegionError:
+                            with pytest.raises(NoRegionError):
+                                mine.construct_endpoint(service, region, use_fips_endpoint=fips)
+                            continue
+                        actual = mine.construct_endpoint(service, region, use_fips_endpoint=fips)
+                        assert actual == expected, (service, region, fips)
+                assert mine.get_available_endpoints(
+                    service, name
+                ) == botocores.get_available_endpoints(service, name)
+        # the services not kept read once each, on the first round only
+        assert len(reads) == 5
+    assert "ec2" in ours["partitions"][0]["services"]
+    assert "no-such-service" not in ours["partitions"][0]["services"]
+    assert len(reads) == 5
+
+
+@pytest.mark.anyio
+async def test_a_client_finds_its_endpoint_from_the_kept_services() -> None:
+    """A client made without an endpoint URL resolves it as botocore does, in each partition
+    (the endpoint rules, with the partition data of endpoints.json)."""
+    for region, url in (
+        ("us-east-1", "https://kinesis.us-east-1.amazonaws.com"),
+        ("cn-north-1", "https://kinesis.cn-north-1.amazonaws.com.cn"),
+        ("us-gov-west-1", "https://kinesis.us-gov-west-1.amazonaws.com"),
+    ):
+        async with create_client(
+            ProducerConfig(region=region, aws_access_key_id="x", aws_secret_access_key="x"),
+            "kinesis",
+            max_pool_connections=1,
+        ) as client:
+            assert client.meta.endpoint_url == url
 
 
 def test_a_trio_client_imports_its_transport_when_it_is_made() -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import gc
 import gzip
 import json
 import os
@@ -25,7 +26,7 @@ import socket
 import struct
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from types import SimpleNamespace
 from typing import Any, Final, overload
@@ -323,19 +324,149 @@ class _JSONFiles(JSONFileLoader):  # type: ignore[misc]  # botocore has no types
     """botocore's reader of its JSON data files, reading objects into plain dicts. botocore
     reads them into OrderedDicts (a hook called for every object), which made endpoints.json
     (1.2 MB, read by every first client of a process) take 20 ms instead of 6; a dict keeps the
-    order as well, and nothing reads these data as anything but mappings."""
+    order as well, and nothing reads these data as anything but mappings. endpoints.json is
+    read by :func:`_read_endpoints` (see there)."""
 
     def load_file(self, file_path: str) -> Any:
         for extension, open_file in _JSON_FILES:
             path = file_path + extension
             if os.path.isfile(path):
-                with open_file(path, "rb") as file:
-                    return json.loads(file.read().decode("utf-8"))
+                if os.path.basename(file_path) == "endpoints":
+                    return _read_endpoints(path, open_file)
+                return _read_json(path, open_file)
         return None
 
 
 #: how botocore's data files may be stored, in the order its loader tries them
 _JSON_FILES: Final = ((".json", open), (".json.gz", gzip.open))
+
+
+def _read_json(path: str, open_file: Callable[[str, str], Any]) -> Any:
+    with open_file(path, "rb") as file:
+        return json.loads(file.read().decode("utf-8"))
+
+
+# endpoints.json holds the endpoints of every service in every partition: 23,000 dicts and lists
+# (botocore 1.43), 16,000 of them containers that the cyclic garbage collector tracks, held by
+# the process's loader for as long as it runs. Each full collection of the process walked them
+# (6 ms of the 25 a full collection took next to a producer, 2-core VM, 2026-12-04), and
+# reading them set one off in the first producer's opening (a 30 ms stall of its event loop,
+# there a producer's opening took 67 ms in all). A client reads the entries of its own service
+# only. So each partition's ``services`` is a mapping (:class:`_Services`) that holds, from the
+# first reading, the services anykpl's clients use, and reads any other service from the file
+# the first time it is asked for, or the whole file if it is listed: botocore's endpoint
+# resolver finds the same entries as in the whole file, and the rest is not kept. The file is
+# read with the collector paused (:func:`_collection_paused`), and what is not kept is freed
+# before it resumes: no collection walks it, and it counts towards none.
+
+#: The services (their endpoints.json names) kept from the first reading: anykpl's clients'
+#: (Kinesis, CloudWatch, DynamoDB, S3, Glue's schema registry) and STS, which botocore's
+#: assume-role credentials call.
+_SERVICES_KEPT: Final = frozenset({"kinesis", "monitoring", "dynamodb", "s3", "glue", "sts"})
+
+
+def _read_endpoints(path: str, open_file: Callable[[str, str], Any]) -> Any:
+    """endpoints.json at ``path``, each partition's ``services`` a :class:`_Services` (see
+    above); as read, where the file is not shaped as botocore's is."""
+    with _collection_paused():
+        data = _read_json(path, open_file)
+        try:
+            partitions = data["partitions"]
+            names = [partition["partition"] for partition in partitions]
+            shaped = all(type(partition["services"]) is dict for partition in partitions)
+        except (KeyError, TypeError):
+            return data
+        if not shaped or len(set(names)) != len(names):
+            return data
+        source = _EndpointsFile(path, open_file)
+        for partition, name in zip(partitions, names, strict=True):
+            # (the services not kept freed here, while the collector is paused)
+            services = _Services(source, _kept(partition["services"]))
+            partition["services"] = source.partitions[name] = services
+    return data
+
+
+def _kept(services: dict[str, Any]) -> dict[str, Any]:
+    """Of a partition's ``services``, those in :data:`_SERVICES_KEPT`, in the file's order."""
+    return {service: entry for service, entry in services.items() if service in _SERVICES_KEPT}
+
+
+@contextlib.contextmanager
+def _collection_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused (as the caller found it after)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+class _EndpointsFile:
+    """An endpoints.json read by :func:`_read_endpoints`: its partitions' services, by
+    partition name, and where to read the rest."""
+
+    def __init__(self, path: str, open_file: Callable[[str, str], Any]) -> None:
+        self.path = path
+        self.open_file = open_file
+        self.partitions: dict[str, _Services] = {}
+
+    def read(self, service: str | None) -> None:
+        """Read ``service``'s entries into each partition, which from then on knows whether
+        it has the service; every service's, with ``None``."""
+        with _collection_paused():
+            # (what is not kept freed as _take returns, while the collector is paused)
+            self._take(_read_json(self.path, self.open_file), service)
+
+    def _take(self, data: Any, service: str | None) -> None:
+        found: dict[str, dict[str, Any]] = {
+            partition["partition"]: partition["services"] for partition in data["partitions"]
+        }
+        for name, services in self.partitions.items():
+            entries = found.get(name, {})
+            if service is None:
+                # in the file's order, the entries given out already kept
+                known = services.known
+                services.known = {each: known.get(each, entry) for each, entry in entries.items()}
+                services.complete = True
+            elif service in entries:
+                services.known.setdefault(service, entries[service])
+            else:
+                services.absent.add(service)
+
+
+class _Services(Mapping[str, Any]):
+    """A partition's ``services`` in endpoints.json (see above): the services read so far; any
+    other is read from the file the first time it is asked for, and every one of them where
+    the mapping is listed."""
+
+    def __init__(self, source: _EndpointsFile, known: dict[str, Any]) -> None:
+        self.source = source
+        self.known = known
+        self.absent: set[str] = set()  # services asked for, not in this partition
+        self.complete = False  # every service of the partition known
+
+    def __getitem__(self, service: str) -> Any:
+        known = self.known
+        if (
+            service not in known
+            and not self.complete
+            and type(service) is str
+            and service not in self.absent
+        ):
+            self.source.read(service)
+        return known[service]
+
+    def __iter__(self) -> Iterator[str]:
+        if not self.complete:
+            self.source.read(None)
+        return iter(self.known)
+
+    def __len__(self) -> int:
+        if not self.complete:
+            self.source.read(None)
+        return len(self.known)
 
 
 class _AvailableServices(Sequence[str]):
