@@ -788,7 +788,6 @@ class Intake:
         """Resolve the records still pending among ``records``; return how many there were,
         and their bytes."""
         spool = self.spool if not self.keep_spooled else None
-        released = count = emptied = 0
         outstanding = self.outstanding
         # OutstandingRecords.remove, inline: its count of pending records kept exact, its
         # empty slots counted at the end (or before a completion hook, below), and the list
@@ -796,33 +795,41 @@ class Intake:
         slots = outstanding._records
         base = outstanding._base
         state = SUCCEEDED if success else FAILED
-        # The records of a Kinesis record mostly count in one backlog (their shard's): a run
-        # of them is counted out of it at once, when the backlog changes and at the end.
+        # The loop counts only what is rare: the records resolved already (``skipped``) and
+        # those not in the list (``kept``); how many were pending, and how many of them left
+        # the list, follow from a record's position (``pending`` before it). The records of a
+        # Kinesis record mostly count in one backlog (their shard's): a run of them is counted
+        # out of it at once (from the ``run_from``-th pending record on), when the backlog
+        # changes and at the end.
+        skipped = kept = 0
+        emptied_counted = 0  # of the records that left the list, those counted out of it
+        released = 0
         run_backlog: ShardBacklog | None = None
-        run_records = run_bytes = 0
-        for record in records:
+        run_from = run_bytes = 0
+        position = -1
+        for position, record in enumerate(records):
             if record._state != PENDING:
+                skipped += 1
                 continue  # resolved already: exactly once
             slot = record.outstanding_slot - base
-            if slot >= 0:
-                try:
-                    if slots[slot] is record:
-                        slots[slot] = None
-                        record.outstanding_slot = -1
-                        emptied += 1
-                except IndexError:
-                    pass  # not in the list (admitted by another intake, or never)
-            size = record.size
-            released += size
-            count += 1
+            try:
+                if slot >= 0 and slots[slot] is record:
+                    slots[slot] = None
+                    record.outstanding_slot = -1
+                else:
+                    kept += 1  # not in the list (admitted by another intake, or never)
+            except IndexError:
+                kept += 1
             backlog = record.backlog
             if backlog is not run_backlog:
-                if run_backlog is not None and run_records:
-                    self._count_out(run_backlog, run_records, run_bytes)
+                pending = position - skipped
+                if run_backlog is not None and pending > run_from:
+                    self._count_out(run_backlog, pending - run_from, run_bytes)
+                released += run_bytes
                 run_backlog = backlog
-                run_records = run_bytes = 0
-            run_records += 1
-            run_bytes += size
+                run_from = pending
+                run_bytes = 0
+            run_bytes += record.size
             if spool is not None:
                 segment = record.spool_segment
                 if segment is not None:
@@ -832,12 +839,16 @@ class Intake:
                 # its completion hook runs now, and may read the list, admit records, or
                 # resolve some itself (the list then closed up): the list is brought up to
                 # date for it (the backlog's run counted out too), and read again after
+                pending = position - skipped + 1  # this one included
+                emptied = pending - kept - emptied_counted
                 outstanding.count -= emptied
                 outstanding._empty += emptied
-                emptied = 0
-                if run_backlog is not None and run_records:
-                    self._count_out(run_backlog, run_records, run_bytes)
-                run_records = run_bytes = 0
+                emptied_counted += emptied
+                if run_backlog is not None and pending > run_from:
+                    self._count_out(run_backlog, pending - run_from, run_bytes)
+                released += run_bytes
+                run_from = pending
+                run_bytes = 0
                 record.resolve(success)
                 slots = outstanding._records
                 base = outstanding._base
@@ -845,9 +856,12 @@ class Intake:
                 record._state = state  # Record.resolve, when nothing waits on it
             else:
                 record.resolve(success)
-        if run_backlog is not None and run_records:
-            self._count_out(run_backlog, run_records, run_bytes)
+        count = position + 1 - skipped
+        if run_backlog is not None and count > run_from:
+            self._count_out(run_backlog, count - run_from, run_bytes)
+        released += run_bytes
         self.outstanding_bytes -= released
+        emptied = count - kept - emptied_counted
         outstanding.count -= emptied
         outstanding._empty += emptied
         outstanding.close_up()
