@@ -30,7 +30,7 @@ import anyio
 
 from .. import errors
 from .._compat import running_trio
-from .._core._intake import CHECKPOINT_EVERY, Intake, offset_clock
+from .._core._intake import CHECKPOINT_EVERY, Intake, StreamIntake, offset_clock
 from .._core._limits import MAX_TENANT_LENGTH
 from .._core._metrics import Metrics, MetricValue
 from .._core._records import AttemptRecord, BatchCounter, Record, RecordResult
@@ -130,6 +130,10 @@ class Producer(anyio.AsyncContextManagerMixin):
         self._transport_override = transport
         self._transport: Transport | None = None
         self._pipelines: dict[str, Pipeline] = {}
+        self._intakes: dict[str, StreamIntake] = {}  # each pipeline's intake, by stream
+        # what submit's common case admits to: ``_intakes`` while the producer is open (and
+        # admitting needs no spool commit), empty otherwise
+        self._admitting: dict[str, StreamIntake] = {}
         self._task_group: anyio.abc.TaskGroup | None = None  # the stages' task group
         self._stages_scope: anyio.CancelScope | None = None
         self._shut_down_event: anyio.Event | None = None
@@ -204,6 +208,8 @@ class Producer(anyio.AsyncContextManagerMixin):
                 if idle is not None and idle != math.inf:
                     self._task_group.start_soon(self._prune_idle_streams, idle)
                 self._state = "open"
+                if self._commit is None:
+                    self._admitting = self._intakes
                 cancelled = False
                 try:
                     yield self
@@ -223,6 +229,7 @@ class Producer(anyio.AsyncContextManagerMixin):
             raise
         finally:
             self._state = "closed"
+            self._admitting = {}
             self._fail_closed()  # the safety net, also when opening the transport failed
             self._freeze_clock()
             if self._spool is not None:
@@ -343,6 +350,7 @@ class Producer(anyio.AsyncContextManagerMixin):
             return
         done = self._shut_down_event = anyio.Event()
         self._state = "closing"
+        self._admitting = {}
         self._admission.close()  # waits for room end now (the spool's recovery among them)
         closing_at = anyio.current_time()
         try:
@@ -377,6 +385,7 @@ class Producer(anyio.AsyncContextManagerMixin):
                 elif now - last[1] >= idle_timeout:
                     self._count_received()  # its last admissions still count
                     del self._pipelines[stream]
+                    del self._intakes[stream]
                     del seen[stream]
                     pipeline.stop()
                     logger.info(
@@ -447,6 +456,7 @@ class Producer(anyio.AsyncContextManagerMixin):
                 return
             self._failure = exc
             self._state = "closing"
+            self._admitting = {}
             self._admission.close()
             logger.error(
                 "a pipeline stage crashed (%s: %s); failing %d outstanding record(s)",
@@ -477,6 +487,7 @@ class Producer(anyio.AsyncContextManagerMixin):
         )
         pipeline.on_room = self._wake_waiters
         self._pipelines[stream] = pipeline
+        self._intakes[stream] = pipeline.intake
         pipeline.start(self._task_group, self._guard)
         return pipeline
 
@@ -529,16 +540,15 @@ class Producer(anyio.AsyncContextManagerMixin):
         ``admission_timeout`` in all. ``await`` the handle for the result.
         Raises like :meth:`put_record`, except that record failures come from the handle.
         """
-        if tenant is None and self._state == "open":
-            # the common case, one compiled call: admitted now, or None for the general path
-            pipeline = self._pipelines.get(stream)
-            if pipeline is not None and not pipeline.stopped:
+        if tenant is None:
+            # the common case (the producer open, the stream's pipeline running, no spool
+            # commit to wait for), one compiled call: admitted now, or None for the general path
+            stream_intake = self._admitting.get(stream)
+            if stream_intake is not None:
                 admitted_now = self._intake.admit_now(
-                    pipeline.intake, stream, data, partition_key, explicit_hash_key
+                    stream_intake, stream, data, partition_key, explicit_hash_key
                 )
                 if admitted_now is not None:
-                    if self._commit is not None:
-                        await self._commit.wait()
                     return admitted_now
         if self._state != "open":
             raise self._not_open()
