@@ -33,6 +33,7 @@ import math
 import os
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
+from itertools import islice
 from typing import Any, Final, Protocol
 
 from .. import errors
@@ -172,11 +173,9 @@ class OutstandingRecords:
     def _first_filled(self) -> int:
         """The first filled slot (``len(_records)`` if none), looked for from ``_head``."""
         records = self._records
-        slot = self._head
-        end = len(records)
-        while slot < end and records[slot] is None:
-            slot += 1
-        return slot
+        # by builtins, no bytecode per slot: an empty slot is None, a record is true
+        first = next(filter(None, islice(records, self._head, None)), None)
+        return len(records) if first is None else first.outstanding_slot - self._base
 
     def oldest(self) -> Record | None:
         """The pending record admitted first, ``None`` when none is."""
