@@ -98,7 +98,6 @@ class Aggregator:
         self._open: dict[str | tuple[str, str], _OpenAggregate] = {}
         self._deadlines: list[tuple[float, int, _OpenAggregate]] = []
         self._counter = 0
-        self.buffered_records = 0
         # records waiting for the shard map, and when the first of them stops waiting
         self._unmapped: list[Record] = []
         self._unmapped_until = math.inf
@@ -115,6 +114,12 @@ class Aggregator:
 
     def __repr__(self) -> str:
         return f"<Aggregator {len(self._open)} open aggregate(s) {self.buffered_records} records>"
+
+    @property
+    def buffered_records(self) -> int:
+        """The user records buffered: in the open aggregates, and waiting for the shard map
+        (counted when asked, not as they come and go)."""
+        return sum(len(agg.records) for agg in self._open.values()) + len(self._unmapped)
 
     @property
     def next_deadline(self) -> float:
@@ -163,7 +168,6 @@ class Aggregator:
                 out.append(KinesisRecord.single(record))
                 return False
             self._unmapped.append(record)
-            self.buffered_records += 1
             if len(self._unmapped) == 1:
                 self._unmapped_wait_end = record.deadline + SHARD_MAP_WAIT
                 self._unmapped_until = min(self._unmapped_wait_end, record.expiration)
@@ -203,7 +207,6 @@ class Aggregator:
                 out.append(self._seal(agg))
             agg = self._open[key] = fresh
         agg.records.append(record)
-        self.buffered_records += 1
         if record.expiration < agg.expiration:
             agg.expiration = record.expiration
         if len(agg.records) >= self.max_count:  # full by count: out at once, as in the KPL
@@ -235,13 +238,11 @@ class Aggregator:
         ):
             return False
         agg.records.append(record)
-        self.buffered_records += 1
         return True
 
     def _seal(self, agg: _OpenAggregate) -> KinesisRecord:
         del self._open[agg.key]
         records = agg.records
-        self.buffered_records -= len(records)
         if len(records) == 1:
             return KinesisRecord.single(records[0])
         first = records[0]
@@ -284,7 +285,6 @@ class Aggregator:
             return
         self._unmapped = []
         self._unmapped_until = math.inf
-        self.buffered_records -= len(live)
         for record in live:
             shard = record.predicted_shard = self.predict(record.hash_key)
             if shard is None:
@@ -298,7 +298,6 @@ class Aggregator:
         live: list[Record] = []
         for record in waiting:
             if record.expiration <= now:
-                self.buffered_records -= 1
                 self.expired.append(record)
             else:
                 live.append(record)
@@ -412,7 +411,6 @@ class Aggregator:
         self.expired = []
         self._open.clear()
         self._deadlines.clear()
-        self.buffered_records = 0
         return records
 
 
