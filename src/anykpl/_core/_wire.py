@@ -211,9 +211,9 @@ _builder_tokens: Final = itertools.count(1)
 @mypyc_attr(acyclic=True)
 class KeyFacts:
     """One partition key as the producer's key cache remembers it: its text, hash key, UTF-8
-    length, its entry in an aggregate's key table, and the last two aggregates whose tables
-    took it, with its index in each (their builders' tokens, which grow with each builder;
-    0: none).
+    length, its entry in an aggregate's key table (and that entry's size), and the last two
+    aggregates whose tables took it, with its index in each (their builders' tokens, which
+    grow with each builder; 0: none).
 
     :meth:`AggregateBuilder.add_key_within` finds the key's index in its own table from these,
     with no dictionary lookup, and appends the entry, encoded once per key, when its table does
@@ -231,6 +231,7 @@ class KeyFacts:
     __slots__ = (
         "backlog",
         "entry",
+        "entry_size",
         "hash_key",
         "index",
         "key",
@@ -246,6 +247,7 @@ class KeyFacts:
         self.hash_key = hash_key
         self.size = size
         self.entry = entry
+        self.entry_size = len(entry)
         self.table = 0
         self.index = 0
         self.other_table = 0
@@ -395,28 +397,27 @@ class AggregateBuilder:
         way round, and a table may hold such a key twice, which decodes the same.
         """
         token = self._token
-        new_key = False
         if key.table == token:
             pk_index = key.index
+            entry_size = 0
         elif key.other_table == token:
             pk_index = key.other_index
+            entry_size = 0
         elif key.table > token and key.other_table > token:
             return self.add_within(key.key, None, data, limit)
-        else:
+        else:  # a key new to the table: its entry is added (0 bytes it never is)
             pk_index = len(self._pk_table)
-            new_key = True
+            entry_size = key.entry_size
         data_len = len(data)
         # _plain_header's cache, inline (one call less per record)
         try:
             header = _header_rows[pk_index][data_len]
         except (IndexError, KeyError):
             header = _plain_header(pk_index, data_len)
-        size = self._size + len(header) + data_len
-        if new_key:
-            size += len(key.entry)
+        size = self._size + len(header) + data_len + entry_size
         if size + AGGREGATION_OVERHEAD > limit:
             return False
-        if new_key:
+        if entry_size:
             self._pk_table.append(key.entry)
             key.other_table = key.table
             key.other_index = key.index
