@@ -195,8 +195,10 @@ async def test_under_trio_a_done_record_checks_for_cancellation(layout: str) -> 
     _awaiting.find_trio(records_module._trio)
     assert records_module._trio[2] is True
     known = list(records_module._trio)
+    assert _awaiting._run_context is known[3]
     if layout == "unknown":  # in place, as find_trio fills it (the awaits hold the list)
         records_module._trio[:] = [_awaiting.public_trio_task(trio), trio, False, None]
+        _awaiting._run_context = None
     try:
         record = resolved_record()
         with anyio.CancelScope() as scope:
@@ -207,6 +209,7 @@ async def test_under_trio_a_done_record_checks_for_cancellation(layout: str) -> 
         assert scope.cancelled_caught
     finally:
         records_module._trio[:] = known
+        _awaiting._run_context = known[3]
 
 
 @pytest.mark.anyio

@@ -63,9 +63,9 @@ def interpreted_await(record: Record) -> Generator[Any, None, RecordResult]:
     count = _resolved_awaits[0] + 1
     if count < RESOLVED_YIELD_EVERY and "trio" not in _modules:
         _resolved_awaits[0] = count
-    elif count < RESOLVED_YIELD_EVERY and _trio[2]:
+    elif count < RESOLVED_YIELD_EVERY and _run_context is not None:
         _resolved_awaits[0] = count
-        task = _trio[3].__dict__.get("task")
+        task = _run_context.__dict__.get("task")
         if task is not None and task._cancel_status.effectively_cancelled:
             return (yield from result_after(_trio[1].lowlevel.checkpoint(), record).__await__())
     else:
@@ -158,12 +158,19 @@ _new_tuple = tuple.__new__
 new_event = anyio.Event
 checkpoint = anyio.lowlevel.checkpoint
 
+#: trio's run context, where :func:`interpreted_await` checks a trio task's cancel status
+#: itself (set by :func:`find_trio` where trio's layout is the one known here, ``_trio[2]``);
+#: ``None`` before and otherwise
+_run_context: Any = None
+
 
 def find_trio(slot: list[Any]) -> Callable[[], Any]:
     """Look trio's run context up once, into ``slot`` (``_records._trio``: ``[current task,
     trio module, fast, run context]``), and return the first: a function giving the calling
     thread's trio task, ``None`` outside trio. ``fast`` only where the run context is the
-    thread-local known here."""
+    thread-local known here (and then also :data:`_run_context`)."""
+    global _run_context
+    _run_context = None
     trio = sys.modules["trio"]
     try:
         from trio._core._run import GLOBAL_RUN_CONTEXT, CancelStatus
@@ -184,6 +191,8 @@ def find_trio(slot: list[Any]) -> Callable[[], Any]:
         return run_context.__dict__.get("task")
 
     slot[:] = [current_task, trio, fast, run_context]
+    if fast:
+        _run_context = run_context
     return current_task
 
 
