@@ -317,15 +317,16 @@ def test_admitting_batches_the_shorter_way_changes_what_the_general_path_changes
     # its byte cap binding, a TTL shorter than max_buffered_time part of the time, idle streams.
     taken = [0]  # records the shorter way admitted (counted where the build lets a test look)
     if build_kind() != "compiled":
-        shorter = Intake.admit_now
+        shorter = Intake._admit_run
 
-        def counted(self: Intake, *args: Any) -> Record | None:
-            admitted = shorter(self, *args)
-            # a record make_records built (admit_now's ``built``)
-            taken[0] += admitted is not None and len(args) > 5 and args[5] is not None
-            return admitted
+        def counted(
+            self: Intake, stream: StreamIntake, records: list[Record], start: int, now: float
+        ) -> int:
+            end = shorter(self, stream, records, start, now)
+            taken[0] += end - start
+            return end
 
-        monkeypatch.setattr(Intake, "admit_now", counted)
+        monkeypatch.setattr(Intake, "_admit_run", counted)
 
     def run(fast: bool) -> dict[str, Any]:
         first_token = next(_wire._builder_tokens)
@@ -404,7 +405,11 @@ def test_admitting_batches_the_shorter_way_changes_what_the_general_path_changes
                 )
                 for r in admitted
             ],
-            "sealed": [(k.predicted_shard, len(k.records), k.deadline) for k in sealed],
+            # each shard's in order (the batch's records go to the aggregator by shard)
+            "sealed": sorted(
+                ((k.predicted_shard, len(k.records), k.deadline) for k in sealed),
+                key=lambda k: str(k[0]),
+            ),
             "open": sorted(
                 (a.shard, len(a.records), a.deadline)
                 for s in streams
@@ -531,21 +536,33 @@ def test_a_record_the_common_case_builds_is_the_one_its_class_builds(
     assert gc.is_tracked(record) == gc.is_tracked(first)
 
 
-def test_the_shorter_way_holds_to_limits_and_reserves_that_are_not_whole_numbers() -> None:
-    # Intake.admit_now compares whole numbers (ShardBacklog.full_records/full_bytes,
-    # Intake.reserve_records/reserve_bytes): at each limit's edge it decides as the
-    # general path's comparisons with the fractional limits do, neither more nor less.
-    def shorter_way(
-        intake: Intake, stream: StreamIntake, held: list[int], size: int
-    ) -> Record | None:
+@pytest.mark.parametrize("way", ["submit", "submit_many"])
+def test_the_shorter_way_holds_to_limits_and_reserves_that_are_not_whole_numbers(
+    monkeypatch: pytest.MonkeyPatch, way: str
+) -> None:
+    # The shorter way (Intake.admit_now, a submit's, and Intake._admit_run, a batch's) compares
+    # whole numbers (ShardBacklog.full_records/full_bytes, Intake.reserve_records/
+    # reserve_bytes): at each limit's edge it decides as the general path's comparisons with
+    # the fractional limits do, neither more nor less.
+    if way == "submit":
+        if build_kind() == "compiled":
+            way = "submit_many"  # a compiled class takes no patch: the batch's way only
+        else:
+            # admit_now alone: where it declines, the general way is not taken
+            monkeypatch.setattr(Intake, "_admit_otherwise", lambda *args: None)
+
+    def shorter_way(intake: Intake, stream: StreamIntake, held: list[int], size: int) -> bool:
         key = _key_on(0)
         for held_size in held:  # what the shard holds first
             record = intake.make_record("s", b"x" * (held_size - len(key)), key, None)
             assert intake.has_room(record, stream)
             intake.enqueue(stream, record)
-        # the shorter way alone (a built record's: where it declines, nothing is admitted)
-        record = intake.make_record("s", b"y" * (size - len(key)), key, None)
-        return intake.admit_now(stream, "s", record.data, None, None, record, 0.0)
+        data = b"y" * (size - len(key))
+        if way == "submit":
+            return intake.admit_now(stream, "s", data, key, None) is not None
+        # the shorter way alone, a batch's (where it declines, nothing is admitted)
+        record = intake.make_record("s", data, key, None)
+        return intake._admit_run(stream, [record], 0, 0.0) == 1
 
     def stream_of(
         intake: Intake, records: float = math.inf, nbytes: float = math.inf
@@ -553,22 +570,22 @@ def test_the_shorter_way_holds_to_limits_and_reserves_that_are_not_whole_numbers
         return _stream(intake, shard_records=records, shard_bytes=nbytes)
 
     intake = _intake()
-    assert shorter_way(intake, stream_of(intake, records=2.5), [100, 100], 100) is not None
+    assert shorter_way(intake, stream_of(intake, records=2.5), [100, 100], 100)
     intake = _intake()
-    assert shorter_way(intake, stream_of(intake, records=2.5), [100, 100, 100], 100) is None
+    assert not shorter_way(intake, stream_of(intake, records=2.5), [100, 100, 100], 100)
     intake = _intake()
-    assert shorter_way(intake, stream_of(intake, nbytes=2_500.5), [1_000], 1_500) is not None
+    assert shorter_way(intake, stream_of(intake, nbytes=2_500.5), [1_000], 1_500)
     intake = _intake()
-    assert shorter_way(intake, stream_of(intake, nbytes=2_500.5), [1_000], 1_501) is None
+    assert not shorter_way(intake, stream_of(intake, nbytes=2_500.5), [1_000], 1_501)
     # the producer's reserve: 80 % of 11 records (8.8) and of 10,003 bytes (8,002.4)
     intake = _intake(max_records=11)
-    assert shorter_way(intake, stream_of(intake), [100] * 8, 100) is not None
+    assert shorter_way(intake, stream_of(intake), [100] * 8, 100)
     intake = _intake(max_records=11)
-    assert shorter_way(intake, stream_of(intake), [100] * 9, 100) is None
+    assert not shorter_way(intake, stream_of(intake), [100] * 9, 100)
     intake = _intake(max_bytes=10_003)
-    assert shorter_way(intake, stream_of(intake), [3_000, 3_000], 2_002) is not None
+    assert shorter_way(intake, stream_of(intake), [3_000, 3_000], 2_002)
     intake = _intake(max_bytes=10_003)
-    assert shorter_way(intake, stream_of(intake), [3_000, 3_000], 2_003) is None
+    assert not shorter_way(intake, stream_of(intake), [3_000, 3_000], 2_003)
 
 
 def test_a_hot_shards_backlog_never_makes_another_shards_record_wait() -> None:

@@ -240,6 +240,44 @@ class Aggregator:
         agg.records.append(record)
         return True
 
+    def put_run(self, shard: str, records: list[Record], out: list[KinesisRecord]) -> bool:
+        """:meth:`put_placed` for ``records``, in order: records admitted together for
+        ``shard`` (predicted), with one deadline and one expiration, no tenant, each under the
+        key cache's :class:`KeyFacts` (a batch's records of one shard). While the shard's open
+        aggregate takes them as :meth:`add_to_open` would, they join it in one call
+        (:meth:`AggregateBuilder.add_keys_within`); the others, the first of each new aggregate
+        among them, go by :meth:`put_placed`. Returns as :meth:`put_placed` does (for any)."""
+        moved = False
+        position = 0
+        end = len(records)
+        first = records[0]
+        deadline = first.deadline
+        expiration = first.expiration
+        opened = self._open
+        while True:
+            agg = opened.get(shard)
+            if (
+                agg is not None
+                and not self.map_unavailable
+                and deadline >= agg.deadline
+                and expiration >= agg.expiration
+            ):
+                taken = agg.records
+                # as add_to_open: the record that fills the aggregate by count goes by
+                # put_placed, which seals it
+                stop = min(end, position + self.max_count - 1 - len(taken))
+                if stop > position:
+                    added = agg.builder.add_keys_within(records, position, stop, agg.limit)
+                    taken.extend(records[position:added])
+                    position = added
+                    if position == end:
+                        return moved
+            if self.put_placed(records[position], out):
+                moved = True
+            position += 1
+            if position == end:
+                return moved
+
     def _seal(self, agg: _OpenAggregate) -> KinesisRecord:
         del self._open[agg.key]
         records = agg.records

@@ -273,8 +273,6 @@ class Intake:
         data: object,
         partition_key: object,
         explicit_hash_key: object,
-        built: Record | None = None,
-        now: float = 0.0,
     ) -> Record | None:
         """:meth:`Producer.submit`'s common case in one call: validate the record and, if it
         may be admitted without waiting (room now, no checkpoint due, the stream's shard map
@@ -286,18 +284,13 @@ class Intake:
         reserve untouched) takes the steps of :meth:`make_record`, :meth:`has_room` and
         :meth:`enqueue_at` here, inline: in the pure build a call costs as much as a tenth of
         the rest. A key new to the key cache is learnt on the way (:meth:`learn_key`). Any
-        other record takes those methods (:meth:`_admit_otherwise`).
-
-        With ``built`` (a record of a batch, built by :meth:`make_records` and not yet
-        admitted; :meth:`admit_ready`), that record is admitted at ``now`` the same way, or
-        ``None`` returned with nothing changed.
+        other record takes those methods (:meth:`_admit_otherwise`). A batch's records take
+        the same way in runs (:meth:`_admit_run`).
 
         :raises: as :meth:`make_record` and :meth:`enqueue`.
         """
         since = self.since_checkpoint + 1
-        if built is not None:
-            facts = built.key_facts
-        elif (
+        if (
             type(partition_key) is str
             and explicit_hash_key is None
             and type(data) is bytes
@@ -312,20 +305,20 @@ class Intake:
             facts = None
         if facts is None:
             return self._admit_otherwise(
-                built, stream_intake, stream, data, partition_key, explicit_hash_key
+                stream_intake, stream, data, partition_key, explicit_hash_key
             )
         size = len(data) + facts.size  # type: ignore[arg-type]  # bytes (checked above)
         shard_map = stream_intake.shard_map
         if size > self.max_record_size or not shard_map.ready:
             return self._admit_otherwise(
-                built, stream_intake, stream, data, partition_key, explicit_hash_key
+                stream_intake, stream, data, partition_key, explicit_hash_key
             )
         backlog = facts.backlog
         if facts.placed != shard_map.version or backlog is None:
             backlog = self._place_key(stream_intake, facts)
             if backlog is None:
                 return self._admit_otherwise(
-                    built, stream_intake, stream, data, partition_key, explicit_hash_key
+                    stream_intake, stream, data, partition_key, explicit_hash_key
                 )
         held = backlog.outstanding_records
         held_bytes = backlog.outstanding_bytes
@@ -343,43 +336,38 @@ class Intake:
             )
         ):
             return self._admit_otherwise(
-                built, stream_intake, stream, data, partition_key, explicit_hash_key
+                stream_intake, stream, data, partition_key, explicit_hash_key
             )
-        if built is None:
-            now = self.clock_base() + self.clock_offset  # self.clock(), see use_clock
+        now = self.clock_base() + self.clock_offset  # self.clock(), see use_clock
         deadline = now + stream_intake.max_buffered_time
         expiration = now + stream_intake.record_ttl
         if deadline > expiration:
             deadline = expiration
         slots = outstanding._records
         slot = outstanding._base + len(slots)
-        if built is not None or BUILD_BY_STORES:
-            if built is not None:
-                record = built
-            else:
-                # Record(...) below, slot by slot (tests/test_intake.py checks that the two
-                # agree); the slots admission sets, for this record and a built one, after
-                record = new_record(Record)
-                record.stream = stream  # type: ignore[assignment]  # str (checked above)
-                record.partition_key = facts.key
-                record.data = data  # type: ignore[assignment]  # bytes (checked above)
-                record.hash_key = facts.hash_key
-                record.explicit_hash_key = None
-                record.size = size
-                record.key_facts = facts
-                record.shard_id = None
-                record.sequence_number = None
-                record.sub_sequence_number = None
-                record.tenant = None
-                record.spool_segment = None
-                record.last_attempt = None
-                record._earlier_attempts = ()
-                record._state = PENDING
-                record._event = None
-                record.on_done = None
-                record.batch = None
-                if untrack_record is not None:  # see Record
-                    untrack_record(id(record))
+        if BUILD_BY_STORES:
+            # Record(...) below, slot by slot (tests/test_intake.py checks that the two agree)
+            record = new_record(Record)
+            record.stream = stream  # type: ignore[assignment]  # str (checked above)
+            record.partition_key = facts.key
+            record.data = data  # type: ignore[assignment]  # bytes (checked above)
+            record.hash_key = facts.hash_key
+            record.explicit_hash_key = None
+            record.size = size
+            record.key_facts = facts
+            record.shard_id = None
+            record.sequence_number = None
+            record.sub_sequence_number = None
+            record.tenant = None
+            record.spool_segment = None
+            record.last_attempt = None
+            record._earlier_attempts = ()
+            record._state = PENDING
+            record._event = None
+            record.on_done = None
+            record.batch = None
+            if untrack_record is not None:  # see Record
+                untrack_record(id(record))
             record.arrival = now
             record.deadline = deadline
             record.expiration = expiration
@@ -414,13 +402,11 @@ class Intake:
         elif stream_intake.idle:
             stream_intake.idle = False
             stream_intake.send_now()
-        if built is None:
-            self.since_checkpoint = since
+        self.since_checkpoint = since
         return record
 
     def _admit_otherwise(
         self,
-        built: Record | None,
         stream_intake: StreamIntake,
         stream: object,
         data: object,
@@ -428,10 +414,8 @@ class Intake:
         explicit_hash_key: object,
     ) -> Record | None:
         """:meth:`admit_now` for a record its common case does not take: build and check it
-        (:meth:`make_record`), and admit it if it may be without waiting; ``None`` (for a
-        ``built`` record always) where the caller takes the general path."""
-        if built is not None:
-            return None
+        (:meth:`make_record`), and admit it if it may be without waiting; ``None`` where the
+        caller takes the general path."""
         since = self.since_checkpoint + 1
         record = self.make_record(stream, data, partition_key, explicit_hash_key)
         # checkpoint_due and enqueue, inline (two calls less per record)
@@ -470,46 +454,72 @@ class Intake:
         :raises: as :meth:`make_record`, the message naming the item (``records[3]: ...``).
         """
         made: list[Record] = []
+        append = made.append
         key_cache = self.key_cache
         max_record_size = self.max_record_size
-        index = 0
+        name = stream if type(stream) is str else None
         for item in items:
             # the commonest item first, inline: ``(bytes, str)`` under a partition key the key
             # cache knows (so valid), of a valid size, for a stream named by a str
-            if type(item) is tuple and len(item) == 2 and type(stream) is str:
-                data = item[0]
-                partition_key = item[1]
+            if name is not None and type(item) is tuple and len(item) == 2:
+                data, partition_key = item
                 if type(data) is bytes and type(partition_key) is str:
                     facts = key_cache.get(partition_key)
                     if facts is not None:
                         size = len(data) + facts.size
                         if size <= max_record_size:
-                            record = Record(
-                                stream,
-                                facts.key,
-                                data,
-                                facts.hash_key,
-                                None,
-                                0.0,
-                                0.0,
-                                0.0,
-                                size,
-                                facts,
-                            )
+                            if BUILD_BY_STORES:
+                                # Record(...) below, slot by slot, as in admit_now (the slots
+                                # admission sets are set then: _admit_run, enqueue_at)
+                                record = new_record(Record)
+                                record.stream = name
+                                record.partition_key = facts.key
+                                record.data = data
+                                record.hash_key = facts.hash_key
+                                record.explicit_hash_key = None
+                                record.size = size
+                                record.key_facts = facts
+                                record.shard_id = None
+                                record.sequence_number = None
+                                record.sub_sequence_number = None
+                                record.tenant = None
+                                record.spool_segment = None
+                                record.last_attempt = None
+                                record._earlier_attempts = ()
+                                record._state = PENDING
+                                record._event = None
+                                record.on_done = None
+                                record.arrival = 0.0
+                                record.deadline = 0.0
+                                record.expiration = 0.0
+                                record.predicted_shard = None
+                                record.backlog = None
+                                record.outstanding_slot = -1
+                            else:
+                                record = Record(
+                                    name,
+                                    facts.key,
+                                    data,
+                                    facts.hash_key,
+                                    None,
+                                    0.0,
+                                    0.0,
+                                    0.0,
+                                    size,
+                                    facts,
+                                )
                             if untrack_record is not None:  # the pure package (see Record)
                                 untrack_record(id(record))
                             record.batch = batch
-                            made.append(record)
-                            index += 1
+                            append(record)
                             continue
             try:
                 data, partition_key, explicit_hash_key = _unpack_batch_record(item)
                 record = self.make_record(stream, data, partition_key, explicit_hash_key)
             except (errors.RecordTypeError, errors.InvalidRecordError) as exc:
-                raise type(exc)(f"records[{index}]: {exc}") from None
+                raise type(exc)(f"records[{len(made)}]: {exc}") from None
             record.batch = batch
-            made.append(record)
-            index += 1
+            append(record)
         batch.remaining = len(made)
         return made
 
@@ -518,33 +528,112 @@ class Intake:
         checkpoint: :meth:`Producer.submit_many`'s common case, one call for the batch), and
         return the position of the first record not admitted (``len(records)``: all were).
 
+        The records that take the shorter way (:meth:`admit_now`'s) are admitted in runs
+        (:meth:`_admit_run`); each other record by :meth:`has_room` and :meth:`enqueue_at`.
+
         :raises ~anykpl.errors.SpoolError: as :meth:`enqueue`, with ``admitted`` set to the
             handles of the records admitted before it (those of ``records[:position]``).
         """
         position = start
         end = len(records)
         now = self.clock()  # admitted together: one arrival time for the batch
-        shorter = self.spool is None  # the shorter way (:meth:`admit_now`) may be taken
+        shorter = self.spool is None  # the shorter way may be taken
         while position < end:
-            record = records[position]
-            facts = record.key_facts
-            if (
-                not shorter
-                or facts is None
-                or record.tenant is not None
-                or self.admit_now(
-                    stream_intake, record.stream, record.data, None, None, record, now
-                )
-                is None
-            ):
-                if not self.has_room(record, stream_intake):
+            if shorter and stream_intake.shard_map.ready:
+                position = self._admit_run(stream_intake, records, position, now)
+                if position == end:
                     break
-                try:
-                    self.enqueue_at(stream_intake, record, now)
-                except errors.SpoolError as exc:
-                    exc.admitted = tuple(records[:position])
-                    raise
+            record = records[position]
+            if not self.has_room(record, stream_intake):
+                break
+            try:
+                self.enqueue_at(stream_intake, record, now)
+            except errors.SpoolError as exc:
+                exc.admitted = tuple(records[:position])
+                raise
             position += 1
+        return position
+
+    def _admit_run(
+        self, stream_intake: StreamIntake, records: list[Record], start: int, now: float
+    ) -> int:
+        """Admit ``records[start:]`` at ``now`` in order for as long as each takes
+        :meth:`admit_now`'s shorter way (under the key cache's facts, no tenant, the stream's
+        shard map ready, no spool, a shard that holds records already and has room under every
+        limit with the producer's reserve untouched), and return the position of the first
+        that does not (``len(records)``: all did). What :meth:`admit_now` does for one record,
+        with what is the same for every record of the run read once: the counts are kept in
+        locals and written back at the end, and the records go to the aggregator by shard
+        (:meth:`StreamIntake.put_runs`), in order within each shard."""
+        position = start
+        end = len(records)
+        version = stream_intake.shard_map.version
+        deadline = now + stream_intake.max_buffered_time
+        expiration = now + stream_intake.record_ttl
+        if deadline > expiration:
+            deadline = expiration
+        outstanding = self.outstanding
+        slots = outstanding._records
+        slot = outstanding._base + len(slots)
+        count = outstanding.count
+        nbytes = self.outstanding_bytes
+        reserve_records = self.reserve_records
+        reserve_bytes = self.reserve_bytes
+        stream_bytes = stream_intake.outstanding_bytes
+        path_bytes = stream_intake.path_bytes
+        path_share = stream_intake.path_share
+        runs: dict[ShardBacklog, list[Record]] = {}
+        try:
+            while position < end:
+                record = records[position]
+                facts = record.key_facts
+                if facts is None or record.tenant is not None:
+                    break
+                size = record.size
+                backlog = facts.backlog
+                if facts.placed != version or backlog is None:
+                    backlog = self._place_key(stream_intake, facts)
+                    if backlog is None:
+                        break
+                held = backlog.outstanding_records
+                held_bytes = backlog.outstanding_bytes
+                if (
+                    not held
+                    or count >= reserve_records
+                    or nbytes + size > reserve_bytes
+                    or held >= backlog.full_records
+                    or held_bytes + size > backlog.full_bytes
+                    or (stream_bytes + size > path_bytes and held_bytes >= path_share)
+                ):
+                    break
+                record.arrival = now
+                record.deadline = deadline
+                record.expiration = expiration
+                record.predicted_shard = backlog.shard
+                record.backlog = backlog
+                record.outstanding_slot = slot
+                slot += 1
+                slots.append(record)
+                count += 1
+                nbytes += size
+                stream_bytes += size
+                backlog.outstanding_records = held + 1
+                backlog.outstanding_bytes = held_bytes + size
+                run = runs.get(backlog)
+                if run is None:
+                    runs[backlog] = [record]
+                else:
+                    run.append(record)
+                position += 1
+        finally:
+            admitted = position - start
+            if admitted:
+                outstanding.count = count
+                self.outstanding_bytes = nbytes
+                stream_intake.outstanding_records += admitted
+                stream_intake.outstanding_bytes = stream_bytes
+                stream_intake.received += admitted
+                stream_intake.put_runs(runs)
         return position
 
     def checkpoint_due(self, stream_intake: StreamIntake) -> bool:
@@ -805,6 +894,8 @@ class Intake:
         released = 0
         run_backlog: ShardBacklog | None = None
         run_from = run_bytes = 0
+        run_batch: BatchCounter | None = None
+        batch_done = 0
         position = -1
         for position, record in enumerate(records):
             if record._state != PENDING:
@@ -835,6 +926,9 @@ class Intake:
                     record.spool_segment = None
                     spool.finished(segment, success)
             if record.on_done is not None:
+                if run_batch is not None:  # the batches' counts up to date for the hook
+                    run_batch.records_done(batch_done, success)
+                    run_batch = None
                 # its completion hook runs now, and may read the list, admit records, or
                 # resolve some itself (the list then closed up): the list is brought up to
                 # date for it (the backlog's run counted out too), and read again after
@@ -851,10 +945,23 @@ class Intake:
                 record.resolve(success)
                 slots = outstanding._records
                 base = outstanding._base
-            elif record.batch is None and record._event is None:
-                record._state = state  # Record.resolve, when nothing waits on it
+            elif record._event is None:
+                # Record.resolve, when no task waits on the record itself; its batch's count
+                # is taken down once for each run of the batch's records
+                record._state = state
+                batch = record.batch
+                if batch is not None:
+                    if batch is run_batch:
+                        batch_done += 1
+                    else:
+                        if run_batch is not None:
+                            run_batch.records_done(batch_done, success)
+                        run_batch = batch
+                        batch_done = 1
             else:
                 record.resolve(success)
+        if run_batch is not None:
+            run_batch.records_done(batch_done, success)
         count = position + 1 - skipped
         if run_backlog is not None and count > run_from:
             self._count_out(run_backlog, count - run_from, run_bytes)
@@ -1022,6 +1129,32 @@ class StreamIntake:
         sealed = self._sealed
         if aggregator.put_placed(record, sealed) and record.deadline < self.wake_at:
             self.wake_at = record.deadline
+            self.wake()
+        if sealed:
+            self._sealed = []
+            self.ship(sealed)
+        if self.idle:
+            self.idle = False
+            self.send_now()
+
+    def put_runs(self, runs: dict[ShardBacklog, list[Record]]) -> None:
+        """:meth:`put` for records admitted together, each shard's in order (``runs``: by
+        their shards' backlogs), all with one deadline and one expiration, no tenant, under
+        the key cache's facts (:meth:`Intake.admit_ready`): one call to the aggregator for
+        each shard's."""
+        aggregator = self.aggregator
+        if aggregator.map_unavailable and not self.shard_map.refresh_requested:
+            self.shard_map.refresh_requested = True  # as put
+            self.request_refresh()
+        sealed = self._sealed
+        moved = False
+        deadline = math.inf
+        for backlog, run in runs.items():
+            if aggregator.put_run(backlog.shard, run, sealed):  # type: ignore[arg-type]
+                moved = True
+                deadline = run[0].deadline
+        if moved and deadline < self.wake_at:
+            self.wake_at = deadline
             self.wake()
         if sealed:
             self._sealed = []

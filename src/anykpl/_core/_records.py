@@ -130,9 +130,13 @@ class BatchCounter:
 
     def record_done(self, success: bool) -> None:
         """One record of the batch became terminal."""
+        self.records_done(1, success)
+
+    def records_done(self, count: int, success: bool) -> None:
+        """``count`` records of the batch became terminal, all succeeded or all failed."""
         if not success:
-            self.failed += 1
-        self.remaining -= 1
+            self.failed += count
+        self.remaining -= count
         if not self.remaining:
             event = self._event
             if event is not None:

@@ -57,7 +57,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
@@ -65,7 +65,7 @@ from .._compat import mypyc_attr
 from ..errors import AggregationFormatError
 
 if TYPE_CHECKING:
-    from ._records import ShardBacklog
+    from ._records import Record, ShardBacklog
 
 __all__ = (
     "AGGREGATION_OVERHEAD",
@@ -428,6 +428,62 @@ class AggregateBuilder:
         parts.append(data)
         self._size = size
         return True
+
+    def add_keys_within(
+        self, records: Sequence[Record], start: int, stop: int, limit: float
+    ) -> int:
+        """:meth:`add_key_within` for ``records[start:stop]`` in order (each without an
+        explicit hash key, under the key cache's :class:`KeyFacts` in its ``key_facts``), for
+        as long as the aggregate stays within ``limit``; return the position of the first
+        record not added (``stop``: all were). One call for a run of records (the producer's
+        batches): the builder's state is read once and written back at the end."""
+        token = self._token
+        table = self._pk_table
+        parts = self._parts
+        size = self._size
+        limit -= AGGREGATION_OVERHEAD
+        rows = _header_rows
+        for position in range(start, stop):
+            record = records[position]
+            key = record.key_facts
+            data = record.data
+            assert key is not None
+            if key.table == token:
+                pk_index = key.index
+                entry_size = 0
+            elif key.other_table == token:
+                pk_index = key.other_index
+                entry_size = 0
+            elif key.table > token and key.other_table > token:
+                # the key went to two newer aggregates since: by its text (add_key_within)
+                self._size = size
+                if not self.add_within(key.key, None, data, limit + AGGREGATION_OVERHEAD):
+                    return position
+                size = self._size
+                continue
+            else:
+                pk_index = len(table)
+                entry_size = key.entry_size
+            data_len = len(data)
+            try:
+                header = rows[pk_index][data_len]
+            except (IndexError, KeyError):
+                header = _plain_header(pk_index, data_len)
+            grown = size + len(header) + data_len + entry_size
+            if grown > limit:
+                self._size = size
+                return position
+            if entry_size:
+                table.append(key.entry)
+                key.other_table = key.table
+                key.other_index = key.index
+                key.table = token
+                key.index = pk_index
+            parts.append(header)
+            parts.append(data)
+            size = grown
+        self._size = size
+        return stop
 
     @property
     def size(self) -> int:
