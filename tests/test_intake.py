@@ -492,6 +492,68 @@ def test_finishing_counts_each_record_out_of_its_backlog_once() -> None:
     assert intake.active_backlogs == 0
 
 
+class _Event:
+    """What a task awaiting one record waits on (``Record._event``): counts its ``set``."""
+
+    def __init__(self) -> None:
+        self.sets = 0
+
+    def set(self) -> None:
+        self.sets += 1
+
+
+@pytest.mark.parametrize("success", [True, False])
+def test_finishing_counts_a_batchs_records_out_in_runs(success: bool) -> None:
+    # Intake.finish takes a batch's count down once for each run of its records: two batches'
+    # records interleaved, one record of each awaited by itself, one with a completion hook,
+    # records of no batch among them. Each batch's hook runs once, when its last record ends,
+    # with every record of it done; a record's hook sees its batch counted up to it.
+    intake = _intake()
+    stream = _stream(intake)
+    batches = [BatchCounter(), BatchCounter()]
+    order = [0, 0, 0, 1, 1, None, 0, 1, 1, 1, 0, None, 0]
+    records = []
+    for i, which in enumerate(order):
+        record = intake.make_record("s", b"x" * (10 + i), _key_on(i % 2), None)
+        if which is not None:
+            record.batch = batches[which]
+            batches[which].remaining += 1
+        assert intake.has_room(record, stream)
+        intake.enqueue(stream, record)
+        records.append(record)
+    events = {n: _Event() for n in (1, 8)}
+    for n, event in events.items():
+        records[n]._event = event  # type: ignore[assignment]
+    seen: list[tuple[str, int, int]] = []
+    records[7].on_done = lambda r: seen.append(
+        ("record", batches[0].remaining, batches[1].remaining)
+    )
+
+    def batch_done(which: int) -> None:
+        batch = records[[n for n, w in enumerate(order) if w == which][-1]].batch
+        assert batch is batches[which]
+        assert all(r.done() for r in records if r.batch is batch)
+        seen.append(("batch", which, batch.failed))
+
+    for which, batch in enumerate(batches):
+        batch.on_done = lambda which=which: batch_done(which)  # type: ignore[misc]
+    assert intake.finish(records, success) == (len(records), sum(r.size for r in records))
+    assert all(r.done() for r in records)
+    assert [e.sets for e in events.values()] == [1, 1]
+    assert [(b.remaining, b.failed) for b in batches] == [
+        (0, 0 if success else order.count(which)) for which in (0, 1)
+    ]
+    # at record 7's hook: batch 0 has its 4 records before it counted out (of 6), batch 1
+    # its 3 (of 5) and record 7 itself
+    assert seen == [
+        ("record", 2, 2),
+        ("batch", 1, 0 if success else 5),
+        ("batch", 0, 0 if success else 6),
+    ]
+    assert intake.finish(records, not success) == (0, 0)  # once
+    assert [b.remaining for b in batches] == [0, 0]
+
+
 def test_a_record_the_common_case_builds_is_the_one_its_class_builds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -534,6 +596,16 @@ def test_a_record_the_common_case_builds_is_the_one_its_class_builds(
         assert getattr(record, name) == getattr(twin, name), name
     assert not record.done()
     assert gc.is_tracked(record) == gc.is_tracked(first)
+    # and a batch's (Intake.make_records), built before it is admitted
+    batch = BatchCounter()
+    (made,) = intake.make_records("s", [(b"z" * 30, key)], batch)
+    twin = Record("s", key, b"z" * 30, first.hash_key, None, 0.0, 0.0, 0.0, first.size + 20)
+    twin.key_facts = first.key_facts
+    twin.batch = batch
+    for name in slots:
+        assert getattr(made, name) == getattr(twin, name), name
+    assert not made.done()
+    assert gc.is_tracked(made) == gc.is_tracked(first)
 
 
 @pytest.mark.parametrize("way", ["submit", "submit_many"])

@@ -17,6 +17,7 @@ from aws_kinesis_agg import aggregator, deaggregator, messages_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from anykpl._core._records import Record
 from anykpl._core._wire import (
     AGGREGATION_OVERHEAD,
     MAGIC,
@@ -684,6 +685,71 @@ def test_keys_known_by_their_facts_aggregate_as_the_kpl_does(
         message.ParseFromString(protobuf_of(serialized))
         table = list(message.partition_key_table)
         assert all(table.count(pk) <= 2 for pk in table)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    runs=st.lists(
+        st.tuples(
+            st.integers(0, 3),
+            st.lists(
+                st.tuples(st.sampled_from(["a", "bb", "ключ", "k" * 200]), st.binary(max_size=300)),
+                max_size=12,
+            ),
+        ),
+        max_size=12,
+    ),
+    limit=st.integers(20, 3000),
+)
+def test_a_run_of_known_keys_aggregates_as_its_records_one_by_one(
+    runs: list[tuple[int, list[tuple[str, bytes]]]], limit: int
+) -> None:
+    """AggregateBuilder.add_keys_within (a batch's records of one shard in one call) takes
+    the records add_key_within takes one by one, stops at the same one, and leaves the same
+    aggregates and the same facts, keys rotating among four builders (some to more than two)."""
+    singly = [AggregateBuilder() for _ in range(4)]
+    in_runs = [AggregateBuilder() for _ in range(4)]
+    facts_singly: dict[str, KeyFacts] = {}
+    facts_in_runs: dict[str, KeyFacts] = {}
+    for which, run in runs:
+        taken = len(run)
+        for pk, _ in run:
+            facts_singly.setdefault(pk, facts_of(pk))
+        for position, (pk, data) in enumerate(run):
+            if not singly[which].add_key_within(facts_singly[pk], data, limit):
+                taken = position
+                break
+        records = [
+            Record(
+                "s",
+                pk,
+                data,
+                0,
+                None,
+                0.0,
+                0.0,
+                0.0,
+                None,
+                facts_in_runs.setdefault(pk, facts_of(pk)),
+            )
+            for pk, data in run
+        ]
+        # a start other than 0: the run from the list's second record on
+        records.insert(0, records[0] if records else Record("s", "a", b"", 0, None, 0.0, 0.0, 0.0))
+        assert in_runs[which].add_keys_within(records, 1, len(records), limit) == taken + 1
+    for one, other in zip(singly, in_runs, strict=True):
+        assert len(one) == len(other)
+        assert one.size == other.size
+        assert one.serialize() == other.serialize()
+
+    def tables(facts: dict[str, KeyFacts], builders: list[AggregateBuilder]) -> list[object]:
+        number = {b._token: n for n, b in enumerate(builders)}
+        return [
+            (pk, number.get(f.table), f.index, number.get(f.other_table), f.other_index)
+            for pk, f in sorted(facts.items())
+        ]
+
+    assert tables(facts_singly, singly) == tables(facts_in_runs, in_runs)
 
 
 def test_a_key_put_to_two_aggregates_in_turn_keeps_one_entry_in_each() -> None:
