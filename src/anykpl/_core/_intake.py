@@ -459,60 +459,65 @@ class Intake:
         max_record_size = self.max_record_size
         name = stream if type(stream) is str else None
         for item in items:
-            # the commonest item first, inline: ``(bytes, str)`` under a partition key the key
-            # cache knows (so valid), of a valid size, for a stream named by a str
+            # the commonest item first, inline: ``(bytes, str)`` of a valid size under a
+            # partition key the key cache knows (so valid) or learns, for a stream named by a
+            # str
             if name is not None and type(item) is tuple and len(item) == 2:
                 data, partition_key = item
                 if type(data) is bytes and type(partition_key) is str:
                     facts = key_cache.get(partition_key)
-                    if facts is not None:
-                        size = len(data) + facts.size
-                        if size <= max_record_size:
-                            if BUILD_BY_STORES:
-                                # Record(...) below, slot by slot, as in admit_now (the slots
-                                # admission sets are set then: _admit_run, enqueue_at)
-                                record = new_record(Record)
-                                record.stream = name
-                                record.partition_key = facts.key
-                                record.data = data
-                                record.hash_key = facts.hash_key
-                                record.explicit_hash_key = None
-                                record.size = size
-                                record.key_facts = facts
-                                record.shard_id = None
-                                record.sequence_number = None
-                                record.sub_sequence_number = None
-                                record.tenant = None
-                                record.spool_segment = None
-                                record.last_attempt = None
-                                record._earlier_attempts = ()
-                                record._state = PENDING
-                                record._event = None
-                                record.on_done = None
-                                record.arrival = 0.0
-                                record.deadline = 0.0
-                                record.expiration = 0.0
-                                record.predicted_shard = None
-                                record.backlog = None
-                                record.outstanding_slot = -1
-                            else:
-                                record = Record(
-                                    name,
-                                    facts.key,
-                                    data,
-                                    facts.hash_key,
-                                    None,
-                                    0.0,
-                                    0.0,
-                                    0.0,
-                                    size,
-                                    facts,
-                                )
-                            if untrack_record is not None:  # the pure package (see Record)
-                                untrack_record(id(record))
-                            record.batch = batch
-                            append(record)
-                            continue
+                    if facts is None:
+                        try:
+                            facts = self.learn_key(partition_key)
+                        except errors.InvalidRecordError as exc:
+                            raise type(exc)(f"records[{len(made)}]: {exc}") from None
+                    size = len(data) + facts.size
+                    if size <= max_record_size:
+                        if BUILD_BY_STORES:
+                            # Record(...) below, slot by slot, as in admit_now (the slots
+                            # admission sets are set then: _admit_run, enqueue_at)
+                            record = new_record(Record)
+                            record.stream = name
+                            record.partition_key = facts.key
+                            record.data = data
+                            record.hash_key = facts.hash_key
+                            record.explicit_hash_key = None
+                            record.size = size
+                            record.key_facts = facts
+                            record.shard_id = None
+                            record.sequence_number = None
+                            record.sub_sequence_number = None
+                            record.tenant = None
+                            record.spool_segment = None
+                            record.last_attempt = None
+                            record._earlier_attempts = ()
+                            record._state = PENDING
+                            record._event = None
+                            record.on_done = None
+                            record.arrival = 0.0
+                            record.deadline = 0.0
+                            record.expiration = 0.0
+                            record.predicted_shard = None
+                            record.backlog = None
+                            record.outstanding_slot = -1
+                        else:
+                            record = Record(
+                                name,
+                                facts.key,
+                                data,
+                                facts.hash_key,
+                                None,
+                                0.0,
+                                0.0,
+                                0.0,
+                                size,
+                                facts,
+                            )
+                        if untrack_record is not None:  # the pure package (see Record)
+                            untrack_record(id(record))
+                        record.batch = batch
+                        append(record)
+                        continue
             try:
                 data, partition_key, explicit_hash_key = _unpack_batch_record(item)
                 record = self.make_record(stream, data, partition_key, explicit_hash_key)
