@@ -22,6 +22,7 @@ from anykpl._core._adaptive import (
     NOISE,
     RateController,
     _lower_tail,
+    _Segment,
     noise_evidence,
 )
 
@@ -361,3 +362,12 @@ def test_a_shard_that_accepts_half_the_ceiling_throttles_little(seed: int) -> No
     sim.run([producer], 60.0, limit=lambda now: 0.5, seed=seed)
     assert producer.throttled / producer.sent <= 0.03
     assert producer.delivered >= 0.9 * 0.5 * sim.CEILING * 60.0
+
+
+def test_a_slow_climb_looked_at_much_later_reaches_its_goal() -> None:
+    # a segment whose own increase is tiny climbs by doublings: looked at long after its start
+    # (minutes of a shard with nothing to send), the doubling stops at its goal (no overflow)
+    segment = _Segment(start=0.0, low=0.1, goal=0.9, delay=1.0, increase=1e-12)
+    assert segment.at(0.5) == pytest.approx(0.1)
+    assert 0.1 < segment.at(2.0) < 0.9
+    assert segment.at(3_600.0) == 0.9

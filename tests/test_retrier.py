@@ -259,6 +259,21 @@ def test_backoff_doubles_per_shard_up_to_the_maximum_and_a_success_resets_it() -
     assert rng.bounds[-1] == (0.0, 0.05)
 
 
+def test_a_streak_of_any_length_backs_off_at_most_the_maximum() -> None:
+    # an endpoint that refuses every request for long enough: the backoff's doubling stops at
+    # its maximum, a streak of thousands of failed outcomes included (2.0 ** 1024 overflows)
+    rng = _StubRandom()
+    h = Harness(rng=rng, backoff_initial=0.05, backoff_max=0.5)
+    record = make_record(expiration=math.inf)
+    now = 1.0
+    for _ in range(1_100):
+        h.retrier.handle(outcome([make_kinesis_record([record])], [err(THROTTLED)]), now)
+        now = h.retrier.next_release
+        assert h.retrier.take_due(now) == [record]
+    assert rng.bounds[-1] == (0.0, 0.5)
+    assert not record.done()
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_full_jitter_delay_is_within_the_bound(seed: int) -> None:
     h = Harness(rng=random.Random(seed), backoff_initial=0.05, backoff_max=1.0)

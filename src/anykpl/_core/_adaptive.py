@@ -206,7 +206,9 @@ class _Segment:
             return self.low
         fraction = self.low + self.increase * t * (1.0 + t / ACCELERATION)
         if self.goal > fraction and t > self.delay:
-            steps = 2.0 ** ((t - self.delay) / CLIMB_DOUBLING) - 1.0
+            # the doublings counted up to 64 (past the goal from any start; 2.0 ** 1024, a climb
+            # looked at minutes on, overflows)
+            steps = 2.0 ** min((t - self.delay) / CLIMB_DOUBLING, 64.0) - 1.0
             climbed = self.low * (1.0 + CLIMB_STEP * steps)
             if climbed > fraction:
                 fraction = climbed if climbed < self.goal else self.goal

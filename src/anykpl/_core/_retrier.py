@@ -700,7 +700,9 @@ class Retrier:
             else:
                 self._advanced.add(backoff_key)
                 self._streaks[backoff_key] = streak + 1
-            cap = min(self.backoff_max, self.backoff_initial * (2.0**streak))
+            # the doubling stops at the maximum: a long outage makes streaks of thousands
+            # (and 2.0 ** 1024 overflows)
+            cap = min(self.backoff_max, self.backoff_initial * (2.0 ** min(streak, 64)))
             budget = self.retry_budget
             spent = self._budget_spent
             if budget is not None and backoff_key not in spent:
