@@ -660,6 +660,40 @@ def test_the_shorter_way_holds_to_limits_and_reserves_that_are_not_whole_numbers
     assert not shorter_way(intake, stream_of(intake), [3_000, 3_000], 2_003)
 
 
+@pytest.mark.parametrize("way", ["submit", "submit_many"])
+def test_the_shorter_way_takes_a_record_for_a_shard_that_holds_nothing_while_the_caps_allow(
+    monkeypatch: pytest.MonkeyPatch, way: str
+) -> None:
+    # A shard whose backlog is empty takes one record whatever its limits, unless the
+    # producer's caps are reached (Intake.has_room): the shorter way decides the same, and
+    # counts the shard active.
+    if way == "submit":
+        if build_kind() == "compiled":
+            way = "submit_many"  # a compiled class takes no patch: the batch's way only
+        else:
+            monkeypatch.setattr(Intake, "_admit_otherwise", lambda *args: None)
+    for cap, taken in ((3, False), (4, True)):
+        intake = _intake(max_records=cap)
+        stream = _stream(intake, shard_records=1.5)
+        quiet = _offer(intake, stream, _key_on(1))
+        assert quiet is not None
+        intake.finish([quiet], True)  # shard 1 has a backlog, empty
+        for _ in range(3):  # shard 0 holds three (enqueued whatever its limit)
+            intake.enqueue(stream, intake.make_record("s", b"x" * 10, _key_on(0), None))
+        assert len(intake.outstanding) == 3
+        assert intake.active_backlogs == 1
+        record = intake.make_record("s", b"y" * 10, _key_on(1), None)
+        assert intake.has_room(record, stream) is taken  # the general path's answer
+        record.backlog = None
+        if way == "submit":
+            admitted = intake.admit_now(stream, "s", record.data, _key_on(1), None) is not None
+        else:
+            admitted = intake._admit_run(stream, [record], 0, 0.0) == 1
+        assert admitted is taken
+        assert intake.active_backlogs == 1 + taken
+        assert len(intake.outstanding) == 3 + taken
+
+
 def test_a_hot_shards_backlog_never_makes_another_shards_record_wait() -> None:
     intake = _intake()
     stream = _stream(intake, shard_bytes=15_000)  # 15 records of 1,000 bytes per shard

@@ -279,9 +279,10 @@ class Intake:
         ready), admit it and return it. ``None``: the caller takes the general path (nothing
         was admitted).
 
-        The commonest record (bytes under a partition key, no spool, the shard map ready, a
+        The commonest record (bytes under a partition key, no spool, the shard map ready; a
         shard that holds records already and has room under every limit with the producer's
-        reserve untouched) takes the steps of :meth:`make_record`, :meth:`has_room` and
+        reserve untouched, or one that holds none while the producer's caps allow) takes the
+        steps of :meth:`make_record`, :meth:`has_room` and
         :meth:`enqueue_at` here, inline: in the pure build a call costs as much as a tenth of
         the rest. A key new to the key cache is learnt on the way (:meth:`learn_key`). Any
         other record takes those methods (:meth:`_admit_otherwise`). A batch's records take
@@ -324,9 +325,17 @@ class Intake:
         held_bytes = backlog.outstanding_bytes
         outstanding = self.outstanding
         nbytes = self.outstanding_bytes + size
-        if (
-            not held
-            or outstanding.count >= self.reserve_records
+        if not held:
+            # a shard that holds nothing takes a record while the producer's caps allow
+            # (has_room's answer), and is active from now on
+            count = outstanding.count
+            if count and (count >= self.max_records or nbytes > self.max_bytes):
+                return self._admit_otherwise(
+                    stream_intake, stream, data, partition_key, explicit_hash_key
+                )
+            self.active_backlogs += 1
+        elif (
+            outstanding.count >= self.reserve_records
             or nbytes > self.reserve_bytes
             or held >= backlog.full_records
             or held_bytes + size > backlog.full_bytes
@@ -564,8 +573,9 @@ class Intake:
     ) -> int:
         """Admit ``records[start:]`` at ``now`` in order for as long as each takes
         :meth:`admit_now`'s shorter way (under the key cache's facts, no tenant, the stream's
-        shard map ready, no spool, a shard that holds records already and has room under every
-        limit with the producer's reserve untouched), and return the position of the first
+        shard map ready, no spool; a shard that holds records already and has room under every
+        limit with the producer's reserve untouched, or one that holds none while the producer's
+        caps allow), and return the position of the first
         that does not (``len(records)``: all did). What :meth:`admit_now` does for one record,
         with what is the same for every record of the run read once: the counts are kept in
         locals and written back at the end, and the records go to the aggregator by shard
@@ -582,6 +592,8 @@ class Intake:
         slot = outstanding._base + len(slots)
         count = outstanding.count
         nbytes = self.outstanding_bytes
+        max_records = self.max_records
+        max_bytes = self.max_bytes
         reserve_records = self.reserve_records
         reserve_bytes = self.reserve_bytes
         stream_bytes = stream_intake.outstanding_bytes
@@ -602,9 +614,14 @@ class Intake:
                         break
                 held = backlog.outstanding_records
                 held_bytes = backlog.outstanding_bytes
-                if (
-                    not held
-                    or count >= reserve_records
+                if not held:
+                    # a shard that holds nothing takes a record while the producer's caps
+                    # allow (has_room's answer), and is active from now on
+                    if count and (count >= max_records or nbytes + size > max_bytes):
+                        break
+                    self.active_backlogs += 1
+                elif (
+                    count >= reserve_records
                     or nbytes + size > reserve_bytes
                     or held >= backlog.full_records
                     or held_bytes + size > backlog.full_bytes
