@@ -581,7 +581,6 @@ class Intake:
         locals and written back at the end, and the records go to the aggregator by shard
         (:meth:`StreamIntake.put_runs`), in order within each shard."""
         position = start
-        end = len(records)
         version = stream_intake.shard_map.version
         deadline = now + stream_intake.max_buffered_time
         expiration = now + stream_intake.record_ttl
@@ -590,6 +589,7 @@ class Intake:
         outstanding = self.outstanding
         slots = outstanding._records
         slot = outstanding._base + len(slots)
+        append = slots.append
         count = outstanding.count
         nbytes = self.outstanding_bytes
         max_records = self.max_records
@@ -601,7 +601,7 @@ class Intake:
         path_share = stream_intake.path_share
         runs: dict[ShardBacklog, list[Record]] = {}
         try:
-            while position < end:
+            for position in range(start, len(records)):
                 record = records[position]
                 facts = record.key_facts
                 if facts is None or record.tenant is not None:
@@ -635,7 +635,7 @@ class Intake:
                 record.backlog = backlog
                 record.outstanding_slot = slot
                 slot += 1
-                slots.append(record)
+                append(record)
                 count += 1
                 nbytes += size
                 stream_bytes += size
@@ -646,7 +646,8 @@ class Intake:
                     runs[backlog] = [record]
                 else:
                     run.append(record)
-                position += 1
+            else:
+                position = len(records)
         finally:
             admitted = position - start
             if admitted:
