@@ -328,7 +328,7 @@ class Aggregator:
             if shard is None:
                 out.append(KinesisRecord.single(record))
             else:
-                self.put(record, out)
+                self.put_placed(record, out)  # predicted just now
 
     def _expire_waiting(self, waiting: list[Record], now: float) -> list[Record]:
         """Move the records of ``waiting`` whose TTL has passed to :attr:`expired` (they no
