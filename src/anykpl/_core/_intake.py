@@ -597,8 +597,9 @@ class Intake:
         reserve_records = self.reserve_records
         reserve_bytes = self.reserve_bytes
         stream_bytes = stream_intake.outstanding_bytes
-        path_bytes = stream_intake.path_bytes
-        path_share = stream_intake.path_share
+        # as whole numbers, compared with whole numbers (see at_least): the same answers
+        path_bytes = at_most(stream_intake.path_bytes)
+        path_share = at_least(stream_intake.path_share)
         runs: dict[ShardBacklog, list[Record]] = {}
         try:
             for position in range(start, len(records)):
