@@ -608,6 +608,17 @@ def test_a_record_the_common_case_builds_is_the_one_its_class_builds(
     assert gc.is_tracked(made) == gc.is_tracked(first)
 
 
+def _shorter_way_alone(monkeypatch: pytest.MonkeyPatch, way: str) -> str:
+    """The way a test of the shorter way takes: a submit's (Intake.admit_now) with the general
+    way not taken where it declines, or a batch's (Intake._admit_run); a compiled class takes
+    no patch, so there the batch's way only."""
+    if way == "submit":
+        if build_kind() == "compiled":
+            return "submit_many"
+        monkeypatch.setattr(Intake, "_admit_otherwise", lambda *args: None)
+    return way
+
+
 @pytest.mark.parametrize("way", ["submit", "submit_many"])
 def test_the_shorter_way_holds_to_limits_and_reserves_that_are_not_whole_numbers(
     monkeypatch: pytest.MonkeyPatch, way: str
@@ -616,12 +627,7 @@ def test_the_shorter_way_holds_to_limits_and_reserves_that_are_not_whole_numbers
     # whole numbers (ShardBacklog.full_records/full_bytes, Intake.reserve_records/
     # reserve_bytes): at each limit's edge it decides as the general path's comparisons with
     # the fractional limits do, neither more nor less.
-    if way == "submit":
-        if build_kind() == "compiled":
-            way = "submit_many"  # a compiled class takes no patch: the batch's way only
-        else:
-            # admit_now alone: where it declines, the general way is not taken
-            monkeypatch.setattr(Intake, "_admit_otherwise", lambda *args: None)
+    way = _shorter_way_alone(monkeypatch, way)
 
     def shorter_way(intake: Intake, stream: StreamIntake, held: list[int], size: int) -> bool:
         key = _key_on(0)
@@ -667,11 +673,7 @@ def test_the_shorter_way_takes_a_record_for_a_shard_that_holds_nothing_while_the
     # A shard whose backlog is empty takes one record whatever its limits, unless the
     # producer's caps are reached (Intake.has_room): the shorter way decides the same, and
     # counts the shard active.
-    if way == "submit":
-        if build_kind() == "compiled":
-            way = "submit_many"  # a compiled class takes no patch: the batch's way only
-        else:
-            monkeypatch.setattr(Intake, "_admit_otherwise", lambda *args: None)
+    way = _shorter_way_alone(monkeypatch, way)
     for cap, taken in ((3, False), (4, True)):
         intake = _intake(max_records=cap)
         stream = _stream(intake, shard_records=1.5)
