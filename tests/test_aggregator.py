@@ -762,3 +762,44 @@ def test_a_tenants_aggregate_about_to_fill_keeps_gathering_against_its_own_limit
         assert not out
         assert agg.seal_all(out, frozenset(), now=count * 0.001, horizon=0.025), tenant
         assert not out
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("map_unavailable", [False, True])
+@pytest.mark.parametrize("max_count", [4, 4294967295])
+def test_a_run_of_a_shards_records_goes_as_its_records_one_by_one(
+    enabled: bool, map_unavailable: bool, max_count: int
+) -> None:
+    # Aggregator.put_run (a batch's records of one shard, one deadline, under the key cache's
+    # facts) seals and keeps what put_placed record by record does: aggregation on or off, the
+    # map found missing for good, aggregates sealed by size and by count, an aggregate open
+    # from before with an earlier deadline
+    def run(in_one_call: bool) -> tuple[list[object], list[object], bool]:
+        aggregator = make_aggregator(enabled=enabled, max_size=300, max_count=max_count)
+        aggregator.map_unavailable = map_unavailable
+        keys = {
+            f"k{n % 5}": _wire.KeyFacts(f"k{n % 5}", 0, 2, _wire.key_table_entry(b"k%d" % (n % 5)))
+            for n in range(5)
+        }
+        out: list[KinesisRecord] = []
+        earlier = make_record("k0", b"e" * 10, deadline=0.5)
+        earlier.key_facts = keys["k0"]
+        earlier.predicted_shard = SHARD
+        moved = aggregator.put_placed(earlier, out)
+        records = []
+        for n in range(40):
+            record = make_record(f"k{n % 5}", b"%02d" % n + b"x" * (n % 7) * 9)
+            record.key_facts = keys[f"k{n % 5}"]
+            record.size = len(record.data) + 2
+            record.predicted_shard = SHARD
+            records.append(record)
+        if in_one_call:
+            moved |= aggregator.put_run(SHARD, records, out)
+        else:
+            for record in records:
+                moved |= aggregator.put_placed(record, out)
+        sealed = [(len(kr.records), kr.deadline, kr.data) for kr in out]
+        held = sorted((len(a.records), a.deadline) for a in aggregator._open.values())
+        return sealed, held, moved
+
+    assert run(True) == run(False)

@@ -333,12 +333,18 @@ def test_admitting_batches_the_shorter_way_changes_what_the_general_path_changes
         ticks = iter(range(1, 10**6))
         sealed: list[KinesisRecord] = []
         sends: list[tuple[int, int]] = []
+        wakes: list[tuple[int, int]] = []
         intake = _ticking_intake(ticks, max_records, max_bytes)
         streams = [
             _stream(
-                intake, shard_records=30.5, shard_bytes=20_000.5, max_count=9, ship=sealed.extend
+                intake,
+                shard_records=30.5,
+                shard_bytes=20_000.5,
+                max_count=9,
+                ship=sealed.extend,
+                wake=lambda n=n: wakes.append((n, step)),  # type: ignore[misc]
             )
-            for _ in range(2)
+            for n in range(2)
         ]
         for n, stream in enumerate(streams):
             stream.send_now = lambda n=n: sends.append((n, step))  # type: ignore[misc]
@@ -407,8 +413,11 @@ def test_admitting_batches_the_shorter_way_changes_what_the_general_path_changes
             ],
             # each shard's in order (the batch's records go to the aggregator by shard)
             "sealed": sorted(
-                ((k.predicted_shard, len(k.records), k.deadline) for k in sealed),
-                key=lambda k: str(k[0]),
+                (
+                    (k.records[0].stream, k.predicted_shard, len(k.records), k.deadline)
+                    for k in sealed
+                ),
+                key=lambda k: (k[0], str(k[1])),
             ),
             "open": sorted(
                 (a.shard, len(a.records), a.deadline)
@@ -429,6 +438,8 @@ def test_admitting_batches_the_shorter_way_changes_what_the_general_path_changes
                 for f in intake.key_cache.values()
             ],
             "sends": sends,
+            "wakes": wakes,
+            "path": [(s.path_waits, s.wake_at) for s in streams],
         }
 
     general, fast = run(False), run(True)
@@ -448,6 +459,7 @@ def test_admitting_batches_the_shorter_way_changes_what_the_general_path_changes
         "shardId-000000000202",
     }
     assert len(general["sealed"]) > 50
+    assert len(general["wakes"]) > 10  # deadlines brought forward
     if build_kind() != "compiled":
         assert taken[0] > admitted * 0.8  # most went the shorter way
 
@@ -525,14 +537,21 @@ def test_finishing_counts_a_batchs_records_out_in_runs(success: bool) -> None:
     for n, event in events.items():
         records[n]._event = event  # type: ignore[assignment]
     seen: list[tuple[str, int, int]] = []
-    records[7].on_done = lambda r: seen.append(
-        ("record", batches[0].remaining, batches[1].remaining)
-    )
+
+    def consistent() -> None:  # each batch's count is its records not yet done, at any hook
+        for batch in batches:
+            assert batch.remaining == sum(not r.done() for r in records if r.batch is batch)
+
+    def record_done(record: Record) -> None:
+        consistent()
+        seen.append(("record", batches[0].remaining, batches[1].remaining))
+
+    records[7].on_done = record_done
 
     def batch_done(which: int) -> None:
         batch = records[[n for n, w in enumerate(order) if w == which][-1]].batch
         assert batch is batches[which]
-        assert all(r.done() for r in records if r.batch is batch)
+        consistent()
         seen.append(("batch", which, batch.failed))
 
     for which, batch in enumerate(batches):

@@ -971,8 +971,8 @@ class Intake:
                 base = outstanding._base
             elif record._event is None:
                 # Record.resolve, when no task waits on the record itself; its batch's count
-                # is taken down once for each run of the batch's records
-                record._state = state
+                # is taken down once for each run of the batch's records, the run before
+                # counted out first (a batch's hook sees every record done counted)
                 batch = record.batch
                 if batch is not None:
                     if batch is run_batch:
@@ -982,7 +982,11 @@ class Intake:
                             run_batch.records_done(batch_done, success)
                         run_batch = batch
                         batch_done = 1
+                record._state = state
             else:
+                if run_batch is not None:  # as before a completion hook
+                    run_batch.records_done(batch_done, success)
+                    run_batch = None
                 record.resolve(success)
         if run_batch is not None:
             run_batch.records_done(batch_done, success)
