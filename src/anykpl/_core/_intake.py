@@ -1148,42 +1148,39 @@ class StreamIntake:
 
     def put(self, record: Record) -> None:
         """Hand an admitted record to the aggregator, and what it seals to the Limiter."""
-        aggregator = self.aggregator
-        if aggregator.map_unavailable and not self.shard_map.refresh_requested:
-            # ListShards failed for good (a missing stream): this record goes out raw and
-            # fails fast; ListShards is tried again now records come (after its backoff)
-            self.shard_map.refresh_requested = True
-            self.request_refresh()
-        sealed = self._sealed
-        if aggregator.put_placed(record, sealed) and record.deadline < self.wake_at:
-            self.wake_at = record.deadline
-            self.wake()
-        if sealed:
-            self._sealed = []
-            self.ship(sealed)
-        if self.idle:
-            self.idle = False
-            self.send_now()
+        moved = self._aggregator().put_placed(record, self._sealed)
+        self._handed(record.deadline if moved else math.inf)
 
     def put_runs(self, runs: dict[ShardBacklog, list[Record]]) -> None:
         """:meth:`put` for records admitted together, each shard's in order (``runs``: by
         their shards' backlogs), all with one deadline and one expiration, no tenant, under
         the key cache's facts (:meth:`Intake.admit_ready`): one call to the aggregator for
         each shard's."""
-        aggregator = self.aggregator
-        if aggregator.map_unavailable and not self.shard_map.refresh_requested:
-            self.shard_map.refresh_requested = True  # as put
-            self.request_refresh()
-        sealed = self._sealed
-        moved = False
+        aggregator = self._aggregator()
         deadline = math.inf
         for backlog, run in runs.items():
-            if aggregator.put_run(backlog.shard, run, sealed):  # type: ignore[arg-type]
-                moved = True
+            if aggregator.put_run(backlog.shard, run, self._sealed):  # type: ignore[arg-type]
                 deadline = run[0].deadline
-        if moved and deadline < self.wake_at:
+        self._handed(deadline)
+
+    def _aggregator(self) -> Aggregator:
+        """The aggregator, for records about to be put: where ListShards failed for good (a
+        missing stream) they go out raw and fail fast, and ListShards is tried again now
+        records come (after its backoff)."""
+        aggregator = self.aggregator
+        if aggregator.map_unavailable and not self.shard_map.refresh_requested:
+            self.shard_map.refresh_requested = True
+            self.request_refresh()
+        return aggregator
+
+    def _handed(self, deadline: float) -> None:
+        """Records were put: wake the aggregator's timer if ``deadline`` (the earliest one
+        they may have brought forward; ``inf``: none) comes before it, ship what was sealed,
+        and have an idle stream send what it holds."""
+        if deadline < self.wake_at:
             self.wake_at = deadline
             self.wake()
+        sealed = self._sealed
         if sealed:
             self._sealed = []
             self.ship(sealed)
