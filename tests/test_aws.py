@@ -345,29 +345,9 @@ async def test_a_client_finds_its_endpoint_from_the_kept_services() -> None:
             assert client.meta.endpoint_url == url
 
 
-def test_a_trio_client_imports_its_transport_when_it_is_made() -> None:
-    """httpx imports its transport (httpcore2, h11) on a client's first request, 20 ms that a
-    trio program's first record would wait for where anykpl was imported before trio (so it
-    could not import it with itself): making the client imports it. A fresh interpreter, where
-    none of them is imported yet."""
-    pytest.importorskip("httpcore2")
-    program = """
-import sys
-import anykpl
-from anykpl._transport._aws import create_client
-import trio
-assert "httpcore2" not in sys.modules
-
-async def main():
-    config = anykpl.ProducerConfig(
-        region="us-east-1", aws_access_key_id="x", aws_secret_access_key="x"
-    )
-    async with create_client(config, "kinesis", max_pool_connections=1):
-        print("httpcore2" in sys.modules, "h11" in sys.modules)
-
-trio.run(main)
-"""
-    # the client's own settings only: no profile or data path of the environment's
+def _run_program(program: str) -> str:
+    """``program`` in a fresh interpreter (none of anykpl, trio, httpx imported yet), with the
+    client's own settings only (no profile or data path of the environment's): its output."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     done = subprocess.run(
         [sys.executable, "-c", program],
@@ -378,4 +358,48 @@ trio.run(main)
         env=environment,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["True", "True"]
+    return done.stdout
+
+
+def test_with_the_trio_extra_anykpl_imports_httpx_transport_with_itself() -> None:
+    """httpx imports its transport (httpcore2, h11) on a client's first request, 20-40 ms
+    that a trio program's first producer would spend opening, its event loop stalled. Where
+    the trio extra is installed, importing anykpl imports it, even before trio (a sorted import
+    block puts anykpl first)."""
+    pytest.importorskip("httpcore2")
+    pytest.importorskip("trio")
+    program = """
+import sys
+import anykpl
+print("httpcore2" in sys.modules, "h11" in sys.modules)
+"""
+    assert _run_program(program).split() == ["True", "True"]
+
+
+def test_a_trio_client_imports_its_transport_when_it_is_made() -> None:
+    """Where anykpl found neither trio imported nor the trio extra installed when it was
+    imported (here: trio hidden from it then), making an httpx client imports httpx's transport,
+    rather than the client's first request, which the first record put would wait for."""
+    pytest.importorskip("httpcore2")
+    program = """
+import importlib.util
+import sys
+
+find_spec = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *args: None if name == "trio" else find_spec(name, *args)
+import anykpl
+from anykpl._transport._aws import create_client
+importlib.util.find_spec = find_spec
+assert "httpcore2" not in sys.modules
+import trio
+
+async def main():
+    config = anykpl.ProducerConfig(
+        region="us-east-1", aws_access_key_id="x", aws_secret_access_key="x"
+    )
+    async with create_client(config, "kinesis", max_pool_connections=1):
+        print("httpcore2" in sys.modules, "h11" in sys.modules)
+
+trio.run(main)
+"""
+    assert _run_program(program).split() == ["True", "True"]

@@ -20,6 +20,7 @@ import copy
 import functools
 import gc
 import gzip
+import importlib.util
 import json
 import os
 import socket
@@ -42,16 +43,28 @@ from botocore.hooks import EventAliaser
 from botocore.loaders import JSONFileLoader, Loader, create_loader
 from botocore.utils import get_environ_proxies
 
-if "trio" in sys.modules:
-    # A trio program (it imported trio): httpx, trio's HTTP client here, builds its transport
-    # with httpcore, which it imports on the first client (h11 with it, 30-40 ms with trio
-    # loaded): imported now, for the reason above. Not for asyncio programs, where httpcore
-    # would import trio (0.1 s); an httpx client made later imports it then (create_client).
-    with contextlib.suppress(ImportError):  # without the trio extra
-        import httpcore2  # noqa: F401  # the httpcore of httpx2, aiobotocore's choice
-
 from .._compat import running_trio
 from ..config import ProducerConfig
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # pragma: no cover - a broken installation
+        return False
+
+
+if "trio" in sys.modules or (_installed("trio") and _installed("httpcore2")):
+    # A trio program: it imported trio, or has the trio extra (trio and httpx2) installed, as
+    # a program does that imports anykpl before trio (a sorted import block puts anykpl
+    # first). httpx, trio's HTTP client here, builds its transport with httpcore, which it
+    # imports on the first client (h11 with it, 20-40 ms with trio loaded): imported now, for
+    # the reason above, not while the first producer opens. httpcore imports trio with it: an
+    # asyncio program with the trio extra installed takes 0.07-0.1 s longer to import anykpl.
+    # Without the extra nothing is imported here; an httpx client made later (asyncio with
+    # ``http_backend="httpx"``) imports it then (create_client).
+    with contextlib.suppress(ImportError):
+        import httpcore2  # noqa: F401  # the httpcore of httpx2, aiobotocore's choice
 
 __all__ = ("abortive_socket_option", "create_client", "http_backend")
 
@@ -94,10 +107,10 @@ def create_client(
         from aiobotocore.httpxsession import HttpxSession
 
         if "httpcore2" not in sys.modules:
-            # not imported with anykpl (trio was not imported yet then, or this is asyncio with
-            # ``http_backend="httpx"``): httpx would import its transport on the client's first
-            # request (20 ms, and trio's 0.1 s on asyncio), which the first record put would
-            # wait for; imported now, while the producer opens
+            # not imported with anykpl (neither trio imported nor the trio extra installed
+            # then, as asyncio with ``http_backend="httpx"``): httpx would import its transport
+            # on the client's first request (20 ms, and trio's 0.1 s on asyncio), which the
+            # first record put would wait for; imported now, while the producer opens
             with contextlib.suppress(ImportError):
                 import httpcore2  # noqa: F401
 
