@@ -7,7 +7,8 @@ stream per contender. The emulator (``anykpl.emulator.spawn``) runs in its own p
 the whole run; each contender runs in a fresh interpreter of its own (a subprocess of this
 script), so no contender inherits another's garbage, connection pools or warmed caches.
 
-Each contender builds its workload, collects garbage once (``start_clock``), and its clock runs
+Each contender imports its library before its event loop starts (as a program with its imports
+at the top does), builds its workload, collects garbage once (``start_clock``), and its clock runs
 from opening its producer until everything is acknowledged, as a user's program would see it
 (``--timing warm``: from after one warm-up record, acknowledged, and 0.5 s, with connections
 open and the shard map loaded):
