@@ -54,16 +54,16 @@ def _installed(name: str) -> bool:
         return False
 
 
-if "trio" in sys.modules or (_installed("trio") and _installed("httpcore2")):
-    # A trio program: it imported trio, or has the trio extra (trio and httpx2) installed, as
+if "trio" in sys.modules or _installed("trio"):
+    # A trio program: it imported trio, or has trio installed (the trio extra, with httpx2), as
     # a program does that imports anykpl before trio (a sorted import block puts anykpl
     # first). httpx, trio's HTTP client here, builds its transport with httpcore, which it
     # imports on the first client (h11 with it, 20-40 ms with trio loaded): imported now, for
     # the reason above, not while the first producer opens. httpcore imports trio with it: an
     # asyncio program with the trio extra installed takes 0.07-0.1 s longer to import anykpl.
-    # Without the extra nothing is imported here; an httpx client made later (asyncio with
-    # ``http_backend="httpx"``) imports it then (create_client).
-    with contextlib.suppress(ImportError):
+    # Without trio, or without httpx2, nothing is imported here; an httpx client made later
+    # (asyncio with ``http_backend="httpx"``) imports it then (create_client).
+    with contextlib.suppress(ImportError):  # trio without httpx2: httpx is not used
         import httpcore2  # noqa: F401  # the httpcore of httpx2, aiobotocore's choice
 
 __all__ = ("abortive_socket_option", "create_client", "http_backend")
