@@ -143,6 +143,7 @@ def _stream(
         ship=ship,
         wake=wake,
         request_refresh=lambda: None,
+        finish_items=intake.finish_items,
     )
     stream.new_shard_records, stream.new_shard_bytes = shard_records, shard_bytes
     return stream

@@ -716,6 +716,38 @@ async def test_submit_many_delivers_every_record_with_its_own_key(
     assert check_read_back(contents, sent) == Counter(set(sent))
 
 
+async def test_submit_many_of_data_and_key_goes_in_columns_and_delivers_every_record(
+    make_stream: Any, kinesis_client: Any, producer_options: dict[str, Any]
+) -> None:
+    """Batches of ``(data, partition_key)`` once the shard map is ready are admitted in columns
+    (no record made per item); every record delivered, with its key, and each handle, asked
+    for after the batch is done, says where it is."""
+    stream = make_stream(4)
+    sent = {uid: make_sent(uid, f"device-{uid % 500}") for uid in range(6001)}
+    first, *items = sent.values()
+    async with Producer(**producer_options) as producer:
+        # the shard map ready (a batch before it goes the per-record way)
+        await producer.put_record(stream, first.data, first.partition_key)
+        admitted = len(producer._intake.column_batches)
+        batches: list[PendingBatch] = []
+        for start in range(0, len(items), 500):
+            batch = items[start : start + 500]
+            batches.append(
+                await producer.submit_many(stream, [(s.data, s.partition_key) for s in batch])
+            )
+        assert len(producer._intake.column_batches) - admitted == 12
+        await producer.flush()
+        outcomes = [await batch for batch in batches]
+        handles = [handle for batch in batches for handle in batch]
+        results = [await handle for handle in handles]
+    assert [(o.succeeded, o.failed, o.failures) for o in outcomes] == [(500, 0, ())] * 12
+    assert [uid_of(h.data) for h in handles] == list(sent)[1:]
+    for result in results:
+        assert_success(result)
+    contents = await read_stream_async(kinesis_client, stream)
+    assert check_read_back(contents, sent) == Counter(set(sent))
+
+
 async def test_awaiting_done_handles_lets_others_run_and_ends_when_cancelled(
     make_stream: Any, kinesis_client: Any, producer_options: dict[str, Any]
 ) -> None:

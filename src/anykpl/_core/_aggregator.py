@@ -28,6 +28,11 @@ Where we differ, and why:
   end; the others wait on.
 - With aggregation off we *still* predict the shard (and wait for the map), so the limiter
   applies (KPL issue #127).
+- A ``submit_many`` batch admitted in columns (``Intake.admit_columns``) joins its shards'
+  aggregates as *items* (:meth:`Aggregator.put_items`), no record made per item: an open
+  aggregate holds column items or records, never both (the other kind seals it first), and the
+  sealed Kinesis record carries its items as chunks, ``(batch, positions)``. One item alone goes
+  raw, made a record, as one record does.
 - ``put`` is synchronous and called from the intake (no channel message per user record); the
   aggregator's task only handles deadlines, retries and flush requests, which arrive on its
   input stream. Deadlines are kept in one heap, so one timer serves every shard.
@@ -41,7 +46,7 @@ from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
 from ._limiter import EXPIRY_SCAN_INTERVAL
-from ._records import KinesisRecord, Record
+from ._records import ColumnBatch, KinesisRecord, Record, ShardBacklog
 from ._shard_queue import FAIR_QUANTUM
 from ._wire import AggregateBuilder, KeyFacts
 
@@ -54,9 +59,29 @@ __all__ = ("SHARD_MAP_WAIT", "Aggregator")
 #: throttles cut the shard's adaptive rate before it had sent anything of its own).
 SHARD_MAP_WAIT = 5.0
 
+#: The smallest data size of an aggregate of column items before its first item (larger than
+#: any record's: a whole number, so that the compiled build keeps it unboxed).
+NO_ITEM_SIZE = 1 << 62
+
 
 class _OpenAggregate:
-    __slots__ = ("builder", "deadline", "expiration", "key", "limit", "records", "shard")
+    __slots__ = (
+        "builder",
+        "deadline",
+        "expiration",
+        "first_key",
+        "item_backlog",
+        "item_bytes",
+        "item_data",
+        "item_high",
+        "item_low",
+        "items",
+        "key",
+        "limit",
+        "nitems",
+        "records",
+        "shard",
+    )
 
     def __init__(self, shard: str, key: str | tuple[str, str], limit: int) -> None:
         self.shard = shard
@@ -71,6 +96,19 @@ class _OpenAggregate:
         self.records: list[Record] = []
         self.deadline = math.inf
         self.expiration = math.inf
+        # an aggregate of column items instead (Aggregator.put_items): its chunks, (batch,
+        # positions) in the order they were added; how many items and their bytes (data and
+        # key, as admitted); the shard backlog they count in; the first item's key (its hash
+        # key is the container's explicit hash key); their data sizes' total, smallest and
+        # largest
+        self.items: list[tuple[ColumnBatch, list[int]]] | None = None
+        self.nitems = 0
+        self.item_bytes = 0
+        self.item_backlog: ShardBacklog | None = None
+        self.first_key: KeyFacts | None = None
+        self.item_data = 0
+        self.item_low = NO_ITEM_SIZE
+        self.item_high = 0
 
 
 class Aggregator:
@@ -119,7 +157,9 @@ class Aggregator:
     def buffered_records(self) -> int:
         """The user records buffered: in the open aggregates, and waiting for the shard map
         (counted when asked, not as they come and go)."""
-        return sum(len(agg.records) for agg in self._open.values()) + len(self._unmapped)
+        return sum(len(agg.records) + agg.nitems for agg in self._open.values()) + len(
+            self._unmapped
+        )
 
     @property
     def next_deadline(self) -> float:
@@ -145,7 +185,7 @@ class Aggregator:
     def queue_depths(self) -> dict[str, int]:
         depths: dict[str, int] = {}
         for agg in self._open.values():
-            depths[agg.shard] = depths.get(agg.shard, 0) + len(agg.records)
+            depths[agg.shard] = depths.get(agg.shard, 0) + len(agg.records) + agg.nitems
         return depths
 
     def put(self, record: Record, out: list[KinesisRecord]) -> bool:
@@ -183,6 +223,9 @@ class Aggregator:
         tenant = record.tenant
         key: str | tuple[str, str] = shard if tenant is None else (shard, tenant)
         agg = self._open.get(key)
+        if agg is not None and agg.items is not None:
+            out.append(self._seal(agg))
+            agg = None
         if agg is None or not _add(agg.builder, record, agg.limit):
             # no open aggregate, or the record would push it past the limit: start the next
             limit = (
@@ -230,6 +273,7 @@ class Aggregator:
         agg = self._open.get(record.predicted_shard)  # type: ignore[arg-type]
         if (
             agg is None
+            or agg.items is not None
             or self.map_unavailable
             or record.deadline < agg.deadline
             or record.expiration < agg.expiration
@@ -258,6 +302,7 @@ class Aggregator:
             agg = opened.get(shard)
             if (
                 agg is not None
+                and agg.items is None
                 and not self.map_unavailable
                 and deadline >= agg.deadline
                 and expiration >= agg.expiration
@@ -278,8 +323,120 @@ class Aggregator:
             if position == end:
                 return moved
 
+    def put_items(
+        self,
+        backlog: ShardBacklog,
+        batch: ColumnBatch,
+        indices: list[int],
+        out: list[KinesisRecord],
+    ) -> bool:
+        """Put a column batch's items at ``indices`` (all of ``backlog``'s shard) into the
+        shard's open aggregate of column items, sealing into ``out`` each that fills; whether
+        a new aggregate was opened (the caller's deadline to schedule). An aggregate holds
+        column items or records, never both: one of records open for the shard is sealed
+        first, as is one whose deadline or expiration comes later than the batch's."""
+        datas = batch.datas
+        facts = batch.facts
+        sizes = batch.sizes
+        deadline = batch.deadline
+        expiration = batch.expiration
+        max_count = self.max_count
+        moved = False
+        shard = backlog.shard
+        assert shard is not None  # a placed item's backlog always has one
+        agg = self._open.get(shard)
+        if agg is not None and (
+            agg.items is None or deadline < agg.deadline or expiration < agg.expiration
+        ):
+            out.append(self._seal(agg))
+            agg = None
+        # the open aggregate's running figures, kept in locals (stored back as it seals)
+        chunk: list[int] = []
+        count = nbytes = ndata = high = 0
+        low = NO_ITEM_SIZE
+        if agg is not None:
+            count = agg.nitems
+            nbytes = agg.item_bytes
+            ndata = agg.item_data
+            low = agg.item_low
+            high = agg.item_high
+        for i in indices:
+            data = datas[i]
+            key = facts[i]
+            if agg is not None and not agg.builder.add_key_within(key, data, agg.limit):
+                # full by size: sealed, and the item starts the next one
+                _store_items(agg, batch, chunk, count, nbytes, ndata, low, high)
+                out.append(self._seal(agg))
+                agg = None
+            if agg is None:
+                agg = self._fresh_items(shard, backlog, deadline, expiration)
+                moved = True
+                chunk = []
+                count = nbytes = ndata = high = 0
+                low = NO_ITEM_SIZE
+                # (the intake admits no item too big to share an aggregate alone)
+                agg.builder.add_key_within(key, data, agg.limit)
+                agg.first_key = key
+            chunk.append(i)
+            count += 1
+            nbytes += sizes[i]
+            length = len(data)
+            ndata += length
+            if length < low:
+                low = length
+            if length > high:
+                high = length
+            if count >= max_count:  # full by count: out at once, as in the KPL
+                _store_items(agg, batch, chunk, count, nbytes, ndata, low, high)
+                out.append(self._seal(agg))
+                agg = None
+        if agg is not None:
+            _store_items(agg, batch, chunk, count, nbytes, ndata, low, high)
+        return moved
+
+    def items_limit(self) -> int:
+        """The size limit of an aggregate of column items: the constant one (column items go
+        only where aggregation is on, without ``container_key_from_records``)."""
+        return self._constant_limit
+
+    def _fresh_items(
+        self, shard: str, backlog: ShardBacklog, deadline: float, expiration: float
+    ) -> _OpenAggregate:
+        """A new open aggregate of column items for ``shard`` (``backlog``'s)."""
+        new = self._open[shard] = _OpenAggregate(shard, shard, self._constant_limit)
+        new.items = []
+        new.item_backlog = backlog
+        new.deadline = deadline
+        new.expiration = expiration
+        self._counter += 1
+        heapq.heappush(self._deadlines, (deadline, self._counter, new))
+        return new
+
     def _seal(self, agg: _OpenAggregate) -> KinesisRecord:
         del self._open[agg.key]
+        items = agg.items
+        if items is not None:
+            if agg.nitems == 1:
+                # one item alone goes raw, as one record does: made a record, the per-record
+                # path takes it (ColumnBatch.take)
+                batch, positions = items[0]
+                return KinesisRecord.single(batch.take(positions[0], agg.item_backlog))
+            first_key: KeyFacts = agg.first_key  # type: ignore[assignment]
+            kr = KinesisRecord.aggregate(
+                [],
+                agg.builder,
+                self.container_partition_key,
+                str(first_key.hash_key),
+                agg.shard,
+                agg.deadline,
+                agg.expiration,
+            )
+            kr.chunks = items
+            kr.item_sizes = (agg.item_data, agg.item_low, agg.item_high)
+            kr.nitems = agg.nitems
+            kr.item_bytes = agg.item_bytes
+            kr.item_backlog = agg.item_backlog
+            return kr
         records = agg.records
         if len(records) == 1:
             return KinesisRecord.single(records[0])
@@ -409,9 +566,10 @@ class Aggregator:
         for agg in list(self._open.values()):
             if agg.key in busy:
                 continue
-            if horizon > 0.0 and len(agg.records) > 1:
+            items = agg.items
+            if horizon > 0.0 and (len(agg.records) > 1 if items is None else agg.nitems > 1):
                 size = agg.builder.size
-                age = now - agg.records[0].arrival
+                age = now - (agg.records[0].arrival if items is None else items[0][0].arrival)
                 # fills within the horizon: (limit - size) / (size / age) <= horizon, against
                 # the aggregate's own limit (a tenant's is one turn of the fair queue)
                 if (agg.limit - size) * age <= horizon * size:
@@ -440,7 +598,9 @@ class Aggregator:
         return False
 
     def take_all_records(self) -> list[Record]:
-        """Remove and return every buffered user record (used when failing everything)."""
+        """Remove and return every buffered user record (used when failing everything). A
+        column batch's items are not among them: the producer takes those over first
+        (``Intake.take_all_items``), and their chunks here are dropped with the aggregates."""
         records = [r for agg in self._open.values() for r in agg.records]
         records.extend(self._unmapped)
         records.extend(self.expired)
@@ -462,3 +622,24 @@ def _add(builder: AggregateBuilder, record: Record, limit: float) -> bool:
             record.partition_key, record.explicit_hash_key, record.data, limit
         )
     return builder.add_key_within(facts, record.data, limit)
+
+
+def _store_items(
+    agg: _OpenAggregate,
+    batch: ColumnBatch,
+    chunk: list[int],
+    count: int,
+    nbytes: int,
+    ndata: int,
+    low: int,
+    high: int,
+) -> None:
+    """Store :meth:`Aggregator.put_items`' running figures back into the open aggregate ``agg``
+    of column items, with ``chunk``, the batch's positions it took (if any)."""
+    if chunk:
+        agg.items.append((batch, chunk))  # type: ignore[union-attr]
+    agg.nitems = count
+    agg.item_bytes = nbytes
+    agg.item_data = ndata
+    agg.item_low = low
+    agg.item_high = high

@@ -46,6 +46,7 @@ from ._records import (
     PENDING,
     SUCCEEDED,
     BatchCounter,
+    ColumnBatch,
     KinesisRecord,
     Record,
     ShardBacklog,
@@ -56,7 +57,7 @@ from ._records import (
     untrack_record,
 )
 from ._shard_map import ShardMap
-from ._wire import KeyFacts, key_table_entry
+from ._wire import AGGREGATION_OVERHEAD, KeyFacts, key_table_entry
 
 __all__ = (
     "CHECKPOINT_EVERY",
@@ -96,7 +97,8 @@ class OutstandingRecords:
     """Every admitted record until it is terminal, in order of admission: the producer's
     safety net (whatever happens to a stage, what is left here can be failed, so no awaiter
     ever hangs). Iterating gives the records still pending, oldest first; ``len`` is how many
-    there are.
+    there are, a column batch's items included (``Intake.admit_columns``: they are counted,
+    with no record and no slot, until a record is made of one and :meth:`adopt` gives it one).
 
     A list: a record is appended when admitted (``Record.outstanding_slot`` is its place,
     counted from the first record the list ever held: slot ``outstanding_slot - _base``) and
@@ -136,6 +138,13 @@ class OutstandingRecords:
         record.outstanding_slot = self._base + len(records)
         records.append(record)
         self.count += 1
+
+    def adopt(self, record: Record) -> None:
+        """``record``, counted already (a column batch's item: ``count`` holds those without a
+        slot), takes a slot: the per-record path has taken it over."""
+        records = self._records
+        record.outstanding_slot = self._base + len(records)
+        records.append(record)
 
     def remove(self, record: Record) -> None:
         """``record`` ended (once; a record never added is ignored). :meth:`Intake.finish`
@@ -233,6 +242,9 @@ class Intake:
         self.on_finish = on_finish
         # every admitted record until it is terminal: the producer's safety net
         self.outstanding = OutstandingRecords()
+        # the column batches admitted (admit_columns), pruned of finished ones now and then
+        self.column_batches: list[ColumnBatch] = []
+        self.column_batches_pruned_at = 64
         self.outstanding_bytes = 0
         # partition key -> its KeyFacts (hash key, UTF-8 length, key table entry, the
         # aggregates that hold it): IoT-style workloads reuse keys, and an MD5 costs more
@@ -660,6 +672,173 @@ class Intake:
                 stream_intake.put_runs(runs)
         return position
 
+    def admit_columns(
+        self, stream_intake: StreamIntake, stream: str, items: Sequence[object]
+    ) -> ColumnBatch | None:
+        """Admit a ``submit_many`` batch's common case without a :class:`Record` per item:
+        every item a ``(bytes, str)`` pair, the stream's shard map ready, no spool, and room
+        for the whole batch now. Validates every item into columns (data, key facts, size),
+        places each in its shard's backlog and checks it as :meth:`_admit_run` checks a record;
+        then counts them all in and hands them to the aggregator in runs by shard
+        (:meth:`StreamIntake.put_columns`). All or nothing: ``None`` leaves no trace, and the
+        caller takes the batch the per-record way (which also raises for bad input)."""
+        if (
+            self.spool is not None
+            or not stream_intake.takes_columns
+            or not stream_intake.shard_map.ready
+        ):
+            return None
+        aggregator = stream_intake.aggregator
+        if (
+            not aggregator.enabled
+            or aggregator.container_key_from_records
+            or self.outstanding.count + len(items) > self.max_records  # (never fits whole)
+        ):
+            return None
+        key_cache = self.key_cache
+        # an item that could not share an aggregate goes raw: the per-record path takes the
+        # batch (64 bytes: more than an item's framing in an aggregate)
+        max_record_size = min(
+            self.max_record_size, aggregator.items_limit() - AGGREGATION_OVERHEAD - 64
+        )
+        datas: list[bytes] = []
+        facts_col: list[KeyFacts] = []
+        sizes: list[int] = []
+        dapp = datas.append
+        fapp = facts_col.append
+        sapp = sizes.append
+        for item in items:
+            if type(item) is not tuple or len(item) != 2:
+                return None
+            data, partition_key = item
+            if type(data) is not bytes or type(partition_key) is not str:
+                return None
+            facts = key_cache.get(partition_key)
+            if facts is None:
+                try:
+                    facts = self.learn_key(partition_key)
+                except errors.InvalidRecordError:
+                    return None
+            size = len(data) + facts.size
+            if size > max_record_size:
+                return None
+            dapp(data)
+            fapp(facts)
+            sapp(size)
+        n = len(datas)
+        if not n:
+            return None
+        version = stream_intake.shard_map.version
+        runs: dict[ShardBacklog, list[int]] = {}
+        # each shard backlog's records and bytes as the batch's items join it, checked item
+        # by item as _admit_run checks records (all or nothing: None leaves no trace)
+        held_by: dict[ShardBacklog, list[int]] = {}
+        count = self.outstanding.count
+        nbytes = self.outstanding_bytes
+        max_records = self.max_records
+        max_bytes = self.max_bytes
+        reserve_records = self.reserve_records
+        reserve_bytes = self.reserve_bytes
+        stream_bytes = stream_intake.outstanding_bytes
+        path_bytes = at_most(stream_intake.path_bytes)
+        path_share = at_least(stream_intake.path_share)
+        total = 0
+        for i in range(n):
+            facts = facts_col[i]
+            backlog = facts.backlog
+            if facts.placed != version or backlog is None:
+                backlog = self._place_key(stream_intake, facts)
+                if backlog is None:
+                    # a shard seen for the first time: its backlog made, as StreamIntake.place
+                    # makes it
+                    shard = stream_intake.shard_map.shard_id(facts.hash_key)
+                    if shard is None:
+                        return None
+                    backlog = stream_intake.new_backlog(shard)
+                    facts.placed = version
+                    facts.backlog = backlog
+            held_now = held_by.get(backlog)
+            if held_now is None:
+                held_now = held_by[backlog] = [
+                    backlog.outstanding_records,
+                    backlog.outstanding_bytes,
+                ]
+                runs[backlog] = [i]
+            else:
+                runs[backlog].append(i)
+            held, held_bytes = held_now
+            size = sizes[i]
+            if not held:
+                if count and (count >= max_records or nbytes + size > max_bytes):
+                    return None
+            elif (
+                count >= reserve_records
+                or nbytes + size > reserve_bytes
+                or held >= backlog.full_records
+                or held_bytes + size > backlog.full_bytes
+                or (stream_bytes + size > path_bytes and held_bytes >= path_share)
+            ):
+                return None
+            held_now[0] = held + 1
+            held_now[1] = held_bytes + size
+            count += 1
+            nbytes += size
+            stream_bytes += size
+            total += size
+        # admitted, all of them
+        for backlog, (records, held_bytes) in held_by.items():
+            if not backlog.outstanding_records:
+                self.active_backlogs += 1
+            backlog.outstanding_records = records
+            backlog.outstanding_bytes = held_bytes
+        self.outstanding.count = count
+        self.outstanding_bytes = nbytes
+        stream_intake.outstanding_records += n
+        stream_intake.outstanding_bytes += total
+        stream_intake.received += n
+        now = self.clock()
+        deadline = now + stream_intake.max_buffered_time
+        expiration = now + stream_intake.record_ttl
+        if deadline > expiration:
+            deadline = expiration
+        counter = BatchCounter()
+        counter.remaining = n
+        columns = ColumnBatch(stream, datas, facts_col, sizes, counter, now, deadline, expiration)
+        columns.adopt = self.adopt
+        columns.runs = runs
+        live = self.column_batches
+        live.append(columns)
+        if len(live) >= self.column_batches_pruned_at:
+            live[:] = [batch for batch in live if batch.counter.remaining]
+            self.column_batches_pruned_at = max(64, 2 * len(live))
+        stream_intake.put_columns(columns)
+        return columns
+
+    def live_column_batches(self) -> list[ColumnBatch]:
+        """The column batches with records not resolved yet."""
+        live = self.column_batches
+        live[:] = [batch for batch in live if batch.counter.remaining]
+        return list(live)
+
+    def take_all_items(self) -> None:
+        """Every column batch's item not resolved yet taken over by the per-record path, into
+        the outstanding list (the producer fails them: it is closing)."""
+        for batch in self.live_column_batches():
+            batch.take_unresolved()
+
+    def adopt(self, record: Record) -> None:
+        """A column batch's item the per-record path takes over (``ColumnBatch.take``)
+        joins the outstanding list; it is counted there already (as an item)."""
+        self.outstanding.adopt(record)
+
+    def finish_items(self, backlog: ShardBacklog, n: int, nbytes: int) -> None:
+        """``n`` column items of ``backlog``, ``nbytes`` in all, succeeded (one Kinesis
+        record's): counted out as :meth:`finish` counts out records."""
+        self.outstanding.count -= n
+        self.outstanding_bytes -= nbytes
+        self._count_out(backlog, n, nbytes)
+        self.on_finish()
+
     def checkpoint_due(self, stream_intake: StreamIntake) -> bool:
         """Whether the next admission that needs no wait should yield to the event loop first:
         every :data:`CHECKPOINT_EVERY` admissions, and always while the stream's shard map is
@@ -798,7 +977,11 @@ class Intake:
         """When the oldest outstanding record was admitted (the producer's clock), ``None``
         when none is."""
         record = self.outstanding.oldest()
-        return None if record is None else record.arrival
+        oldest = None if record is None else record.arrival
+        for batch in self.column_batches:  # the live column batches' too
+            if batch.counter.remaining and (oldest is None or batch.arrival < oldest):
+                oldest = batch.arrival
+        return oldest
 
     def no_room_reason(self, record: Record, stream: StreamIntake) -> str:
         """What keeps ``record`` out now, in words (for
@@ -1056,10 +1239,15 @@ class StreamIntake:
         ship: Callable[[list[KinesisRecord]], object],
         wake: Callable[[], object],
         request_refresh: Callable[[], object],
+        finish_items: Callable[[ShardBacklog, int, int], None] | None = None,
     ) -> None:
         # resolves records and returns how many were pending and their bytes (the producer's
         # Intake.finish)
         self._producer_finish = finish
+        # counts out a Kinesis record's column items (the producer's Intake.finish_items);
+        # a stream intake without it takes no column batch
+        self._producer_finish_items = finish_items
+        self.takes_columns = finish_items is not None
         self.aggregator = aggregator
         self.shard_map = shard_map
         self.max_buffered_time = max_buffered_time
@@ -1162,6 +1350,31 @@ class StreamIntake:
             if aggregator.put_run(backlog.shard, run, self._sealed):  # type: ignore[arg-type]
                 deadline = run[0].deadline
         self._handed(deadline)
+
+    def put_columns(self, columns: ColumnBatch) -> None:
+        """:meth:`put_runs` for a column batch: each shard backlog's positions of it into its
+        open aggregate."""
+        aggregator = self._aggregator()
+        moved = False
+        sealed = self._sealed
+        for backlog, run in columns.runs.items():
+            if aggregator.put_items(backlog, columns, run, sealed):
+                moved = True
+        self._handed(columns.deadline if moved else math.inf)
+
+    def finish_items(self, kr: KinesisRecord) -> None:
+        """A Kinesis record of column items succeeded: its items counted out of the producer,
+        their shard backlog and the stream."""
+        n = kr.nitems
+        nbytes = kr.item_bytes
+        finish_items = self._producer_finish_items
+        backlog = kr.item_backlog
+        # (admit_columns' conditions: a stream intake with it, items placed in a backlog)
+        assert finish_items is not None
+        assert backlog is not None
+        finish_items(backlog, n, nbytes)
+        self.outstanding_records -= n
+        self.outstanding_bytes -= nbytes
 
     def _aggregator(self) -> Aggregator:
         """The aggregator, for records about to be put: where ListShards failed for good (a

@@ -213,8 +213,7 @@ class _ShardLimiter:
         pace = self.pace
         if pace and not kr.shared_paid:
             # (not a record that holds a reservation of the shared bucket: it goes at once)
-            records = kr.records
-            gate = sum(r.arrival for r in records) / len(records) + pace
+            gate = kr.mean_arrival() + pace
             if now < gate < kr.expiration - DEADLINE_MARGIN:
                 self.blocked_until = gate
                 return False
@@ -231,7 +230,7 @@ class _ShardLimiter:
             self.shared_refusals += 1
         else:
             counters = self.counters
-            users = len(kr.records)
+            users = kr.user_records
             counters.records_sent += 1
             counters.bytes_sent += size
             counters.user_records_sent += users

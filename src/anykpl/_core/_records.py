@@ -7,6 +7,12 @@ no future and no event exist per record unless somebody awaits a record that is 
 (the event is created lazily). A Kinesis record (:class:`KinesisRecord`) owns the handles of the
 user records it carries; the Retrier resolves them when the PutRecords outcome arrives.
 
+A ``submit_many`` batch admitted in columns (:class:`ColumnBatch`) has no record per item: its
+Kinesis records carry *chunks* of it, ``(batch, positions)``, and a success resolves each chunk
+with one count. A handle is made when asked for (:meth:`ColumnBatch.handle`), and every other
+outcome makes the Kinesis record's items records first (:attr:`KinesisRecord.records`), which
+then go the per-record way.
+
 Attempt history follows the KPL (aws/kinesis/core/user_record.cc, ``to_put_record_result``):
 an attempt's ``delay`` is the time from the record's arrival (first attempt) or from the end of
 the previous attempt (later attempts) to the attempt's start; ``duration`` is the attempt's own
@@ -33,6 +39,7 @@ from ._wire import AggregateBuilder, KeyFacts
 __all__ = (
     "Attempt",
     "BatchCounter",
+    "ColumnBatch",
     "Event",
     "KinesisRecord",
     "Record",
@@ -547,6 +554,177 @@ BUILD_BY_STORES: Final = isinstance(vars(Record)["__init__"], FunctionType)
 new_record: Final[Callable[[type[Record]], Record]] = object.__new__
 
 
+class ColumnBatch:
+    """The records of one ``submit_many`` call kept in columns (data, key facts, size): no
+    :class:`Record` is made for them unless a handle is asked for (:meth:`handle`) or a Kinesis
+    record carrying them takes another way than success (:meth:`take`). Resolved chunk by
+    chunk (:meth:`resolve_chunk`): ``outcomes`` holds one entry per chunk put."""
+
+    __slots__ = (
+        "_index",
+        "adopt",
+        "arrival",
+        "counter",
+        "datas",
+        "deadline",
+        "expiration",
+        "facts",
+        "materialized",
+        "orphaned",
+        "outcomes",
+        "records",
+        "runs",
+        "sizes",
+        "stream",
+    )
+
+    def __init__(
+        self,
+        stream: str,
+        datas: list[bytes],
+        facts: list[KeyFacts],
+        sizes: list[int],
+        counter: BatchCounter,
+        arrival: float,
+        deadline: float,
+        expiration: float,
+    ) -> None:
+        self.stream = stream
+        self.datas = datas
+        self.facts = facts
+        self.sizes = sizes
+        self.counter = counter
+        self.arrival = arrival
+        self.deadline = deadline
+        self.expiration = expiration
+        self.records: list[Record | None] = [None] * len(datas)
+        self.outcomes: list[tuple[list[int], str, str, int, AttemptRecord]] = []
+        self.materialized = 0  # handles made for positions not resolved yet
+        # positions taken over while their chunks still ride in Kinesis records (closing):
+        # a chunk resolved later looks at each position
+        self.orphaned = False
+        # the positions of each shard backlog they were admitted to
+        self.runs: dict[ShardBacklog, list[int]] = {}
+        self._index: dict[int, tuple[str, str, int, AttemptRecord]] | None = None
+        # the producer's Intake.adopt: a record the per-record path takes over joins the
+        # outstanding list (it is counted there already, as an item)
+        self.adopt: Callable[[Record], None] | None = None
+
+    def __len__(self) -> int:
+        return len(self.datas)
+
+    def _outcome_of(self, position: int) -> tuple[str, str, int, AttemptRecord] | None:
+        index = self._index
+        if index is None:
+            index = self._index = {}
+            for positions, shard, sequence_number, first, attempt in self.outcomes:
+                for offset, at in enumerate(positions):
+                    index[at] = (shard, sequence_number, first + offset, attempt)
+        return index.get(position)
+
+    def handle(self, position: int) -> Record:
+        """The handle of the record at ``position`` (made on first use)."""
+        record = self.records[position]
+        if record is not None:
+            return record
+        facts = self.facts[position]
+        record = Record(
+            self.stream,
+            facts.key,
+            self.datas[position],
+            facts.hash_key,
+            None,
+            self.arrival,
+            self.deadline,
+            self.expiration,
+            self.sizes[position],
+            facts,
+        )
+        outcome = self._outcome_of(position)
+        if outcome is None:
+            self.materialized += 1  # pending: its chunk resolves it
+        else:
+            record.shard_id, record.sequence_number, record.sub_sequence_number = outcome[:3]
+            record.last_attempt = outcome[3]
+            record._state = SUCCEEDED
+        self.records[position] = record
+        return record
+
+    def take(self, position: int, backlog: ShardBacklog | None) -> Record:
+        """The record at ``position`` (pending), taken over by the per-record path: its
+        Kinesis record took another way than success. Its chunk will not resolve it."""
+        record = self.handle(position)
+        if record._state != PENDING or record.outstanding_slot >= 0:
+            return record  # taken over already (closing), or resolved: once
+        self.materialized -= 1
+        record.batch = self.counter
+        record.backlog = backlog
+        record.predicted_shard = None if backlog is None else backlog.shard
+        adopt = self.adopt
+        if adopt is not None:
+            adopt(record)
+        return record
+
+    def take_unresolved(self) -> list[Record]:
+        """Every record not resolved yet, taken over by the per-record path (the producer
+        fails them: closing); their chunks, wherever they ride, skip them from now on."""
+        resolved: set[int] = set()
+        for positions, *_ in self.outcomes:
+            resolved.update(positions)
+        taken: list[Record] = []
+        self.orphaned = True
+        for backlog, positions in self.runs.items():
+            for position in positions:
+                if position in resolved:
+                    continue
+                record = self.records[position]
+                if record is not None and (
+                    record._state != PENDING or record.outstanding_slot >= 0
+                ):
+                    continue
+                taken.append(self.take(position, backlog))
+        return taken
+
+    def resolve_chunk(
+        self,
+        positions: list[int],
+        shard: str,
+        sequence_number: str,
+        first: int,
+        attempt: AttemptRecord,
+    ) -> None:
+        """The records at ``positions`` were put, in one Kinesis record at ``shard`` under
+        ``sequence_number``, with subsequence numbers from ``first`` on."""
+        self.outcomes.append((positions, shard, sequence_number, first, attempt))
+        index = self._index
+        if index is not None:
+            for offset, at in enumerate(positions):
+                index[at] = (shard, sequence_number, first + offset, attempt)
+        if not self.materialized and not self.orphaned:
+            self.counter.records_done(len(positions), True)
+            return
+        records = self.records
+        counted = 0
+        for offset, at in enumerate(positions):
+            record = records[at]
+            if record is None:
+                counted += 1
+                continue
+            if record._state != PENDING:
+                continue  # resolved already (failed at close): exactly once
+            if record.outstanding_slot >= 0:
+                continue  # taken over (closing): the per-record path resolves it
+            self.materialized -= 1
+            record.add_attempt(attempt)
+            record.shard_id = shard
+            record.sequence_number = sequence_number
+            record.sub_sequence_number = first + offset
+            record.batch = self.counter
+            record.resolve(True)
+        if counted:
+            self.counter.records_done(counted, True)
+
+
 class KinesisRecord:
     """One Kinesis record: a single user record sent raw, or an aggregate of several.
 
@@ -560,12 +738,17 @@ class KinesisRecord:
     __slots__ = (
         "_builder",
         "_data",
+        "_records",
+        "chunks",
         "deadline",
         "expiration",
         "explicit_hash_key",
+        "item_backlog",
+        "item_bytes",
+        "item_sizes",
+        "nitems",
         "partition_key",
         "predicted_shard",
-        "records",
         "shared_paid",
         "size",
         "tenant",
@@ -581,7 +764,7 @@ class KinesisRecord:
         deadline: float,
         expiration: float,
     ) -> None:
-        self.records = records
+        self._records = records
         self._data: bytes | None = data
         self._builder: AggregateBuilder | None = None
         self.partition_key = partition_key
@@ -596,10 +779,51 @@ class KinesisRecord:
         self.tenant = records[0].tenant if records else None
         # the Limiter reserved its tokens in the producer-wide (fleet) bucket already
         self.shared_paid = False
+        # a column batch's items instead of records (Aggregator.put_items): its chunks,
+        # (batch, positions); how many items and their bytes as admitted; their data sizes'
+        # total, smallest and largest (UserRecordsDataPut); the shard backlog they count in
+        self.chunks: list[tuple[ColumnBatch, list[int]]] | None = None
+        self.nitems = 0
+        self.item_bytes = 0
+        self.item_sizes: tuple[int, int, int] = (0, 0, 0)
+        self.item_backlog: ShardBacklog | None = None
+
+    @property
+    def records(self) -> list[Record]:
+        """Its user records' handles (a column batch's items made records on first use here:
+        every way but success takes them per record, see :meth:`ColumnBatch.take`)."""
+        chunks = self.chunks
+        if chunks is not None:
+            self.chunks = None
+            backlog = self.item_backlog
+            records: list[Record] = []
+            for columns, positions in chunks:
+                for position in positions:
+                    records.append(columns.take(position, backlog))
+            self._records = records
+            self.nitems = 0
+            self.item_bytes = 0
+        return self._records
+
+    @property
+    def user_records(self) -> int:
+        """How many user records it carries (made records or not)."""
+        return len(self._records) or self.nitems
+
+    def mean_arrival(self) -> float:
+        """When its user records were admitted, on average (the Limiter's pacing)."""
+        chunks = self.chunks
+        if chunks is not None:
+            total = 0.0
+            for columns, positions in chunks:
+                total += columns.arrival * len(positions)
+            return total / self.nitems
+        records = self._records
+        return sum(r.arrival for r in records) / len(records)
 
     def __repr__(self) -> str:
         return (
-            f"<KinesisRecord {len(self.records)} user record(s) {self.size} bytes "
+            f"<KinesisRecord {self.user_records} user record(s) {self.size} bytes "
             f"predicted={self.predicted_shard}>"
         )
 
@@ -680,7 +904,7 @@ class KinesisRecord:
     def release(self) -> None:
         """Drop the serialized bytes of an aggregate once its request is done (the user
         records keep their own)."""
-        if self._builder is None and len(self.records) > 1:
+        if self._builder is None and self.user_records > 1:
             self._data = b""
 
     @classmethod

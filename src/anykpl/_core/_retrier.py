@@ -244,10 +244,13 @@ class Retrier:
         observe: Observe | None = None,
         on_outcome: ShardOutcome | None = None,
         retry_budget: RetryBudget | None = None,
+        finish_items: Callable[[KinesisRecord], None] | None = None,
     ) -> None:
         self.stream = stream
         self.shard_map = shard_map
         self.finish = finish
+        # a successful Kinesis record of column items counted out (StreamIntake.finish_items)
+        self.finish_items = _no_column_items if finish_items is None else finish_items
         self.count = count
         self.observe = observe if observe is not None else _sums_only(count)
         self.request_refresh = request_refresh
@@ -416,13 +419,17 @@ class Retrier:
         users = 0
         by_shard: dict[str | None, _RequestShard] = {}
         for kr in records:
-            n = len(kr.records)
+            n = kr.user_records
             users += n
             # BufferingTime, per Kinesis record: how long its oldest user record waited since
             # it arrived or its previous attempt ended (the KPL samples every user record)
-            oldest = kr.records[0]
-            last = oldest.last_attempt
-            wait = (start - (oldest.arrival if last is None else last.end)) * 1000
+            chunks = kr.chunks
+            if chunks is not None:  # a column batch's items: never attempted before
+                wait = (start - chunks[0][0].arrival) * 1000
+            else:
+                oldest = kr.records[0]
+                last = oldest.last_attempt
+                wait = (start - (oldest.arrival if last is None else last.end)) * 1000
             request = by_shard.get(kr.predicted_shard)
             if request is None:
                 by_shard[kr.predicted_shard] = _RequestShard(n, wait)
@@ -495,6 +502,23 @@ class Retrier:
         sizes = users.get(actual)
         if sizes is None:
             sizes = users[actual] = StatisticSet(0, 0, math.inf, 0)
+        chunks = kr.chunks
+        if chunks is not None:
+            # a column batch's items: each chunk resolved with one count (ColumnBatch)
+            total, low, high = kr.item_sizes
+            sizes.count += kr.nitems
+            sizes.total += total
+            if low < sizes.minimum:
+                sizes.minimum = float(low)
+            if high > sizes.maximum:
+                sizes.maximum = float(high)
+            first = 0
+            for columns, chunk in chunks:
+                columns.resolve_chunk(chunk, actual, sequence_number, first, attempt)
+                first += len(chunk)
+            self._streaks.pop(kr.predicted_shard, None)
+            self.finish_items(kr)
+            return
         records = kr.records
         if records:
             # the data sizes' count, total and extremes, measured by builtins (no bytecode
@@ -582,7 +606,7 @@ class Retrier:
     @property
     def held_records(self) -> int:
         """User records stored in a shard the map has not seen yet, waiting for its refresh."""
-        return sum(len(held.kr.records) for held in self._held)
+        return sum(held.kr.user_records for held in self._held)
 
     def settle_held(self, now: float, *, give_up_before: float = -math.inf) -> None:
         """Decide the held outcomes whose shard the map now knows: succeeded if its range holds
@@ -769,3 +793,9 @@ def _sums_only(count: Count) -> Observe:
             count(name, int(stats.total), shard, code)
 
     return observe
+
+
+def _no_column_items(kr: KinesisRecord) -> None:
+    """A Retrier's ``finish_items`` where it was given none: no column batch reaches it (a
+    stream intake without the producer's ``finish_items`` admits none)."""
+    raise RuntimeError(f"{kr!r} carries column items, and this Retrier cannot count them out")

@@ -5,6 +5,10 @@ Each record of the batch counts itself out of the batch's :class:`BatchCounter` 
 becomes terminal (``Record.resolve``, compiled code), so :meth:`PendingBatch.done` and
 the counts are one read each, however big the batch. Results are built only when asked for:
 :meth:`PendingBatch.result` builds one for each failed record, none for the others.
+
+A batch admitted in columns (``Intake.admit_columns``: no record made per item) holds a
+:class:`ColumnRecords` instead of a list: each handle is made the first time it is asked for,
+from the batch's columns and the outcome of the Kinesis record that carried it.
 """
 
 from __future__ import annotations
@@ -12,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any, NamedTuple, overload
 
-from .._core._records import BatchCounter, Record, RecordResult
+from .._core._records import BatchCounter, ColumnBatch, Record, RecordResult
 from ._handle import PendingRecord
 
-__all__ = ("BatchResult", "PendingBatch", "set_done_hook")
+__all__ = ("BatchResult", "ColumnRecords", "PendingBatch", "set_done_hook")
 
 
 class BatchResult(NamedTuple):
@@ -46,7 +50,7 @@ class PendingBatch(Sequence[PendingRecord]):
 
     __slots__ = ("_counter", "_records")
 
-    def __init__(self, records: list[Record], counter: BatchCounter) -> None:
+    def __init__(self, records: Sequence[Record], counter: BatchCounter) -> None:
         self._records = records
         self._counter = counter
 
@@ -120,6 +124,39 @@ class PendingBatch(Sequence[PendingRecord]):
 
     def __await__(self) -> Generator[Any, None, BatchResult]:
         return self.wait().__await__()
+
+
+class ColumnRecords(Sequence[Record]):
+    """A column batch's handles as a sequence, each made the first time it is asked for
+    (:meth:`ColumnBatch.handle`): a batch whose caller never looks at its records makes none."""
+
+    __slots__ = ("_columns",)
+
+    def __init__(self, columns: ColumnBatch) -> None:
+        self._columns = columns
+
+    def __len__(self) -> int:
+        return len(self._columns)
+
+    @overload
+    def __getitem__(self, index: int) -> Record: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Record]: ...
+
+    def __getitem__(self, index: int | slice) -> Record | list[Record]:
+        handle = self._columns.handle
+        if isinstance(index, slice):
+            return [handle(i) for i in range(*index.indices(len(self._columns)))]
+        if index < 0:
+            index += len(self._columns)
+        if not 0 <= index < len(self._columns):
+            raise IndexError("batch index out of range")
+        return handle(index)
+
+    def __iter__(self) -> Iterator[Record]:
+        handle = self._columns.handle
+        return (handle(i) for i in range(len(self._columns)))
 
 
 def set_done_hook(batch: PendingBatch, hook: Callable[[], None] | None) -> None:

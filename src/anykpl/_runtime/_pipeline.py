@@ -152,6 +152,7 @@ class Pipeline:
         finish: ProducerFinish,
         shared_bucket: TokenBucket | None = None,
         place_unplaced: Callable[[StreamIntake], None] | None = None,
+        finish_items: Callable[[ShardBacklog, int, int], None] | None = None,
     ) -> None:
         self.stream = stream
         # the producer's Intake.place_unplaced: records admitted before the shard map was
@@ -201,6 +202,7 @@ class Pipeline:
             backoff_max=config.retry_backoff_max,
             observe=self._observe,
             on_outcome=self.limiter.outcome,
+            finish_items=self._finish_items,
             retry_budget=(
                 None
                 if config.retry_budget is None
@@ -251,6 +253,7 @@ class Pipeline:
             ship=self.limiter_send.send_nowait,
             wake=self._wake_aggregator,
             request_refresh=self._request_refresh,
+            finish_items=finish_items,
         )
         self._received_counted = 0
         self.in_flight = 0
@@ -373,6 +376,10 @@ class Pipeline:
         """Resolve records of this stream (the Retrier's, and the producer's when it fails
         everything) and give their room back."""
         self.intake.finish(records, success)
+
+    def _finish_items(self, kr: KinesisRecord) -> None:
+        """A Kinesis record of column items succeeded (the Retrier's): their room back."""
+        self.intake.finish_items(kr)
 
     def fail_all(self, records: Sequence[Record], attempt: AttemptRecord) -> None:
         """Fail ``records`` (this stream's outstanding ones, wherever they are: in a stage,

@@ -43,7 +43,7 @@ from ..config import ProducerConfig
 from ..metrics import FINAL_REPORT_WHEN_CANCELLED, MetricsSink
 from ..metrics._uploader import Uploader
 from ._admission import Admission
-from ._batch import PendingBatch
+from ._batch import ColumnRecords, PendingBatch
 from ._handle import PendingRecord
 from ._pipeline import Pipeline
 from ._spool import RecoveredSegment, Spool, SpoolSyncer
@@ -484,6 +484,7 @@ class Producer(anyio.AsyncContextManagerMixin):
             self._intake.finish,
             shared_bucket=self._fleet_bucket,
             place_unplaced=self._intake.place_unplaced,
+            finish_items=self._intake.finish_items,
         )
         pipeline.on_room = self._wake_waiters
         self._pipelines[stream] = pipeline
@@ -656,6 +657,15 @@ class Producer(anyio.AsyncContextManagerMixin):
             _check_stream_name(stream)  # the batch's, not records[0]'s, and for an empty one
         checked_tenant = None if tenant is None else _check_tenant(tenant)
         intake = self._intake
+        if checked_tenant is None and (type(records) is list or type(records) is tuple):
+            # the common case, no record made per item: a list of (data, key) that fits now
+            # in a stream whose shard map is ready (Intake.admit_columns); None otherwise
+            open_pipeline = self._pipelines.get(stream)
+            if open_pipeline is not None and not open_pipeline.stopped:
+                columns = intake.admit_columns(open_pipeline.intake, stream, records)
+                if columns is not None:
+                    await anyio.lowlevel.checkpoint()
+                    return PendingBatch(ColumnRecords(columns), columns.counter)
         counter = BatchCounter()
         made = intake.make_records(stream, records, counter)
         batch = PendingBatch(made, counter)
@@ -745,6 +755,7 @@ class Producer(anyio.AsyncContextManagerMixin):
         )
 
     def _fail_outstanding(self, code: str, message: str) -> None:
+        self._intake.take_all_items()  # a column batch's unresolved items too, as records
         if not self._intake.outstanding:
             return
         if self._spool is not None:
@@ -796,6 +807,10 @@ class Producer(anyio.AsyncContextManagerMixin):
                 )
             if timeout is not None:
                 timeout = max(0.0, timeout - (anyio.current_time() - started))
+        # the column batches admitted before it, too
+        live = self._intake.live_column_batches()
+        if stream is not None:
+            live = [batch for batch in live if batch.stream == stream]
         if stream is None:
             snapshot = list(self._intake.outstanding)
             pipelines = list(self._pipelines.values())
@@ -803,17 +818,24 @@ class Producer(anyio.AsyncContextManagerMixin):
             snapshot = [record for record in self._intake.outstanding if record.stream == stream]
             owner = self._pipelines.get(stream)
             pipelines = [] if owner is None else [owner]
-        if not snapshot:
+        if not snapshot and not live:
             await anyio.lowlevel.checkpoint()
             return
         for pipeline in pipelines:
             pipeline.flush()
         try:
             with anyio.fail_after(timeout if timeout is not None else math.inf):
+                for batch in live:
+                    if batch.counter.remaining:
+                        await batch.counter.wait()
                 for record in snapshot:
                     await record.wait_done()
         except TimeoutError:
-            left = sum(1 for r in snapshot if not r.done())
+            # a live column batch's counter counts its items, those made records (in the
+            # snapshot, if they were before it began) too: each once
+            counters = {id(batch.counter) for batch in live}
+            left = sum(1 for r in snapshot if not r.done() and id(r.batch) not in counters)
+            left += sum(batch.counter.remaining for batch in live)
             raise errors.FlushTimeout(
                 f"flush timed out after {timeout} s with {left} record(s) not yet terminal"
             ) from None
