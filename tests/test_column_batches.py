@@ -19,9 +19,11 @@ from anykpl import BatchResult, Producer, errors
 from anykpl._core._intake import Intake, StreamIntake
 from anykpl._core._records import AttemptRecord, BatchCounter, ColumnBatch, KinesisRecord
 from anykpl._core._wire import deaggregate
+from anykpl.metrics import MetricsReport
 
 from .fakes import FakeKinesis, GatedKinesis, hash_of
 from .test_intake import _intake, _stream
+from .test_metrics import RecordingSink
 from .test_producer import FAST, STREAM, client_error, ready, stored
 
 pytestmark = pytest.mark.anyio
@@ -449,3 +451,79 @@ def test_a_chunk_resolves_each_item_once_however_it_was_taken() -> None:
 
 def _attempt() -> AttemptRecord:
     return AttemptRecord(0.0, 0.0, True, None, None)
+
+
+class _SlowFinalReport(RecordingSink):
+    """A metrics sink whose final report takes 0.2 s: the producer's stages still run
+    meanwhile, after closing failed what was left."""
+
+    async def publish(self, report: MetricsReport) -> None:
+        if report.final:
+            await anyio.sleep(0.2)
+        await super().publish(report)
+
+
+async def test_items_put_after_closing_failed_them_are_counted_out_once() -> None:
+    fake = GatedKinesis()
+    with anyio.fail_after(5):
+        async with (
+            anyio.create_task_group() as group,
+            Producer(
+                transport=fake,
+                metrics_sinks=[_SlowFinalReport()],
+                **{**FAST, "close_timeout": 0.1},
+            ) as producer,
+        ):
+            await ready(producer)
+            fake.close_gate()
+            batch = await producer.submit_many(STREAM, _items(60, keys=7))
+            await fake.entered.wait()
+
+            async def answer_during_the_final_report() -> None:
+                await anyio.sleep(0.15)  # the close's flush gave up at 0.1 s
+                assert fake.gate is not None
+                fake.gate.set()
+
+            group.start_soon(answer_during_the_final_report)
+    assert (batch.succeeded, batch.failed) == (0, 60)
+    intake = producer._intake
+    stream = producer._pipelines[STREAM].intake
+    assert (len(intake.outstanding), intake.outstanding_bytes, intake.active_backlogs) == (0, 0, 0)
+    assert (stream.outstanding_records, stream.outstanding_bytes) == (0, 0)
+    assert {(b.outstanding_records, b.outstanding_bytes) for b in stream.backlogs.values()} == {
+        (0, 0)
+    }
+
+
+async def test_submit_and_submit_many_taking_turns_on_a_shard_share_its_aggregates() -> None:
+    fake = FakeKinesis(1)
+    async with Producer(
+        transport=fake, record_max_buffered_time=0.2, close_timeout=5.0
+    ) as producer:
+        await ready(producer)
+        sent = len(fake.requests[-1])
+        for i in range(100):
+            await producer.submit(STREAM, b"one-%d" % i, partition_key=f"k{i % 5}")
+            await producer.submit_many(STREAM, _items(10, keys=5, start=10 * i))
+        await producer.flush()
+    kinesis_records = sum(len(request) for request in fake.requests) - sent
+    assert kinesis_records <= 3  # one aggregate, two if the deadline split them
+    assert len(stored(fake)) == 1_100
+
+
+async def test_finished_column_batches_are_not_kept_beyond_the_byte_cap(
+    fake_kinesis: FakeKinesis,
+) -> None:
+    cap = 256 * 1024
+    async with Producer(transport=fake_kinesis, max_outstanding_bytes=cap, **FAST) as producer:
+        await ready(producer)
+        for _ in range(20):
+            batch = await producer.submit_many(
+                STREAM, [(bytes(1000), f"k{i % 97}") for i in range(200)]
+            )
+            await batch
+            for shard in fake_kinesis.shards:
+                shard.records.clear()
+        held = producer._intake.column_batches
+        assert len(held) < 20
+        assert sum(len(data) for batch in held for data in batch.datas) <= 2 * cap

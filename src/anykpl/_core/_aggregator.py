@@ -44,6 +44,7 @@ import heapq
 import math
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
+from typing import Final
 
 from ._limiter import EXPIRY_SCAN_INTERVAL
 from ._records import ColumnBatch, KinesisRecord, Record, ShardBacklog
@@ -60,8 +61,8 @@ __all__ = ("SHARD_MAP_WAIT", "Aggregator")
 SHARD_MAP_WAIT = 5.0
 
 #: The smallest data size of an aggregate of column items before its first item (larger than
-#: any record's: a whole number, so that the compiled build keeps it unboxed).
-NO_ITEM_SIZE = 1 << 62
+#: any record's).
+NO_ITEM_SIZE: Final = 1 << 40
 
 
 class _OpenAggregate:
@@ -224,8 +225,9 @@ class Aggregator:
         key: str | tuple[str, str] = shard if tenant is None else (shard, tenant)
         agg = self._open.get(key)
         if agg is not None and agg.items is not None:
-            out.append(self._seal(agg))
-            agg = None
+            # a record joins an open aggregate of column items: they become records (rather
+            # than a seal each time submit and submit_many take turns on a shard)
+            self._items_to_records(agg)
         if agg is None or not _add(agg.builder, record, agg.limit):
             # no open aggregate, or the record would push it past the limit: start the next
             limit = (
@@ -341,41 +343,56 @@ class Aggregator:
         deadline = batch.deadline
         expiration = batch.expiration
         max_count = self.max_count
-        moved = False
         shard = backlog.shard
         assert shard is not None  # a placed item's backlog always has one
         agg = self._open.get(shard)
-        if agg is not None and (
-            agg.items is None or deadline < agg.deadline or expiration < agg.expiration
+        if (
+            agg is not None
+            and agg.items is None
+            and deadline >= agg.deadline
+            and expiration >= agg.expiration
         ):
-            out.append(self._seal(agg))
-            agg = None
+            # an open aggregate of records (a submit's, say): the items join it as records,
+            # rather than a seal each time submit and submit_many take turns on a shard
+            return self.put_run(shard, [batch.take(i, backlog) for i in indices], out)
+        if (
+            agg is None
+            or agg.items is None
+            or deadline < agg.deadline
+            or expiration < agg.expiration
+        ):
+            if agg is not None:
+                out.append(self._seal(agg))
+            agg = self._fresh_items(shard, backlog, deadline, expiration)
+            moved = True
+        else:
+            moved = False
         # the open aggregate's running figures, kept in locals (stored back as it seals)
+        add = agg.builder.add_key_within
+        limit = agg.limit
         chunk: list[int] = []
-        count = nbytes = ndata = high = 0
-        low = NO_ITEM_SIZE
-        if agg is not None:
-            count = agg.nitems
-            nbytes = agg.item_bytes
-            ndata = agg.item_data
-            low = agg.item_low
-            high = agg.item_high
+        count = agg.nitems
+        nbytes = agg.item_bytes
+        ndata = agg.item_data
+        low = agg.item_low
+        high = agg.item_high
         for i in indices:
             data = datas[i]
             key = facts[i]
-            if agg is not None and not agg.builder.add_key_within(key, data, agg.limit):
-                # full by size: sealed, and the item starts the next one
+            if count >= max_count or not add(key, data, limit):
+                # full: sealed, and the item starts the next one (the intake admits no item
+                # too big to share an aggregate alone)
                 _store_items(agg, batch, chunk, count, nbytes, ndata, low, high)
                 out.append(self._seal(agg))
-                agg = None
-            if agg is None:
                 agg = self._fresh_items(shard, backlog, deadline, expiration)
                 moved = True
+                add = agg.builder.add_key_within
+                limit = agg.limit
+                add(key, data, limit)
                 chunk = []
                 count = nbytes = ndata = high = 0
                 low = NO_ITEM_SIZE
-                # (the intake admits no item too big to share an aggregate alone)
-                agg.builder.add_key_within(key, data, agg.limit)
+            if not count:
                 agg.first_key = key
             chunk.append(i)
             count += 1
@@ -386,13 +403,23 @@ class Aggregator:
                 low = length
             if length > high:
                 high = length
-            if count >= max_count:  # full by count: out at once, as in the KPL
-                _store_items(agg, batch, chunk, count, nbytes, ndata, low, high)
-                out.append(self._seal(agg))
-                agg = None
-        if agg is not None:
-            _store_items(agg, batch, chunk, count, nbytes, ndata, low, high)
+        _store_items(agg, batch, chunk, count, nbytes, ndata, low, high)
+        if count >= max_count:  # full by count: out at once, as in the KPL
+            out.append(self._seal(agg))
         return moved
+
+    def _items_to_records(self, agg: _OpenAggregate) -> None:
+        """The open aggregate of column items ``agg`` holds them as records from now on
+        (``ColumnBatch.take``: counted where they were, their bytes in its builder already)."""
+        items = agg.items
+        assert items is not None
+        backlog = agg.item_backlog
+        agg.records = [batch.take(p, backlog) for batch, positions in items for p in positions]
+        agg.items = None
+        agg.nitems = agg.item_bytes = agg.item_data = agg.item_high = 0
+        agg.item_low = NO_ITEM_SIZE
+        agg.item_backlog = None
+        agg.first_key = None
 
     def items_limit(self) -> int:
         """The size limit of an aggregate of column items: the constant one (column items go

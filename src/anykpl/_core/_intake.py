@@ -245,6 +245,11 @@ class Intake:
         # the column batches admitted (admit_columns), pruned of finished ones now and then
         self.column_batches: list[ColumnBatch] = []
         self.column_batches_pruned_at = 64
+        # the bytes (data and keys) of the batches in that list, and the most it may hold
+        # before it is pruned: a finished batch holds its payload, which the caps no longer
+        # count
+        self.column_bytes = 0
+        self.column_bytes_pruned_at = max_bytes
         self.outstanding_bytes = 0
         # partition key -> its KeyFacts (hash key, UTF-8 length, key table entry, the
         # aggregates that hold it): IoT-style workloads reuse keys, and an MD5 costs more
@@ -806,11 +811,18 @@ class Intake:
         columns = ColumnBatch(stream, datas, facts_col, sizes, counter, now, deadline, expiration)
         columns.adopt = self.adopt
         columns.runs = runs
+        columns.nbytes = total
         live = self.column_batches
         live.append(columns)
-        if len(live) >= self.column_batches_pruned_at:
+        self.column_bytes += total
+        if (
+            len(live) >= self.column_batches_pruned_at
+            or self.column_bytes > self.column_bytes_pruned_at
+        ):
             live[:] = [batch for batch in live if batch.counter.remaining]
             self.column_batches_pruned_at = max(64, 2 * len(live))
+            self.column_bytes = sum(batch.nbytes for batch in live)
+            self.column_bytes_pruned_at = max(self.max_bytes, 2 * self.column_bytes)
         stream_intake.put_columns(columns)
         return columns
 
@@ -818,6 +830,7 @@ class Intake:
         """The column batches with records not resolved yet."""
         live = self.column_batches
         live[:] = [batch for batch in live if batch.counter.remaining]
+        self.column_bytes = sum(batch.nbytes for batch in live)
         return list(live)
 
     def take_all_items(self) -> None:

@@ -570,6 +570,7 @@ class ColumnBatch:
         "expiration",
         "facts",
         "materialized",
+        "nbytes",
         "orphaned",
         "outcomes",
         "records",
@@ -600,6 +601,7 @@ class ColumnBatch:
         self.records: list[Record | None] = [None] * len(datas)
         self.outcomes: list[tuple[list[int], str, str, int, AttemptRecord]] = []
         self.materialized = 0  # handles made for positions not resolved yet
+        self.nbytes = 0  # its items' bytes (data and keys), as admitted
         # positions taken over while their chunks still ride in Kinesis records (closing):
         # a chunk resolved later looks at each position
         self.orphaned = False
@@ -647,6 +649,8 @@ class ColumnBatch:
             record.shard_id, record.sequence_number, record.sub_sequence_number = outcome[:3]
             record.last_attempt = outcome[3]
             record._state = SUCCEEDED
+        if untrack_record is not None:
+            untrack_record(id(record))  # as the intake's records: no cycle runs through it
         self.records[position] = record
         return record
 
@@ -692,9 +696,11 @@ class ColumnBatch:
         sequence_number: str,
         first: int,
         attempt: AttemptRecord,
-    ) -> None:
+    ) -> tuple[int, int]:
         """The records at ``positions`` were put, in one Kinesis record at ``shard`` under
-        ``sequence_number``, with subsequence numbers from ``first`` on."""
+        ``sequence_number``, with subsequence numbers from ``first`` on. Returns how many of
+        them the per-record path had taken over (closing), and their bytes: those are counted
+        out by ``Intake.finish``, not as items."""
         self.outcomes.append((positions, shard, sequence_number, first, attempt))
         index = self._index
         if index is not None:
@@ -702,18 +708,21 @@ class ColumnBatch:
                 index[at] = (shard, sequence_number, first + offset, attempt)
         if not self.materialized and not self.orphaned:
             self.counter.records_done(len(positions), True)
-            return
+            return NONE_TAKEN
         records = self.records
         counted = 0
+        taken = taken_bytes = 0
         for offset, at in enumerate(positions):
             record = records[at]
             if record is None:
                 counted += 1
                 continue
-            if record._state != PENDING:
-                continue  # resolved already (failed at close): exactly once
-            if record.outstanding_slot >= 0:
-                continue  # taken over (closing): the per-record path resolves it
+            if record._state != PENDING or record.outstanding_slot >= 0:
+                # taken over (closing): failed already, or the per-record path resolves it
+                # and counts it out (Intake.finish): exactly once
+                taken += 1
+                taken_bytes += self.sizes[at]
+                continue
             self.materialized -= 1
             record.add_attempt(attempt)
             record.shard_id = shard
@@ -723,6 +732,11 @@ class ColumnBatch:
             record.resolve(True)
         if counted:
             self.counter.records_done(counted, True)
+        return (taken, taken_bytes)
+
+
+#: :meth:`ColumnBatch.resolve_chunk`'s answer where no item was taken over
+NONE_TAKEN: Final = (0, 0)
 
 
 class KinesisRecord:
@@ -863,9 +877,9 @@ class KinesisRecord:
         """This aggregate as smaller ones of at most ``max_size`` bytes, its user records in
         order (itself alone if it is not an aggregate, already serialized, or small enough)."""
         builder = self._builder
+        if builder is None or self.user_records < 2 or builder.size <= max_size:
+            return [self]  # (a column batch's items stay items)
         records = self.records
-        if builder is None or len(records) < 2 or builder.size <= max_size:
-            return [self]
         pieces: list[KinesisRecord] = []
         part: list[Record] = []
         current = AggregateBuilder()

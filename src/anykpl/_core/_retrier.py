@@ -512,12 +512,19 @@ class Retrier:
                 sizes.minimum = float(low)
             if high > sizes.maximum:
                 sizes.maximum = float(high)
-            first = 0
+            first = taken = taken_bytes = 0
             for columns, chunk in chunks:
-                columns.resolve_chunk(chunk, actual, sequence_number, first, attempt)
+                n, nbytes = columns.resolve_chunk(chunk, actual, sequence_number, first, attempt)
+                taken += n
+                taken_bytes += nbytes
                 first += len(chunk)
             self._streaks.pop(kr.predicted_shard, None)
-            self.finish_items(kr)
+            if taken:
+                # items taken over at close count out as records (Intake.finish), not here
+                kr.nitems -= taken
+                kr.item_bytes -= taken_bytes
+            if kr.nitems:
+                self.finish_items(kr)
             return
         records = kr.records
         if records:
