@@ -335,11 +335,11 @@ class Aggregator:
         """Put a column batch's items at ``indices`` (all of ``backlog``'s shard) into the
         shard's open aggregate of column items, sealing into ``out`` each that fills; whether
         a new aggregate was opened (the caller's deadline to schedule). An aggregate holds
-        column items or records, never both: one of records open for the shard is sealed
-        first, as is one whose deadline or expiration comes later than the batch's."""
+        column items or records, never both: items join an open aggregate of records as
+        records (``ColumnBatch.take``) until it is full; one whose deadline or expiration comes
+        later than the batch's is sealed first."""
         datas = batch.datas
         facts = batch.facts
-        sizes = batch.sizes
         deadline = batch.deadline
         expiration = batch.expiration
         max_count = self.max_count
@@ -349,12 +349,27 @@ class Aggregator:
         if (
             agg is not None
             and agg.items is None
+            and not self.map_unavailable
             and deadline >= agg.deadline
             and expiration >= agg.expiration
         ):
-            # an open aggregate of records (a submit's, say): the items join it as records,
-            # rather than a seal each time submit and submit_many take turns on a shard
-            return self.put_run(shard, [batch.take(i, backlog) for i in indices], out)
+            # an open aggregate of records (a submit's, say): items join it as records while
+            # it takes them (as add_to_open), rather than a seal each time submit and
+            # submit_many take turns on a shard; the rest start an aggregate of items
+            records = agg.records
+            add_record = agg.builder.add_key_within
+            record_limit = agg.limit
+            taken = 0
+            for i in indices:
+                if len(records) + 1 >= max_count or not add_record(
+                    facts[i], datas[i], record_limit
+                ):
+                    break
+                records.append(batch.take(i, backlog))
+                taken += 1
+            if taken == len(indices):
+                return False
+            indices = indices[taken:]
         if (
             agg is None
             or agg.items is None
@@ -367,43 +382,33 @@ class Aggregator:
             moved = True
         else:
             moved = False
-        # the open aggregate's running figures, kept in locals (stored back as it seals)
+        # the items join the open aggregate: their positions in ``chunk``, their count kept
+        # in a local (the rest of the figures are summed as it is stored: _store_items)
         add = agg.builder.add_key_within
         limit = agg.limit
         chunk: list[int] = []
         count = agg.nitems
-        nbytes = agg.item_bytes
-        ndata = agg.item_data
-        low = agg.item_low
-        high = agg.item_high
         for i in indices:
             data = datas[i]
             key = facts[i]
             if count >= max_count or not add(key, data, limit):
                 # full: sealed, and the item starts the next one (the intake admits no item
                 # too big to share an aggregate alone)
-                _store_items(agg, batch, chunk, count, nbytes, ndata, low, high)
+                _store_items(agg, batch, chunk, count)
                 out.append(self._seal(agg))
                 agg = self._fresh_items(shard, backlog, deadline, expiration)
                 moved = True
                 add = agg.builder.add_key_within
                 limit = agg.limit
                 add(key, data, limit)
+                agg.first_key = key
                 chunk = []
-                count = nbytes = ndata = high = 0
-                low = NO_ITEM_SIZE
-            if not count:
+                count = 0
+            elif not count:
                 agg.first_key = key
             chunk.append(i)
             count += 1
-            nbytes += sizes[i]
-            length = len(data)
-            ndata += length
-            if length < low:
-                low = length
-            if length > high:
-                high = length
-        _store_items(agg, batch, chunk, count, nbytes, ndata, low, high)
+        _store_items(agg, batch, chunk, count)
         if count >= max_count:  # full by count: out at once, as in the KPL
             out.append(self._seal(agg))
         return moved
@@ -656,17 +661,20 @@ def _store_items(
     batch: ColumnBatch,
     chunk: list[int],
     count: int,
-    nbytes: int,
-    ndata: int,
-    low: int,
-    high: int,
 ) -> None:
-    """Store :meth:`Aggregator.put_items`' running figures back into the open aggregate ``agg``
-    of column items, with ``chunk``, the batch's positions it took (if any)."""
-    if chunk:
-        agg.items.append((batch, chunk))  # type: ignore[union-attr]
+    """Store what :meth:`Aggregator.put_items` added to the open aggregate ``agg`` of column
+    items: ``chunk``, the batch's positions it took (if any), their bytes and data sizes
+    (summed by builtins, no bytecode per item), and its count of items, ``count``."""
     agg.nitems = count
-    agg.item_bytes = nbytes
-    agg.item_data = ndata
-    agg.item_low = low
-    agg.item_high = high
+    if not chunk:
+        return
+    agg.items.append((batch, chunk))  # type: ignore[union-attr]
+    agg.item_bytes += sum(map(batch.sizes.__getitem__, chunk))
+    lengths = list(map(len, map(batch.datas.__getitem__, chunk)))
+    agg.item_data += sum(lengths)
+    low = min(lengths)
+    if low < agg.item_low:
+        agg.item_low = low
+    high = max(lengths)
+    if high > agg.item_high:
+        agg.item_high = high

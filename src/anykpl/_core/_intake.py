@@ -712,6 +712,10 @@ class Intake:
         dapp = datas.append
         fapp = facts_col.append
         sapp = sizes.append
+        version = stream_intake.shard_map.version
+        # the batch's positions by the shard backlog their key places them in
+        runs: dict[ShardBacklog, list[int]] = {}
+        position = 0
         for item in items:
             if type(item) is not tuple or len(item) != 2:
                 return None
@@ -727,69 +731,47 @@ class Intake:
             size = len(data) + facts.size
             if size > max_record_size:
                 return None
+            backlog = facts.backlog
+            if facts.placed != version or backlog is None:
+                backlog = self._place_column_key(stream_intake, facts, version)
+                if backlog is None:
+                    return None
+            run = runs.get(backlog)
+            if run is None:
+                runs[backlog] = [position]
+            else:
+                run.append(position)
+            position += 1
             dapp(data)
             fapp(facts)
             sapp(size)
-        n = len(datas)
+        n = position
         if not n:
             return None
-        version = stream_intake.shard_map.version
-        runs: dict[ShardBacklog, list[int]] = {}
-        # each shard backlog's records and bytes as the batch's items join it, checked item
-        # by item as _admit_run checks records (all or nothing: None leaves no trace)
-        held_by: dict[ShardBacklog, list[int]] = {}
-        count = self.outstanding.count
-        nbytes = self.outstanding_bytes
-        max_records = self.max_records
-        max_bytes = self.max_bytes
-        reserve_records = self.reserve_records
-        reserve_bytes = self.reserve_bytes
-        stream_bytes = stream_intake.outstanding_bytes
-        path_bytes = at_most(stream_intake.path_bytes)
-        path_share = at_least(stream_intake.path_share)
-        total = 0
-        for i in range(n):
-            facts = facts_col[i]
-            backlog = facts.backlog
-            if facts.placed != version or backlog is None:
-                backlog = self._place_key(stream_intake, facts)
-                if backlog is None:
-                    # a shard seen for the first time: its backlog made, as StreamIntake.place
-                    # makes it
-                    shard = stream_intake.shard_map.shard_id(facts.hash_key)
-                    if shard is None:
-                        return None
-                    backlog = stream_intake.new_backlog(shard)
-                    facts.placed = version
-                    facts.backlog = backlog
-            held_now = held_by.get(backlog)
-            if held_now is None:
-                held_now = held_by[backlog] = [
-                    backlog.outstanding_records,
-                    backlog.outstanding_bytes,
-                ]
-                runs[backlog] = [i]
-            else:
-                runs[backlog].append(i)
-            held, held_bytes = held_now
-            size = sizes[i]
-            if not held:
-                if count and (count >= max_records or nbytes + size > max_bytes):
-                    return None
-            elif (
-                count >= reserve_records
-                or nbytes + size > reserve_bytes
-                or held >= backlog.full_records
-                or held_bytes + size > backlog.full_bytes
-                or (stream_bytes + size > path_bytes and held_bytes >= path_share)
-            ):
-                return None
-            held_now[0] = held + 1
-            held_now[1] = held_bytes + size
-            count += 1
-            nbytes += size
-            stream_bytes += size
-            total += size
+        total = sum(sizes)
+        count = self.outstanding.count + n
+        nbytes = self.outstanding_bytes + total
+        # each backlog's records and bytes with the batch's items in it
+        held_by: dict[ShardBacklog, tuple[int, int]] = {}
+        # Every item fits if the totals with all of them in do (each check compares what is
+        # held before an item, plus its size, which the totals bound); otherwise each is
+        # checked in order, as _admit_run would (all or nothing: None leaves no trace)
+        fits = (
+            count - 1 < at_least(self.reserve_records)
+            and nbytes <= at_most(self.reserve_bytes)
+            and stream_intake.outstanding_bytes + total <= at_most(stream_intake.path_bytes)
+        )
+        if fits:
+            take = sizes.__getitem__
+            for backlog, run in runs.items():
+                held = backlog.outstanding_records + len(run)
+                held_bytes = backlog.outstanding_bytes + sum(map(take, run))
+                if held - 1 >= backlog.full_records or held_bytes > backlog.full_bytes:
+                    fits = False
+                    break
+                held_by[backlog] = (held, held_bytes)
+        if not fits and not self._columns_fit(stream_intake, facts_col, sizes, held_by):
+            return None
         # admitted, all of them
         for backlog, (records, held_bytes) in held_by.items():
             if not backlog.outstanding_records:
@@ -825,6 +807,67 @@ class Intake:
             self.column_bytes_pruned_at = max(self.max_bytes, 2 * self.column_bytes)
         stream_intake.put_columns(columns)
         return columns
+
+    def _place_column_key(
+        self, stream_intake: StreamIntake, facts: KeyFacts, version: int
+    ) -> ShardBacklog | None:
+        """The backlog of the shard ``facts``' key falls in (remembered in ``facts``), made if
+        the shard is new to the stream, as :meth:`StreamIntake.place` makes it; ``None`` if the
+        map has no shard for it."""
+        backlog = self._place_key(stream_intake, facts)
+        if backlog is None:
+            shard = stream_intake.shard_map.shard_id(facts.hash_key)
+            if shard is None:
+                return None
+            backlog = stream_intake.new_backlog(shard)
+            facts.placed = version
+            facts.backlog = backlog
+        return backlog
+
+    def _columns_fit(
+        self,
+        stream_intake: StreamIntake,
+        facts_col: list[KeyFacts],
+        sizes: list[int],
+        held_by: dict[ShardBacklog, tuple[int, int]],
+    ) -> bool:
+        """Whether a column batch's items (placed: ``facts.backlog``) each fit now, checked in
+        order as :meth:`_admit_run` checks records, each counted in before the next is
+        checked; ``held_by`` gets each backlog's records and bytes with them in."""
+        held_by.clear()
+        count = self.outstanding.count
+        nbytes = self.outstanding_bytes
+        max_records = self.max_records
+        max_bytes = self.max_bytes
+        reserve_records = self.reserve_records
+        reserve_bytes = self.reserve_bytes
+        stream_bytes = stream_intake.outstanding_bytes
+        path_bytes = at_most(stream_intake.path_bytes)
+        path_share = at_least(stream_intake.path_share)
+        for position, facts in enumerate(facts_col):
+            backlog: ShardBacklog = facts.backlog  # type: ignore[assignment]  # (placed)
+            now_held = held_by.get(backlog)
+            if now_held is None:
+                held, held_bytes = backlog.outstanding_records, backlog.outstanding_bytes
+            else:
+                held, held_bytes = now_held
+            size = sizes[position]
+            if not held:
+                if count and (count >= max_records or nbytes + size > max_bytes):
+                    return False
+            elif (
+                count >= reserve_records
+                or nbytes + size > reserve_bytes
+                or held >= backlog.full_records
+                or held_bytes + size > backlog.full_bytes
+                or (stream_bytes + size > path_bytes and held_bytes >= path_share)
+            ):
+                return False
+            held_by[backlog] = (held + 1, held_bytes + size)
+            count += 1
+            nbytes += size
+            stream_bytes += size
+        return True
 
     def live_column_batches(self) -> list[ColumnBatch]:
         """The column batches with records not resolved yet."""
