@@ -438,7 +438,7 @@ def firehose_workload(seed: int) -> dict[int, Sent]:
 async def test_submit_many_in_columns_stores_each_record_once_where_its_result_says(
     server: interop_servers.Server, anyio_backend: str
 ) -> None:
-    """PROTO: batches of ``(data, partition_key)`` submitted once the shard map is ready take
+    """Batches of ``(data, partition_key)`` submitted once the shard map is ready take
     the column path (aggregated from columns, handles made on first use). Judged from the
     stream: each record is stored exactly once, under its own key, in the Kinesis record and at
     the sub-sequence number its handle names (made after the batch was done, or, for a few in
