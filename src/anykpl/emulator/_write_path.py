@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from base64 import b64decode
 from bisect import bisect_left
 from collections.abc import Iterable
 from datetime import datetime, timezone
@@ -306,6 +307,7 @@ class WritePath:
     ) -> list[dict[str, str]]:
         from moto.kinesis.models import Record
 
+        holds_bytes = _record_holds_bytes(Record)
         open_shards = sorted(
             (s for s in stream.shards.values() if s.is_open), key=lambda s: s.starting_hash
         )
@@ -375,11 +377,15 @@ class WritePath:
             # moto's Record, filled in directly: one timestamp per request, no per-record clock
             record: Any = Record.__new__(Record)
             record.partition_key = key
-            record.data = data
             record.sequence_number = sequence
             record.explicit_hash_key = None
-            record.created_at_datetime = arrival
-            record.created_at = arrival_seconds
+            if holds_bytes:
+                record.data = b64decode(data)
+                record.created_at = arrival
+            else:
+                record.data = data
+                record.created_at_datetime = arrival
+                record.created_at = arrival_seconds
             records[sequence] = record
             state[5] = sequence + 1
             stats.totals[0] += 1
@@ -388,3 +394,18 @@ class WritePath:
             row[1] += size
             results.append({"SequenceNumber": str(sequence), "ShardId": shard_id})
         return results
+
+
+#: moto's kinesis ``Record`` layout, once asked (see :func:`_record_holds_bytes`)
+_HOLDS_BYTES: list[bool] = []
+
+
+def _record_holds_bytes(record_class: Any) -> bool:
+    """Whether moto's kinesis ``Record`` holds its data as bytes and its arrival as a datetime
+    (``created_at``: moto 5.2.6 on), rather than as base64 text with the arrival both as a
+    datetime (``created_at_datetime``) and in seconds (``created_at``: moto up to 5.2.5). The
+    write path fills moto's records in directly, so it must fill them as moto reads them."""
+    if not _HOLDS_BYTES:
+        probe = record_class("key", b"", 1, None)
+        _HOLDS_BYTES.append(not hasattr(probe, "created_at_datetime"))
+    return _HOLDS_BYTES[0]
