@@ -791,19 +791,17 @@ class Intake:
         counter = BatchCounter()
         counter.remaining = n
         columns = ColumnBatch(stream, datas, facts_col, sizes, counter, now, deadline, expiration)
-        columns.adopt = self.adopt
+        columns.adopt = self.outstanding.adopt
         columns.runs = runs
         columns.nbytes = total
-        live = self.column_batches
-        live.append(columns)
+        self.column_batches.append(columns)
         self.column_bytes += total
         if (
-            len(live) >= self.column_batches_pruned_at
+            len(self.column_batches) >= self.column_batches_pruned_at
             or self.column_bytes > self.column_bytes_pruned_at
         ):
-            live[:] = [batch for batch in live if batch.counter.remaining]
-            self.column_batches_pruned_at = max(64, 2 * len(live))
-            self.column_bytes = sum(batch.nbytes for batch in live)
+            self._prune_column_batches()
+            self.column_batches_pruned_at = max(64, 2 * len(self.column_batches))
             self.column_bytes_pruned_at = max(self.max_bytes, 2 * self.column_bytes)
         stream_intake.put_columns(columns)
         return columns
@@ -871,21 +869,20 @@ class Intake:
 
     def live_column_batches(self) -> list[ColumnBatch]:
         """The column batches with records not resolved yet."""
+        self._prune_column_batches()
+        return list(self.column_batches)
+
+    def _prune_column_batches(self) -> None:
+        """Drop the finished column batches (and their payload) from :attr:`column_batches`."""
         live = self.column_batches
         live[:] = [batch for batch in live if batch.counter.remaining]
         self.column_bytes = sum(batch.nbytes for batch in live)
-        return list(live)
 
     def take_all_items(self) -> None:
         """Every column batch's item not resolved yet taken over by the per-record path, into
         the outstanding list (the producer fails them: it is closing)."""
         for batch in self.live_column_batches():
             batch.take_unresolved()
-
-    def adopt(self, record: Record) -> None:
-        """A column batch's item the per-record path takes over (``ColumnBatch.take``)
-        joins the outstanding list; it is counted there already (as an item)."""
-        self.outstanding.adopt(record)
 
     def finish_items(self, backlog: ShardBacklog, n: int, nbytes: int) -> None:
         """``n`` column items of ``backlog``, ``nbytes`` in all, succeeded (one Kinesis

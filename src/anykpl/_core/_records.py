@@ -608,7 +608,7 @@ class ColumnBatch:
         # the positions of each shard backlog they were admitted to
         self.runs: dict[ShardBacklog, list[int]] = {}
         self._index: dict[int, tuple[str, str, int, AttemptRecord]] | None = None
-        # the producer's Intake.adopt: a record the per-record path takes over joins the
+        # the producer's OutstandingRecords.adopt: a record the per-record path takes over joins the
         # outstanding list (it is counted there already, as an item)
         self.adopt: Callable[[Record], None] | None = None
 
