@@ -704,14 +704,25 @@ def test_keys_known_by_their_facts_aggregate_as_the_kpl_does(
 def test_a_run_of_known_keys_aggregates_as_its_records_one_by_one(
     runs: list[tuple[int, list[tuple[str, bytes]]]], limit: int
 ) -> None:
-    """AggregateBuilder.add_keys_within (a batch's records of one shard in one call) takes
-    the records add_key_within takes one by one, stops at the same one, and leaves the same
-    aggregates and the same facts, keys rotating among four builders (some to more than two)."""
+    """AggregateBuilder.add_keys_within (a batch's records of one shard in one call) and
+    add_items_within (a column batch's items, by position) take the records add_key_within
+    takes one by one, stop at the same one, and leave the same aggregates and the same facts,
+    keys rotating among four builders (some to more than two)."""
     singly = [AggregateBuilder() for _ in range(4)]
     in_runs = [AggregateBuilder() for _ in range(4)]
+    in_columns = [AggregateBuilder() for _ in range(4)]
     facts_singly: dict[str, KeyFacts] = {}
     facts_in_runs: dict[str, KeyFacts] = {}
+    facts_in_columns: dict[str, KeyFacts] = {}
     for which, run in runs:
+        # add_items_within: the run's items in columns, in reverse, with others between them
+        # (positions say where each is), from the second position on
+        keys = [facts_in_columns.setdefault(pk, facts_of(pk)) for pk, _ in reversed(run)]
+        datas = [data for _, data in reversed(run)]
+        keys += [facts_of("other")] * 3
+        datas += [b"other"] * 3
+        positions = [len(run)] + [len(run) - 1 - p for p in range(len(run))]
+        added = in_columns[which].add_items_within(keys, datas, positions, 1, len(positions), limit)
         taken = len(run)
         for pk, _ in run:
             facts_singly.setdefault(pk, facts_of(pk))
@@ -737,10 +748,11 @@ def test_a_run_of_known_keys_aggregates_as_its_records_one_by_one(
         # a start other than 0: the run from the list's second record on
         records.insert(0, records[0] if records else Record("s", "a", b"", 0, None, 0.0, 0.0, 0.0))
         assert in_runs[which].add_keys_within(records, 1, len(records), limit) == taken + 1
-    for one, other in zip(singly, in_runs, strict=True):
-        assert len(one) == len(other)
-        assert one.size == other.size
-        assert one.serialize() == other.serialize()
+        assert added == taken + 1
+    for one, other, third in zip(singly, in_runs, in_columns, strict=True):
+        assert len(one) == len(other) == len(third)
+        assert one.size == other.size == third.size
+        assert one.serialize() == other.serialize() == third.serialize()
 
     def tables(facts: dict[str, KeyFacts], builders: list[AggregateBuilder]) -> list[object]:
         number = {b._token: n for n, b in enumerate(builders)}
@@ -750,6 +762,7 @@ def test_a_run_of_known_keys_aggregates_as_its_records_one_by_one(
         ]
 
     assert tables(facts_singly, singly) == tables(facts_in_runs, in_runs)
+    assert tables(facts_singly, singly) == tables(facts_in_columns, in_columns)
 
 
 def test_a_key_put_to_two_aggregates_in_turn_keeps_one_entry_in_each() -> None:

@@ -382,34 +382,28 @@ class Aggregator:
             moved = True
         else:
             moved = False
-        # the items join the open aggregate: their positions in ``chunk``, their count kept
-        # in a local (the rest of the figures are summed as it is stored: _store_items)
-        add = agg.builder.add_key_within
-        limit = agg.limit
-        chunk: list[int] = []
-        count = agg.nitems
-        for i in indices:
-            data = datas[i]
-            key = facts[i]
-            if count >= max_count or not add(key, data, limit):
-                # full: sealed, and the item starts the next one (the intake admits no item
-                # too big to share an aggregate alone)
-                _store_items(agg, batch, chunk, count)
-                out.append(self._seal(agg))
-                agg = self._fresh_items(shard, backlog, deadline, expiration)
-                moved = True
-                add = agg.builder.add_key_within
-                limit = agg.limit
-                add(key, data, limit)
-                agg.first_key = key
-                chunk = []
-                count = 0
+        # the items join the open aggregate in runs (AggregateBuilder.add_items_within), each
+        # sealed as it fills and the next item starting a fresh one (the intake admits no
+        # item too big to share an aggregate alone)
+        start = 0
+        end = len(indices)
+        while True:
+            count = agg.nitems
+            stop = min(end, start + max_count - count)
+            added = agg.builder.add_items_within(facts, datas, indices, start, stop, agg.limit)
+            if added > start:
+                if not count:
+                    agg.first_key = facts[indices[start]]
+                _store_items(agg, batch, indices[start:added], count + added - start)
             elif not count:
-                agg.first_key = key
-            chunk.append(i)
-            count += 1
-        _store_items(agg, batch, chunk, count)
-        if count >= max_count:  # full by count: out at once, as in the KPL
+                raise AssertionError("an item the intake admitted fits no aggregate")
+            if added == end:
+                break
+            out.append(self._seal(agg))
+            agg = self._fresh_items(shard, backlog, deadline, expiration)
+            moved = True
+            start = added
+        if agg.nitems >= max_count:  # full by count: out at once, as in the KPL
             out.append(self._seal(agg))
         return moved
 

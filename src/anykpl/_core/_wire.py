@@ -485,6 +485,66 @@ class AggregateBuilder:
         self._size = size
         return stop
 
+    def add_items_within(
+        self,
+        keys: Sequence[KeyFacts],
+        datas: Sequence[bytes],
+        positions: Sequence[int],
+        start: int,
+        stop: int,
+        limit: float,
+    ) -> int:
+        """:meth:`add_keys_within` for a column batch's items: ``keys[p]`` and ``datas[p]`` for
+        each ``p`` of ``positions[start:stop]`` in order, for as long as the aggregate stays
+        within ``limit``; return the index in ``positions`` of the first item not added
+        (``stop``: all were)."""
+        token = self._token
+        table = self._pk_table
+        parts = self._parts
+        size = self._size
+        limit -= AGGREGATION_OVERHEAD
+        rows = _header_rows
+        for index in range(start, stop):
+            position = positions[index]
+            key = keys[position]
+            data = datas[position]
+            if key.table == token:
+                pk_index = key.index
+                entry_size = 0
+            elif key.other_table == token:
+                pk_index = key.other_index
+                entry_size = 0
+            elif key.table > token and key.other_table > token:
+                # the key went to two newer aggregates since: by its text (add_key_within)
+                self._size = size
+                if not self.add_within(key.key, None, data, limit + AGGREGATION_OVERHEAD):
+                    return index
+                size = self._size
+                continue
+            else:
+                pk_index = len(table)
+                entry_size = key.entry_size
+            data_len = len(data)
+            try:
+                header = rows[pk_index][data_len]
+            except (IndexError, KeyError):
+                header = _plain_header(pk_index, data_len)
+            grown = size + len(header) + data_len + entry_size
+            if grown > limit:
+                self._size = size
+                return index
+            if entry_size:
+                table.append(key.entry)
+                key.other_table = key.table
+                key.other_index = key.index
+                key.table = token
+                key.index = pk_index
+            parts.append(header)
+            parts.append(data)
+            size = grown
+        self._size = size
+        return stop
+
     @property
     def size(self) -> int:
         """The exact serialized size now: 20 + the protobuf length; 20 when empty."""
