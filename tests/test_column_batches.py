@@ -527,3 +527,68 @@ async def test_finished_column_batches_are_not_kept_beyond_the_byte_cap(
         held = producer._intake.column_batches
         assert len(held) < 20
         assert sum(len(data) for batch in held for data in batch.datas) <= 2 * cap
+
+
+async def test_a_streams_first_batch_waits_for_its_map_and_goes_in_columns(
+    fake_kinesis: FakeKinesis,
+) -> None:
+    """The first submit_many of a stream opens its pipeline and waits for the shard map (one
+    ListShards) rather than go record by record: it, and every batch after it, in columns."""
+    async with Producer(transport=fake_kinesis, **FAST) as producer:
+        batches = [await producer.submit_many(STREAM, _items(100, start=s)) for s in (0, 100)]
+        assert _columns_admitted(producer) == 2
+        assert len(fake_kinesis.list_shards_calls) == 1
+        with anyio.fail_after(5):
+            results = [await batch for batch in batches]
+    assert results == [BatchResult(succeeded=100, failed=0, failures=())] * 2
+    assert stored(fake_kinesis) == Counter(data for data, _ in _items(200))
+    for batch in batches:
+        _check_where(batch, fake_kinesis)
+
+
+async def test_a_first_batch_whose_stream_has_no_map_fails_fast_record_by_record(
+    fake_kinesis: FakeKinesis,
+) -> None:
+    fake_kinesis.list_shards_errors = [client_error("ResourceNotFoundException")] * 3
+    fake_kinesis.request_errors = [client_error("ResourceNotFoundException")]
+    async with Producer(transport=fake_kinesis, record_ttl=30.0, **FAST) as producer:
+        batch = await producer.submit_many(STREAM, _items(20))
+        assert _columns_admitted(producer) == 0
+        with anyio.fail_after(5):
+            result = await batch
+    assert (result.succeeded, result.failed) == (0, 20)
+    codes = {failed.attempts[-1].error_code for _, failed in result.failures}
+    assert codes == {"ResourceNotFoundException"}
+
+
+class _SlowMapKinesis(FakeKinesis):
+    """A FakeKinesis whose ListShards answers only once ``answer`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer = anyio.Event()
+
+    async def list_shards(self, **kwargs: Any) -> Any:
+        await self.answer.wait()
+        return await super().list_shards(**kwargs)
+
+
+async def test_a_first_batch_waits_for_the_map_no_longer_than_its_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ListShards that does not answer holds the stream's first batch FIRST_MAP_WAIT at
+    most: then it goes record by record, and its records wait for the map as submit's do."""
+    from anykpl._runtime import _producer
+
+    monkeypatch.setattr(_producer, "FIRST_MAP_WAIT", 0.05)
+    fake = _SlowMapKinesis()
+    async with Producer(transport=fake, **FAST) as producer:
+        with anyio.fail_after(5):
+            batch = await producer.submit_many(STREAM, _items(30))
+        assert _columns_admitted(producer) == 0
+        assert producer.outstanding_records == 30
+        assert not batch.done()
+        fake.answer.set()
+        with anyio.fail_after(5):
+            assert await batch == BatchResult(succeeded=30, failed=0, failures=())
+    _check_where(batch, fake)

@@ -273,3 +273,29 @@ async def test_flush_timeout_counts_the_column_records_not_yet_terminal() -> Non
     assert 0 < counted[1][1] < column, counted
     assert 0 < counted[2][1] < column, counted
     assert [said for said, _ in counted] == [pending for _, pending in counted], counted
+
+
+@pytest.mark.timeout(60)
+async def test_a_streams_first_batches_go_in_columns_once_its_map_answers() -> None:
+    """A producer whose first call on the stream is ``submit_many`` (each PutRecords answered
+    0.05 s late): the first batch waits for the shard map, and every batch takes the column
+    path; each record is stored where its handle says."""
+    sent = column_workload(4)
+    faults = Faults(latency=0.05, seed=9)
+    records = list(sent.values())
+    with spawn(streams={STREAM: SHARDS}, faults=faults) as url:
+        async with retrying_producer(url) as producer:
+            batches = []
+            for start in range(0, len(records), BATCH):
+                items = [(s.data, s.partition_key) for s in records[start : start + BATCH]]
+                batches.append(await producer.submit_many(STREAM, items))
+                assert len(producer._intake.column_batches) == len(batches), (
+                    f"batch {len(batches) - 1} went the per-record way"
+                )
+            await producer.flush()
+            results = {
+                uid_of(handle.data): outcome(handle) for batch in batches for handle in batch
+            }
+        await check_stream(url, sent, results)
+    assert len(results) == len(sent)
+    assert all(result.success for result in results.values())

@@ -677,6 +677,18 @@ class Intake:
                 stream_intake.put_runs(runs)
         return position
 
+    def takes_columns(self, stream_intake: StreamIntake) -> bool:
+        """Whether a batch of ``(bytes, str)`` pairs for this stream may go in columns (once
+        its shard map is ready, and room permitting: :meth:`admit_columns`): no spool, and
+        aggregation on without ``container_key_from_records``."""
+        aggregator = stream_intake.aggregator
+        return (
+            self.spool is None
+            and stream_intake.takes_columns
+            and aggregator.enabled
+            and not aggregator.container_key_from_records
+        )
+
     def admit_columns(
         self, stream_intake: StreamIntake, stream: str, items: Sequence[object]
     ) -> ColumnBatch | None:
@@ -688,18 +700,12 @@ class Intake:
         (:meth:`StreamIntake.put_columns`). All or nothing: ``None`` leaves no trace, and the
         caller takes the batch the per-record way (which also raises for bad input)."""
         if (
-            self.spool is not None
-            or not stream_intake.takes_columns
-            or not stream_intake.shard_map.ready
-        ):
-            return None
-        aggregator = stream_intake.aggregator
-        if (
-            not aggregator.enabled
-            or aggregator.container_key_from_records
+            not stream_intake.shard_map.ready
+            or not self.takes_columns(stream_intake)
             or self.outstanding.count + len(items) > self.max_records  # (never fits whole)
         ):
             return None
+        aggregator = stream_intake.aggregator
         key_cache = self.key_cache
         # an item that could not share an aggregate goes raw: the per-record path takes the
         # batch (64 bytes: more than an item's framing in an aggregate)

@@ -237,6 +237,10 @@ class Pipeline:
         # ListShards' last error while the map is not ready ("code: message"), for the records
         # that expire waiting for it
         self._shard_map_error: str | None = None
+        # ListShards has answered (a map or an error) at least once; the event a batch waits
+        # on for that (first_map_answered), made when one does
+        self._map_answered = False
+        self._map_answered_event: anyio.Event | None = None
         # Admission by what the stream's shards can deliver (``max_outstanding_time``): each
         # shard's backlog limit lives in the intake, planned again by the Limiter's task every
         # BACKLOG_INTERVAL (see update_backlog_limit).
@@ -601,8 +605,23 @@ class Pipeline:
             self._shard_map_failed,
         )
 
+    async def first_map_answered(self) -> None:
+        """Return once ListShards has answered for this stream at least once (with its map or
+        an error)."""
+        if self._map_answered:
+            return
+        if self._map_answered_event is None:
+            self._map_answered_event = anyio.Event()
+        await self._map_answered_event.wait()
+
+    def _map_answer(self) -> None:
+        self._map_answered = True
+        if self._map_answered_event is not None:
+            self._map_answered_event.set()
+
     def _shard_map_failed(self, exc: BaseException) -> bool:
         """ListShards failed; returns whether to try again on its own (after the backoff)."""
+        self._map_answer()
         code, message = error_code(exc)
         # told to the records whose TTL passes while they wait for the map
         self._shard_map_error = f"{code}: {message}"
@@ -631,6 +650,7 @@ class Pipeline:
                 self.aggregator_send.send_nowait(due)
 
     def _shard_map_ready(self) -> None:
+        self._map_answer()
         self._shard_map_error = None
         self._settle_held()
         self.aggregator.shard_map_ready()
