@@ -592,3 +592,36 @@ async def test_a_first_batch_waits_for_the_map_no_longer_than_its_bound(
         with anyio.fail_after(5):
             assert await batch == BatchResult(succeeded=30, failed=0, failures=())
     _check_where(batch, fake)
+
+
+async def test_a_column_batchs_lists_are_out_of_the_garbage_collector(
+    fake_kinesis: FakeKinesis,
+) -> None:
+    """The lists a column batch and its aggregates make by the hundred (columns, positions,
+    chunks, the builders' parts and key tables) hold bytes, numbers and KeyFacts only: the
+    young collections do not walk them (untrack_list, on CPython)."""
+    import gc
+    import sys
+
+    from anykpl._core._wire import AggregateBuilder, untrack_list
+
+    assert (untrack_list is not None) is (sys.implementation.name == "cpython")
+    if untrack_list is None:
+        return
+    builder = AggregateBuilder()
+    assert not any(gc.is_tracked(part) for part in (builder._parts, builder._pk_table))
+    async with Producer(transport=fake_kinesis, **FAST) as producer:
+        await ready(producer)
+        batch = await producer.submit_many(STREAM, _items(200))  # (in open aggregates)
+        columns = producer._intake.column_batches[-1]
+        lists = [columns.datas, columns.facts, columns.sizes, *columns.runs.values()]
+        assert not any(gc.is_tracked(column) for column in lists)
+        aggregates = list(producer._pipelines[STREAM].aggregator._open.values())
+        assert aggregates
+        for agg in aggregates:
+            assert agg.items
+            assert not any(gc.is_tracked(chunk) for _, chunk in agg.items)
+            assert not gc.is_tracked(agg.builder._parts)
+        with anyio.fail_after(5):
+            await producer.flush()
+        assert batch.done()

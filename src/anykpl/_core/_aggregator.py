@@ -49,7 +49,7 @@ from typing import Final
 from ._limiter import EXPIRY_SCAN_INTERVAL
 from ._records import ColumnBatch, KinesisRecord, Record, ShardBacklog
 from ._shard_queue import FAIR_QUANTUM
-from ._wire import AggregateBuilder, KeyFacts
+from ._wire import AggregateBuilder, KeyFacts, untrack_list
 
 __all__ = ("SHARD_MAP_WAIT", "Aggregator")
 
@@ -662,6 +662,8 @@ def _store_items(
     agg.nitems = count
     if not chunk:
         return
+    if untrack_list is not None:  # (positions)
+        untrack_list(id(chunk))
     agg.items.append((batch, chunk))  # type: ignore[union-attr]
     agg.item_bytes += sum(map(batch.sizes.__getitem__, chunk))
     lengths = list(map(len, map(batch.datas.__getitem__, chunk)))

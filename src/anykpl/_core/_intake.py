@@ -57,7 +57,7 @@ from ._records import (
     untrack_record,
 )
 from ._shard_map import ShardMap
-from ._wire import AGGREGATION_OVERHEAD, KeyFacts, key_table_entry
+from ._wire import AGGREGATION_OVERHEAD, KeyFacts, key_table_entry, untrack_list
 
 __all__ = (
     "CHECKPOINT_EVERY",
@@ -779,6 +779,12 @@ class Intake:
         if not fits and not self._columns_fit(stream_intake, facts_col, sizes, held_by):
             return None
         # admitted, all of them
+        if untrack_list is not None:  # (columns of bytes, KeyFacts and numbers; positions)
+            untrack_list(id(datas))
+            untrack_list(id(facts_col))
+            untrack_list(id(sizes))
+            for run in runs.values():
+                untrack_list(id(run))
         for backlog, (records, held_bytes) in held_by.items():
             if not backlog.outstanding_records:
                 self.active_backlogs += 1
