@@ -625,3 +625,14 @@ async def test_a_column_batchs_lists_are_out_of_the_garbage_collector(
         with anyio.fail_after(5):
             await producer.flush()
         assert batch.done()
+
+
+async def test_a_first_batch_waits_for_the_map_no_longer_than_admission_timeout() -> None:
+    fake = _SlowMapKinesis()
+    async with Producer(transport=fake, admission_timeout=0.05, **FAST) as producer:
+        with anyio.fail_after(0.5):  # (FIRST_MAP_WAIT is 1 s)
+            batch = await producer.submit_many(STREAM, _items(30))
+        assert _columns_admitted(producer) == 0
+        fake.answer.set()
+        with anyio.fail_after(5):
+            assert await batch == BatchResult(succeeded=30, failed=0, failures=())

@@ -649,11 +649,11 @@ class Producer(anyio.AsyncContextManagerMixin):
         The fastest form is a list of ``(bytes, str)`` pairs: where the stream's shard map is
         ready, no ``tenant`` or spool is involved and the whole batch fits now, it is admitted
         in columns (a stream's first such batch waits for its shard map, one ListShards, for
-        up to a second; nothing is sent to a stream before its map in any case), with no
-        per-record object built unless a handle is asked for (``batch[i]``, iterating the
-        batch) or a record must be retried: about 40 % less work than the same batch record by
-        record in the pure-Python build. Any other batch goes record by record, with the same
-        results.
+        up to a second or ``admission_timeout`` if shorter; nothing is sent to a stream before
+        its map in any case), with no per-record object built unless a handle is asked for
+        (``batch[i]``, iterating the batch) or a record must be retried: about 40 % less work
+        than the same batch record by record in the pure-Python build. Any other batch goes
+        record by record, with the same results.
 
         Every record is validated before any is admitted: bad input raises at once (the
         message names the item, ``records[3]: ...``) and nothing is enqueued. Then each is
@@ -685,7 +685,11 @@ class Producer(anyio.AsyncContextManagerMixin):
                 # and then wait for the map in the Aggregator (nothing is sent before it)
                 open_pipeline = self._open_pipeline(stream)
                 if intake.takes_columns(open_pipeline.intake):
-                    with anyio.move_on_after(FIRST_MAP_WAIT):
+                    # (no longer than admission_timeout, where that is shorter)
+                    wait = FIRST_MAP_WAIT
+                    if self._admission.timeout is not None:
+                        wait = min(wait, self._admission.timeout)
+                    with anyio.move_on_after(wait):
                         await open_pipeline.first_map_answered()
                     if self._state != "open":
                         raise self._not_open()
