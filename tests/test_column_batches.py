@@ -636,3 +636,55 @@ async def test_a_first_batch_waits_for_the_map_no_longer_than_admission_timeout(
         fake.answer.set()
         with anyio.fail_after(5):
             assert await batch == BatchResult(succeeded=30, failed=0, failures=())
+
+
+class _LateMapKinesis(FakeKinesis):
+    """A FakeKinesis whose ListShards answers ``delay`` seconds late."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.late = delay
+
+    async def list_shards(self, **kwargs: Any) -> Any:
+        await anyio.sleep(self.late)
+        return await super().list_shards(**kwargs)
+
+
+async def test_a_bad_first_batch_raises_at_once_and_opens_no_pipeline() -> None:
+    """Bad input raises before any wait for the map (found by review: a first item that is a
+    pair made the batch open the stream's pipeline and wait before it raised)."""
+    async with Producer(transport=_LateMapKinesis(0.8), **FAST) as producer:
+        with anyio.fail_after(0.3), pytest.raises(errors.InvalidRecordError):
+            await producer.submit_many(STREAM, [(b"ok", "k"), (b"bad", "")])
+        assert STREAM not in producer._pipelines
+
+
+async def test_a_first_batch_waiting_for_its_map_when_close_begins_is_admitted() -> None:
+    """Called before the close, the batch is admitted (record by record) and delivered by the
+    close's flush, as it was before the wait existed; the close does not wait out the map's
+    second (found by review: it was refused, a second late)."""
+    fake = _LateMapKinesis(0.3)
+    outcome: list[BatchResult] = []
+    async with Producer(transport=fake, **FAST) as producer:
+
+        async def submitter() -> None:
+            batch = await producer.submit_many(STREAM, _items(10))
+            outcome.append(await batch)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(submitter)
+            await anyio.sleep(0.01)  # (it waits for the map)
+            assert producer._map_waits == 1
+            with anyio.fail_after(2):
+                await producer.aclose()
+    assert outcome == [BatchResult(succeeded=10, failed=0, failures=())]
+    assert stored(fake) == Counter(data for data, _ in _items(10))
+
+
+async def test_a_first_batch_of_a_stream_pruned_while_it_waits_goes_on_at_once() -> None:
+    fake = _LateMapKinesis(0.5)
+    async with Producer(transport=fake, stream_idle_timeout=0.05, **FAST) as producer:
+        with anyio.fail_after(0.4):  # (the pruned pipeline's ListShards would answer later)
+            batch = await producer.submit_many(STREAM, _items(10))
+        with anyio.fail_after(5):
+            assert await batch == BatchResult(succeeded=10, failed=0, failures=())

@@ -905,3 +905,22 @@ def test_a_batch_waiting_for_a_wedged_loop_is_refused_when_it_is_abandoned(
         assert isinstance(refused, errors.ProducerClosedError)
     finally:
         _clean_up_abandoned(producer, release)
+
+
+class _LateMapKinesis(FakeKinesis):
+    async def list_shards(self, **kwargs: Any) -> Any:
+        await anyio.sleep(0.3)
+        return await super().list_shards(**kwargs)
+
+
+def test_a_first_batch_handed_over_before_close_is_admitted(backend: str) -> None:
+    """A stream's first submit_many waits in the loop for the stream's shard map; a close that
+    comes meanwhile admits it first and delivers it, promptly."""
+    fake = _LateMapKinesis()
+    producer = SyncProducer(transport=fake, backend=backend, **FAST)
+    future = producer.submit_many(STREAM, [(b"x%d" % i, "k") for i in range(10)])
+    started = time.monotonic()
+    producer.close()
+    assert time.monotonic() - started < 2.0
+    assert future.result(timeout=5).succeeded == 10
+    assert stored(fake) == Counter(b"x%d" % i for i in range(10))

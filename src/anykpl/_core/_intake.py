@@ -677,6 +677,28 @@ class Intake:
                 stream_intake.put_runs(runs)
         return position
 
+    def valid_pairs(self, items: Sequence[object]) -> bool:
+        """Whether every item is a ``(bytes, str)`` pair that :meth:`make_records` would take:
+        a valid partition key (learnt into the key cache) and a size within
+        ``max_user_record_size``. Checks only (for a stream's first batch, before it waits for
+        the map: bad input still raises at once, from the per-record way)."""
+        key_cache = self.key_cache
+        for item in items:
+            if type(item) is not tuple or len(item) != 2:
+                return False
+            data, partition_key = item
+            if type(data) is not bytes or type(partition_key) is not str:
+                return False
+            facts = key_cache.get(partition_key)
+            if facts is None:
+                try:
+                    facts = self.learn_key(partition_key)
+                except errors.InvalidRecordError:
+                    return False
+            if len(data) + facts.size > self.max_record_size:
+                return False
+        return True
+
     def takes_columns(self, stream_intake: StreamIntake) -> bool:
         """Whether a batch of ``(bytes, str)`` pairs for this stream may go in columns (once
         its shard map is ready, and room permitting: :meth:`admit_columns`): no spool, and

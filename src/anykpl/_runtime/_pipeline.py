@@ -578,6 +578,7 @@ class Pipeline:
     def stop(self) -> None:
         """Stop the stages (the producer has checked that nothing is outstanding)."""
         self.stopped = True
+        self.wake_map_waiters()
         self._scope.cancel()
 
     def _count(self, name: str, value: int, shard: str | None, code: str | None) -> None:
@@ -607,7 +608,7 @@ class Pipeline:
 
     async def first_map_answered(self) -> None:
         """Return once ListShards has answered for this stream at least once (with its map or
-        an error)."""
+        an error), or once :meth:`wake_map_waiters` is called."""
         if self._map_answered:
             return
         if self._map_answered_event is None:
@@ -616,6 +617,10 @@ class Pipeline:
 
     def _map_answer(self) -> None:
         self._map_answered = True
+        self.wake_map_waiters()
+
+    def wake_map_waiters(self) -> None:
+        """End every :meth:`first_map_answered` wait now (closing, or the pipeline stopped)."""
         if self._map_answered_event is not None:
             self._map_answered_event.set()
 

@@ -140,6 +140,10 @@ class Producer(anyio.AsyncContextManagerMixin):
         self._task_group: anyio.abc.TaskGroup | None = None  # the stages' task group
         self._stages_scope: anyio.CancelScope | None = None
         self._shut_down_event: anyio.Event | None = None
+        # streams' first batches waiting for their shard map (submit_many), and the event that
+        # closing waits on for them to be admitted (set once none waits)
+        self._map_waits = 0
+        self._map_waits_over: anyio.Event | None = None
         self._state = "new"  # new → open → closing → closed
         self._metrics = Metrics()
         self._metrics.collect = self._count_received
@@ -352,6 +356,16 @@ class Producer(anyio.AsyncContextManagerMixin):
             await done.wait()
             return
         done = self._shut_down_event = anyio.Event()
+        if self._map_waits:
+            # first batches waiting for their stream's map were called before the close: they
+            # are admitted (record by record) before it begins, as without the wait they would
+            # have been; woken, each is admitted or waits for room before it yields (shielded:
+            # a loop iteration)
+            self._map_waits_over = anyio.Event()
+            for pipeline in self._pipelines.values():
+                pipeline.wake_map_waiters()
+            with anyio.CancelScope(shield=True):
+                await self._map_waits_over.wait()
         self._state = "closing"
         self._admitting = {}
         self._admission.close()  # waits for room end now (the spool's recovery among them)
@@ -473,6 +487,22 @@ class Producer(anyio.AsyncContextManagerMixin):
                 errors.PIPELINE_FAILED, f"a pipeline stage failed: {type(exc).__name__}: {exc}"
             )
             raise
+
+    async def _wait_first_map(self, pipeline: Pipeline) -> None:
+        """Wait for ``pipeline``'s first shard map (or its first error) at most
+        ``FIRST_MAP_WAIT``, or ``admission_timeout`` if shorter; closing ends the wait and
+        waits for the batch to be admitted (see _shut_down)."""
+        wait = FIRST_MAP_WAIT
+        if self._admission.timeout is not None:
+            wait = min(wait, self._admission.timeout)
+        self._map_waits += 1
+        try:
+            with anyio.move_on_after(wait):
+                await pipeline.first_map_answered()
+        finally:
+            self._map_waits -= 1
+            if not self._map_waits and self._map_waits_over is not None:
+                self._map_waits_over.set()
 
     def _open_pipeline(self, stream: str) -> Pipeline:
         """Validate a stream name seen for the first time and start its pipeline."""
@@ -676,21 +706,17 @@ class Producer(anyio.AsyncContextManagerMixin):
             if (
                 open_pipeline is None
                 and records
-                and type(records[0]) is tuple
-                and len(records[0]) == 2
                 and intake.spool is None
+                and self._shut_down_event is None
+                and intake.valid_pairs(records)
             ):
-                # The stream's first batch: its pipeline opens, and the batch waits for the
-                # shard map (one ListShards) to go in columns, rather than go record by record
-                # and then wait for the map in the Aggregator (nothing is sent before it)
+                # The stream's first batch of valid pairs: its pipeline opens, and the batch
+                # waits for the shard map (one ListShards) to go in columns, rather than go
+                # record by record and then wait for the map in the Aggregator (nothing is sent
+                # before it)
                 open_pipeline = self._open_pipeline(stream)
                 if intake.takes_columns(open_pipeline.intake):
-                    # (no longer than admission_timeout, where that is shorter)
-                    wait = FIRST_MAP_WAIT
-                    if self._admission.timeout is not None:
-                        wait = min(wait, self._admission.timeout)
-                    with anyio.move_on_after(wait):
-                        await open_pipeline.first_map_answered()
+                    await self._wait_first_map(open_pipeline)
                     if self._state != "open":
                         raise self._not_open()
             if open_pipeline is not None and not open_pipeline.stopped:
