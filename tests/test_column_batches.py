@@ -21,7 +21,7 @@ from anykpl._core._records import AttemptRecord, BatchCounter, ColumnBatch, Kine
 from anykpl._core._wire import deaggregate
 from anykpl.metrics import MetricsReport
 
-from .fakes import FakeKinesis, GatedKinesis, hash_of
+from .fakes import FakeKinesis, GatedKinesis, LateMapKinesis, hash_of
 from .test_intake import _intake, _stream
 from .test_metrics import RecordingSink
 from .test_producer import FAST, STREAM, client_error, ready, stored
@@ -638,22 +638,10 @@ async def test_a_first_batch_waits_for_the_map_no_longer_than_admission_timeout(
             assert await batch == BatchResult(succeeded=30, failed=0, failures=())
 
 
-class _LateMapKinesis(FakeKinesis):
-    """A FakeKinesis whose ListShards answers ``delay`` seconds late."""
-
-    def __init__(self, delay: float) -> None:
-        super().__init__()
-        self.late = delay
-
-    async def list_shards(self, **kwargs: Any) -> Any:
-        await anyio.sleep(self.late)
-        return await super().list_shards(**kwargs)
-
-
 async def test_a_bad_first_batch_raises_at_once_and_opens_no_pipeline() -> None:
     """Bad input raises before any wait for the map (found by review: a first item that is a
     pair made the batch open the stream's pipeline and wait before it raised)."""
-    async with Producer(transport=_LateMapKinesis(0.8), **FAST) as producer:
+    async with Producer(transport=LateMapKinesis(0.8), **FAST) as producer:
         with anyio.fail_after(0.3), pytest.raises(errors.InvalidRecordError):
             await producer.submit_many(STREAM, [(b"ok", "k"), (b"bad", "")])
         assert STREAM not in producer._pipelines
@@ -663,7 +651,7 @@ async def test_a_first_batch_waiting_for_its_map_when_close_begins_is_admitted()
     """Called before the close, the batch is admitted (record by record) and delivered by the
     close's flush, as it was before the wait existed; the close does not wait out the map's
     second (found by review: it was refused, a second late)."""
-    fake = _LateMapKinesis(0.3)
+    fake = LateMapKinesis(0.3)
     outcome: list[BatchResult] = []
     async with Producer(transport=fake, **FAST) as producer:
 
@@ -682,7 +670,7 @@ async def test_a_first_batch_waiting_for_its_map_when_close_begins_is_admitted()
 
 
 async def test_a_first_batch_of_a_stream_pruned_while_it_waits_goes_on_at_once() -> None:
-    fake = _LateMapKinesis(0.5)
+    fake = LateMapKinesis(0.5)
     async with Producer(transport=fake, stream_idle_timeout=0.05, **FAST) as producer:
         with anyio.fail_after(0.4):  # (the pruned pipeline's ListShards would answer later)
             batch = await producer.submit_many(STREAM, _items(10))

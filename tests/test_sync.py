@@ -28,7 +28,7 @@ from anykpl._core._limits import MAX_HASH_KEY as MAX_HASH
 from anykpl.errors import PutTimeout
 from anykpl.metrics import MetricsReport
 
-from .fakes import FakeKinesis
+from .fakes import FakeKinesis, LateMapKinesis
 
 STREAM = "stream"
 ROOT = Path(__file__).resolve().parents[1]
@@ -907,16 +907,10 @@ def test_a_batch_waiting_for_a_wedged_loop_is_refused_when_it_is_abandoned(
         _clean_up_abandoned(producer, release)
 
 
-class _LateMapKinesis(FakeKinesis):
-    async def list_shards(self, **kwargs: Any) -> Any:
-        await anyio.sleep(0.3)
-        return await super().list_shards(**kwargs)
-
-
 def test_a_first_batch_handed_over_before_close_is_admitted(backend: str) -> None:
     """A stream's first submit_many waits in the loop for the stream's shard map; a close that
     comes meanwhile admits it first and delivers it, promptly."""
-    fake = _LateMapKinesis()
+    fake = LateMapKinesis(0.3)
     producer = SyncProducer(transport=fake, backend=backend, **FAST)
     future = producer.submit_many(STREAM, [(b"x%d" % i, "k") for i in range(10)])
     started = time.monotonic()

@@ -1,5 +1,6 @@
 """A FakeKinesis whose PutRecords calls can be held at a gate, so a test can look at the
-producer while requests are in flight (backpressure, close, flush ordering)."""
+producer while requests are in flight (backpressure, close, flush ordering); and one whose
+ListShards answers late (a stream's first batch waiting for its shard map)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,16 @@ class GatedKinesis(FakeKinesis):
             await self.gate.wait()
             self.waiting -= 1
         return await super().put_records(stream, records)
+
+
+class LateMapKinesis(FakeKinesis):
+    """A FakeKinesis whose ListShards answers ``delay`` seconds late (a stream's first shard
+    map that takes a while: ``submit_many``'s first batch waits for it)."""
+
+    def __init__(self, delay: float, shard_count: int = 4) -> None:
+        super().__init__(shard_count)
+        self.late = delay
+
+    async def list_shards(self, **kwargs: Any) -> Mapping[str, Any]:
+        await anyio.sleep(self.late)
+        return await super().list_shards(**kwargs)

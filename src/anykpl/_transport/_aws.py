@@ -318,8 +318,9 @@ def _builtin_handlers() -> AioHierarchicalEmitter | None:
             # botocore's own handlers, whose signatures it need not inspect (each takes
             # **kwargs), under event names that are aliased only where they hold an alias
             emitter._verify_accept_kwargs = _accepts_kwargs
-            registrar = SimpleNamespace(register=_builtin_registrar(events, emitter))
-            registrar._events = events
+            registrar = SimpleNamespace(
+                register=_builtin_registrar(events, emitter), _events=events
+            )
             try:
                 AioSession._register_builtin_handlers(registrar, events)
             except (AttributeError, TypeError):  # pragma: no cover - another botocore

@@ -15,6 +15,7 @@ tested without a server or an event loop; the HTTP server owns the only clock.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 from base64 import b64decode
@@ -396,16 +397,11 @@ class WritePath:
         return results
 
 
-#: moto's kinesis ``Record`` layout, once asked (see :func:`_record_holds_bytes`)
-_HOLDS_BYTES: list[bool] = []
-
-
+@functools.cache
 def _record_holds_bytes(record_class: Any) -> bool:
     """Whether moto's kinesis ``Record`` holds its data as bytes and its arrival as a datetime
     (``created_at``: moto 5.2.6 on), rather than as base64 text with the arrival both as a
     datetime (``created_at_datetime``) and in seconds (``created_at``: moto up to 5.2.5). The
-    write path fills moto's records in directly, so it must fill them as moto reads them."""
-    if not _HOLDS_BYTES:
-        probe = record_class("key", b"", 1, None)
-        _HOLDS_BYTES.append(not hasattr(probe, "created_at_datetime"))
-    return _HOLDS_BYTES[0]
+    write path fills moto's records in directly, so it must fill them as moto reads them (asked
+    once per class)."""
+    return not hasattr(record_class("key", b"", 1, None), "created_at_datetime")
